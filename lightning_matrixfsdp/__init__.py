@@ -1,2 +1,24 @@
 """Owner-sharded ZeRO-3 for PyTorch Lightning with exact matrix optimizers."""
+from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
+from lightning_matrixfsdp.runtime import (
+    MatrixShard,
+    MatrixShardError,
+    Plan,
+    get_comm_stats,
+    get_plan,
+    is_matrix_sharded,
+    matrix_shard,
+    set_requires_gradient_sync,
+)
+
 __version__ = "0.1.0"
+
+__all__ = ["MatrixShard", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
+           "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
+
+try:  # the optimizer lands in its own module; keep the package importable meanwhile
+    from lightning_matrixfsdp.optim.muon import Muon  # noqa: F401
+
+    __all__.append("Muon")
+except ImportError:  # pragma: no cover
+    pass

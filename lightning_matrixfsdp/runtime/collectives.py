@@ -1,0 +1,345 @@
+"""Owner collectives: materialize (owners -> everyone) and reduce-to-owner (everyone -> owner).
+
+Three implementations behind one interface, each counting the bytes it moves per
+phase.  Byte accounting is *logical payload per rank*: what a rank contributes
+or obtains, not the relay traffic of a tree or ring algorithm, except for the
+padded collectives, which count the ring's (W-1) segments each way like FSDP.
+
+Every operation is split into ``start`` (issue the communication, return a
+:class:`PendingOp`) and ``PendingOp.wait`` (finish and copy out), so the unit
+lifecycle can overlap communication with compute on accelerators.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, first_difference
+
+PHASES = ("materialize", "reduce", "replicate", "optimizer_step", "clip")
+
+
+class CommStats:
+    """Per-phase byte and call counters of one sharded model on this rank."""
+
+    def __init__(self) -> None:
+        self._d: dict[str, dict[str, int]] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        self._d = {p: {"sent": 0, "recv": 0, "calls": 0} for p in PHASES}
+
+    def add(self, phase: str, sent: int = 0, recv: int = 0, calls: int = 1) -> None:
+        d = self._d.setdefault(phase, {"sent": 0, "recv": 0, "calls": 0})
+        d["sent"] += int(sent)
+        d["recv"] += int(recv)
+        d["calls"] += int(calls)
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {p: dict(v) for p, v in self._d.items()}
+
+
+@dataclass
+class PendingOp:
+    """Communication in flight; ``wait()`` finishes it and returns the result."""
+
+    works: list = field(default_factory=list)
+    finish: Optional[Callable[[], object]] = None
+
+    def wait(self) -> object:
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        self.works = []
+        fin, self.finish = self.finish, None
+        return fin() if fin is not None else None
+
+
+class ShardGroup:
+    """The shard span as seen by one rank: local rank, size, and the global ranks."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        if group is None or not dist.is_initialized():
+            self.group, self.rank, self.size, self.global_ranks = None, 0, 1, [0]
+            return
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)]
+
+    def g(self, r: int) -> int:
+        return self.global_ranks[r]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class OwnerCollective(ABC):
+    """Moves owner-shaped data of one unit between the ranks of a shard group."""
+
+    name: ClassVar[str]
+
+    def __init__(self, sg: ShardGroup, stats: CommStats) -> None:
+        self.sg = sg
+        self.stats = stats
+
+    @abstractmethod
+    def start_materialize(self, shards: Sequence[MatrixShard], sources: Sequence[Optional[torch.Tensor]],
+                          outs: Sequence[torch.Tensor]) -> PendingOp:
+        """Fill ``outs[i]`` on every rank with the owner's ``sources[i]`` (None on non-owners)."""
+
+    @abstractmethod
+    def start_reduce(self, shards: Sequence[MatrixShard], grads: Sequence[torch.Tensor]) -> PendingOp:
+        """Sum ``grads[i]`` over ranks onto its owner; ``wait()`` returns a list with the
+        sum on the owner and ``None`` elsewhere.  ``grads`` may be overwritten."""
+
+    # -- shared helpers
+    def _owner_copies(self, shards: Sequence[MatrixShard], sources, outs) -> None:
+        for s, src, out in zip(shards, sources, outs):
+            if s.owner == self.sg.rank:
+                out.copy_(src)
+
+
+class P2PCollective(OwnerCollective):
+    """Batched send/recv: the owner sends each role to every other rank; no padding."""
+
+    name = "p2p"
+
+    def start_materialize(self, shards, sources, outs) -> PendingOp:
+        sg = self.sg
+        self._owner_copies(shards, sources, outs)
+        if sg.size == 1:
+            return PendingOp()
+        ops = []
+        sent = recv = 0
+        for s, out in zip(shards, outs):
+            if s.owner == sg.rank:
+                for q in range(sg.size):
+                    if q != sg.rank:
+                        ops.append(dist.P2POp(dist.isend, out, sg.g(q), sg.group))
+                        sent += _nbytes(out)
+            else:
+                ops.append(dist.P2POp(dist.irecv, out, sg.g(s.owner), sg.group))
+                recv += _nbytes(out)
+        self.stats.add("materialize", sent, recv, calls=len(ops))
+        return PendingOp(dist.batch_isend_irecv(ops) if ops else [])
+
+    def start_reduce(self, shards, grads) -> PendingOp:
+        sg = self.sg
+        if sg.size == 1:
+            return PendingOp(finish=lambda: list(grads))
+        ops = []
+        inbox: dict[int, list[torch.Tensor]] = {}
+        sent = recv = 0
+        for i, (s, g) in enumerate(zip(shards, grads)):
+            if s.owner == sg.rank:
+                bufs = []
+                for q in range(sg.size):
+                    if q == sg.rank:
+                        bufs.append(g)
+                        continue
+                    b = torch.empty_like(g)
+                    ops.append(dist.P2POp(dist.irecv, b, sg.g(q), sg.group))
+                    bufs.append(b)
+                    recv += _nbytes(b)
+                inbox[i] = bufs
+            else:
+                ops.append(dist.P2POp(dist.isend, g, sg.g(s.owner), sg.group))
+                sent += _nbytes(g)
+        self.stats.add("reduce", sent, recv, calls=len(ops))
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish() -> list[Optional[torch.Tensor]]:
+            out: list[Optional[torch.Tensor]] = [None] * len(grads)
+            for i, bufs in inbox.items():
+                # Sum in shard-rank order, so the result does not depend on who owns it.
+                total = bufs[0] if bufs[0] is not grads[i] else bufs[0].clone()
+                for b in bufs[1:]:
+                    total.add_(b)
+                out[i] = total
+            return out
+
+        return PendingOp(works, finish)
+
+
+class BroadcastCollective(OwnerCollective):
+    """One broadcast / reduce per role, issued together (NCCL pipelines each one)."""
+
+    name = "broadcast"
+
+    def start_materialize(self, shards, sources, outs) -> PendingOp:
+        sg = self.sg
+        self._owner_copies(shards, sources, outs)
+        if sg.size == 1:
+            return PendingOp()
+        works = []
+        sent = recv = 0
+        for s, out in zip(shards, outs):
+            works.append(dist.broadcast(out, src=sg.g(s.owner), group=sg.group, async_op=True))
+            if s.owner == sg.rank:
+                sent += _nbytes(out)
+            else:
+                recv += _nbytes(out)
+        self.stats.add("materialize", sent, recv, calls=len(works))
+        return PendingOp(works)
+
+    def start_reduce(self, shards, grads) -> PendingOp:
+        sg = self.sg
+        if sg.size == 1:
+            return PendingOp(finish=lambda: list(grads))
+        works = []
+        sent = recv = 0
+        for s, g in zip(shards, grads):
+            works.append(dist.reduce(g, dst=sg.g(s.owner), op=dist.ReduceOp.SUM, group=sg.group, async_op=True))
+            if s.owner == sg.rank:
+                recv += (sg.size - 1) * _nbytes(g)
+            else:
+                sent += _nbytes(g)
+        self.stats.add("reduce", sent, recv, calls=len(works))
+        me = sg.rank
+        return PendingOp(works, lambda: [g if s.owner == me else None for s, g in zip(shards, grads)])
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> object:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> object:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def _buckets(shards: Sequence[MatrixShard], tensors: Sequence[torch.Tensor], world: int):
+    """Group a unit's tensors by dtype; within a bucket, place each at its owner's offset."""
+    by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        by_dtype[t.dtype].append(i)
+    for dtype, idx in by_dtype.items():
+        offsets = [0] * world
+        slots = []
+        for i in idx:
+            o = shards[i].owner
+            slots.append((i, o, offsets[o]))
+            offsets[o] += tensors[i].numel()
+        yield dtype, slots, max(offsets)
+
+
+class PaddedAllGatherCollective(OwnerCollective):
+    """Pad every owner segment to the largest and use all-gather / reduce-scatter (the ablation)."""
+
+    name = "padded_all_gather"
+
+    def start_materialize(self, shards, sources, outs) -> PendingOp:
+        sg = self.sg
+        self._owner_copies(shards, sources, outs)
+        if sg.size == 1:
+            return PendingOp()
+        works, unpack = [], []
+        for dtype, slots, seg in _buckets(shards, outs, sg.size):
+            if seg == 0:
+                continue
+            device = outs[slots[0][0]].device
+            send = torch.zeros(seg, dtype=dtype, device=device)
+            for i, o, off in slots:
+                if o == sg.rank:
+                    send[off:off + outs[i].numel()].copy_(outs[i].reshape(-1))
+            gathered = torch.empty(seg * sg.size, dtype=dtype, device=device)
+            works.append(_all_gather(gathered, send, sg.group))
+            b = _nbytes(send) * (sg.size - 1)
+            self.stats.add("materialize", b, b)
+            unpack.append((gathered, slots, seg))
+
+        def finish() -> None:
+            for gathered, slots, seg in unpack:
+                for i, o, off in slots:
+                    if o != sg.rank:
+                        n = outs[i].numel()
+                        outs[i].copy_(gathered[o * seg + off:o * seg + off + n].view(outs[i].shape))
+
+        return PendingOp(works, finish)
+
+    def start_reduce(self, shards, grads) -> PendingOp:
+        sg = self.sg
+        if sg.size == 1:
+            return PendingOp(finish=lambda: list(grads))
+        works, unpack = [], []
+        for dtype, slots, seg in _buckets(shards, grads, sg.size):
+            if seg == 0:
+                continue
+            device = grads[slots[0][0]].device
+            inp = torch.zeros(seg * sg.size, dtype=dtype, device=device)
+            for i, o, off in slots:
+                inp[o * seg + off:o * seg + off + grads[i].numel()].copy_(grads[i].reshape(-1))
+            out = torch.empty(seg, dtype=dtype, device=device)
+            works.append(_reduce_scatter(out, inp, sg.group))
+            b = _nbytes(out) * (sg.size - 1)
+            self.stats.add("reduce", b, b)
+            unpack.append((out, slots))
+
+        def finish() -> list[Optional[torch.Tensor]]:
+            res: list[Optional[torch.Tensor]] = [None] * len(grads)
+            for out, slots in unpack:
+                for i, o, off in slots:
+                    if o == sg.rank:
+                        res[i] = out[off:off + grads[i].numel()].view(grads[i].shape)
+            return res
+
+        return PendingOp(works, finish)
+
+
+COLLECTIVES: dict[str, type[OwnerCollective]] = {
+    c.name: c for c in (P2PCollective, BroadcastCollective, PaddedAllGatherCollective)
+}
+DEFAULT_COLLECTIVE = "p2p"
+
+
+def make_collective(name: str, sg: ShardGroup, stats: CommStats) -> OwnerCollective:
+    try:
+        cls = COLLECTIVES[name]
+    except KeyError:
+        raise ValueError(f"unknown collective {name!r}; choose one of {', '.join(COLLECTIVES)}") from None
+    return cls(sg, stats)
+
+
+def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup) -> None:
+    """Compare plan and schedule across the shard group before any data moves.
+
+    Every rank receives every digest, so on a mismatch every rank raises the same
+    error instead of some of them waiting in a collective that never matches.
+    """
+    if sg.size == 1:
+        return
+    import hashlib
+    import json
+
+    mine = hashlib.sha256((plan.digest() + json.dumps(schedule, sort_keys=True)).encode()).hexdigest()
+    digests: list = [None] * sg.size
+    dist.all_gather_object(digests, mine, group=sg.group)
+    if all(d == digests[0] for d in digests):
+        return
+    payload = {"plan": plan.to_dict(), "schedule": schedule}
+    everyone: list = [None] * sg.size
+    dist.all_gather_object(everyone, payload, group=sg.group)
+    ref = everyone[0]
+    for r in range(1, sg.size):
+        if digests[r] == digests[0]:
+            continue
+        other = everyone[r]
+        if other["schedule"] != ref["schedule"]:
+            keys = [k for k in ref["schedule"] if ref["schedule"].get(k) != other["schedule"].get(k)]
+            where = "schedule option(s) " + ", ".join(
+                f"{k}: {ref['schedule'].get(k)!r} vs {other['schedule'].get(k)!r}" for k in keys)
+        else:
+            where = first_difference(ref["plan"], other["plan"])
+        raise RuntimeError(
+            f"MatrixFSDP plan mismatch between shard-group rank 0 and rank {r}: {where}. "
+            "Every rank must build the same model and call matrix_shard with the same options."
+        )

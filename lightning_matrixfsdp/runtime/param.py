@@ -1,0 +1,119 @@
+"""One parameter under owner placement: its resident tensor and its unsharded buffer.
+
+The *resident* tensor is the user's own ``nn.Parameter`` object: full on the owner,
+an empty placeholder elsewhere (``(0, *shape[1:])``, which keeps its rank so
+``torch.optim.Muon`` accepts it).  The *unsharded* parameter is a second
+``nn.Parameter`` created once and kept for the life of the model; only its storage
+grows and shrinks.  Keeping the same storage object ("pinned") is what lets
+tensors that autograd saved in forward see the data again in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
+
+
+def placeholder_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (0, *shape[1:]) if len(shape) >= 1 else (0,)
+
+
+class ShardedParam:
+    """Resident and unsharded states of one parameter (possibly registered in several places)."""
+
+    def __init__(
+        self,
+        shard: MatrixShard,
+        resident: nn.Parameter,
+        registrations: list[tuple[nn.Module, str]],
+        rank: int,
+        device: torch.device,
+        compute_dtype: Optional[torch.dtype],
+        reduce_dtype: Optional[torch.dtype],
+    ) -> None:
+        self.shard = shard
+        self.resident = resident
+        self.registrations = registrations
+        self.owned = shard.owner == rank
+        self.device = device
+        self.shape = torch.Size(shard.shape)
+        self.orig_dtype = resident.dtype
+        self.compute_dtype = compute_dtype or resident.dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self._make_resident()
+        resident._mfsdp_shard = shard  # type: ignore[attr-defined]
+        resident._mfsdp_role = shard.role.value  # type: ignore[attr-defined]
+        resident._mfsdp_owned = self.owned  # type: ignore[attr-defined]
+        self.unsharded = nn.Parameter(
+            torch.empty(self.shape, dtype=self.compute_dtype, device=device),
+            requires_grad=resident.requires_grad,
+        )
+        # A plain alias of the same storage with its own version counter: writes
+        # through it refill the buffer without tripping autograd's saved-tensor checks.
+        self.data = self.unsharded.data
+        self._nbytes = self.data.numel() * self.data.element_size()
+        self.unsharded.untyped_storage().resize_(0)
+        self.materialized = False
+
+    # ------------------------------------------------------------------ resident state
+    def _make_resident(self) -> None:
+        p = self.resident
+        if self.owned:
+            if p.is_meta or p.device != self.device:
+                p.data = torch.empty(self.shape, dtype=p.dtype, device=self.device)
+        else:
+            p.data = torch.empty(placeholder_shape(tuple(self.shape)), dtype=p.dtype, device=self.device)
+
+    @property
+    def is_matrix(self) -> bool:
+        return self.shard.role is RoleKind.MATRIX
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.resident.requires_grad
+
+    def source(self) -> Optional[torch.Tensor]:
+        """What the owner contributes to materialization (the resident data)."""
+        return self.resident.data if self.owned else None
+
+    # ------------------------------------------------------------------ unsharded state
+    def alloc(self) -> None:
+        """Give the pinned storage its bytes back (same storage object)."""
+        if not self.materialized:
+            self.unsharded.untyped_storage().resize_(self._nbytes)
+
+    def free(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+        self.materialized = False
+
+    def to_unsharded(self) -> None:
+        if self.unsharded.requires_grad != self.resident.requires_grad:
+            self.unsharded.requires_grad_(self.resident.requires_grad)
+        for module, name in self.registrations:
+            module._parameters[name] = self.unsharded
+
+    def to_resident(self) -> None:
+        for module, name in self.registrations:
+            module._parameters[name] = self.resident
+
+    # ------------------------------------------------------------------ gradients
+    def local_grad(self) -> Optional[torch.Tensor]:
+        """This rank's full gradient in the reduce dtype (None if autograd produced none)."""
+        g = self.unsharded.grad
+        if g is None:
+            return None
+        if g.dtype != self.reduce_dtype:
+            g = g.to(self.reduce_dtype)
+        return g.contiguous()
+
+    def accumulate_grad(self, g: torch.Tensor) -> None:
+        """Add the reduced full gradient to the resident parameter's ``.grad`` (owner only)."""
+        g = g.to(self.orig_dtype)
+        if self.resident.grad is None:
+            self.resident.grad = g
+        else:
+            self.resident.grad.add_(g)

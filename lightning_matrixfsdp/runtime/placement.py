@@ -1,0 +1,302 @@
+"""Placement metadata: who owns what, and the owner-segment layout of each unit.
+
+Pure Python (no process group), so plans can be built, compared, printed and
+stored without a distributed job.  A plan is a deterministic function of the
+model's parameter list, the shard span and the planner options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Iterable, Sequence
+
+
+class RoleKind(str, Enum):
+    """What gets an owner: one 2D matrix, or the packed non-matrix tail of a unit."""
+
+    MATRIX = "matrix"
+    TAIL = "tail"
+
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Element size of a dtype given by name (``"float32"``, ``"torch.bfloat16"``)."""
+    return _DTYPE_BYTES[dtype.replace("torch.", "")]
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
+    """FLOPs of ``steps`` Newton-Schulz iterations on an m x n matrix (m <= n).
+
+    Each iteration forms ``A = X X^T`` (2 m^2 n), ``B = b A + c A A`` (2 m^3) and
+    ``X' = a X + B X`` (2 m^2 n).
+    """
+    if len(shape) != 2:
+        return 0
+    m, n = sorted(int(s) for s in shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the planner needs to know of one parameter (no tensors)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    is_matrix: bool
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit's parameters in registration order; ``fqn`` is ``""`` for the root."""
+
+    fqn: str
+    params: tuple[ParamSpec, ...]
+
+
+@dataclass(frozen=True)
+class MatrixShard:
+    """Placement of one parameter: its role, its owner, and its owner segment slot.
+
+    ``segment_offset`` is the element offset of the parameter inside its owner's
+    segment of the unit (owned parameters concatenated in unit order), the layout
+    that the padded all-gather implementation uses.
+    """
+
+    fqn: str
+    unit: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: RoleKind
+    owner: int
+    segment_offset: int
+    requires_grad: bool = True
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["role"] = self.role.value
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "MatrixShard":
+        return MatrixShard(
+            fqn=d["fqn"], unit=d["unit"], shape=tuple(d["shape"]), dtype=d["dtype"],
+            role=RoleKind(d["role"]), owner=int(d["owner"]),
+            segment_offset=int(d["segment_offset"]), requires_grad=bool(d["requires_grad"]),
+        )
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The owner-segment layout of one unit over a shard span of ``world`` ranks."""
+
+    fqn: str
+    world: int
+    shards: tuple[MatrixShard, ...]
+
+    def segment_numel(self, rank: int) -> int:
+        return sum(s.numel for s in self.shards if s.owner == rank)
+
+    @property
+    def max_segment_numel(self) -> int:
+        return max((self.segment_numel(r) for r in range(self.world)), default=0)
+
+    def owned_bytes(self, rank: int) -> int:
+        return sum(s.nbytes for s in self.shards if s.owner == rank)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    @property
+    def gamma(self) -> float:
+        """Busiest owner's bytes over the even share: 1.0 is FSDP-balanced."""
+        total = self.nbytes
+        if total == 0:
+            return 1.0
+        return max(self.owned_bytes(r) for r in range(self.world)) / (total / self.world)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "world": self.world, "shards": [s.to_dict() for s in self.shards]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "UnitLayout":
+        return UnitLayout(d["fqn"], int(d["world"]), tuple(MatrixShard.from_dict(s) for s in d["shards"]))
+
+
+@dataclass
+class Plan:
+    """The planner's output for the whole model.
+
+    ``loads_bytes`` / ``loads_flops`` are per-rank resident bytes (params, grads and
+    optimizer state) and optimizer FLOPs per step as the cost model estimates them.
+    """
+
+    world: int
+    planner: str
+    units: list[UnitLayout]
+    loads_bytes: list[int]
+    loads_flops: list[int]
+    replicate: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ queries
+    def shards(self) -> Iterable[MatrixShard]:
+        for u in self.units:
+            yield from u.shards
+
+    @property
+    def owners(self) -> dict[str, int]:
+        return {s.fqn: s.owner for s in self.shards()}
+
+    def shard(self, fqn: str) -> MatrixShard:
+        for s in self.shards():
+            if s.fqn == fqn:
+                return s
+        raise KeyError(fqn)
+
+    @property
+    def memory_imbalance(self) -> float:
+        return _imbalance(self.loads_bytes)
+
+    @property
+    def compute_imbalance(self) -> float:
+        return _imbalance(self.loads_flops)
+
+    @property
+    def gammas(self) -> dict[str, float]:
+        return {u.fqn: u.gamma for u in self.units}
+
+    @property
+    def max_gamma(self) -> float:
+        return max((u.gamma for u in self.units), default=1.0)
+
+    # ------------------------------------------------------------------ serialization
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world": self.world,
+            "replicate": self.replicate,
+            "planner": self.planner,
+            "options": dict(self.options),
+            "units": [u.to_dict() for u in self.units],
+            "loads_bytes": list(self.loads_bytes),
+            "loads_flops": list(self.loads_flops),
+            "memory_imbalance": self.memory_imbalance,
+            "compute_imbalance": self.compute_imbalance,
+            "gamma": self.gammas,
+        }
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Plan":
+        return Plan(
+            world=int(d["world"]), planner=d["planner"],
+            units=[UnitLayout.from_dict(u) for u in d["units"]],
+            loads_bytes=[int(x) for x in d["loads_bytes"]],
+            loads_flops=[int(x) for x in d["loads_flops"]],
+            replicate=int(d.get("replicate", 1)), options=dict(d.get("options", {})),
+        )
+
+    @staticmethod
+    def from_json(s: str) -> "Plan":
+        return Plan.from_dict(json.loads(s))
+
+    def digest(self) -> str:
+        """A short hash of the placement (not of the printed figures)."""
+        core = {"world": self.world, "replicate": self.replicate,
+                "units": [u.to_dict() for u in self.units]}
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ display
+    def __str__(self) -> str:
+        lines = [
+            f"MatrixFSDP plan: planner={self.planner} span={self.world} replicate={self.replicate} "
+            f"units={len(self.units)} roles={sum(_role_count(u) for u in self.units)}",
+            f"{'rank':>4} | {'resident MiB':>12} | {'optimizer GFLOP':>15} | {'matrices':>8}",
+        ]
+        n_mat = [0] * self.world
+        for s in self.shards():
+            if s.role is RoleKind.MATRIX:
+                n_mat[s.owner] += 1
+        for r in range(self.world):
+            lines.append(
+                f"{r:>4} | {self.loads_bytes[r] / 2**20:>12.2f} | "
+                f"{self.loads_flops[r] / 1e9:>15.3f} | {n_mat[r]:>8}"
+            )
+        lines.append(
+            f"imbalance (max/avg): memory {self.memory_imbalance:.3f}, "
+            f"optimizer compute {self.compute_imbalance:.3f}; max unit gamma {self.max_gamma:.3f}"
+        )
+        return "\n".join(lines)
+
+
+def _role_count(u: UnitLayout) -> int:
+    return sum(1 for s in u.shards if s.role is RoleKind.MATRIX) + int(
+        any(s.role is RoleKind.TAIL for s in u.shards)
+    )
+
+
+def _imbalance(loads: Sequence[int]) -> float:
+    if not loads or sum(loads) == 0:
+        return 1.0
+    return max(loads) / (sum(loads) / len(loads))
+
+
+def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Name the first unit/parameter where two plan dicts disagree (for error messages)."""
+    if a.get("world") != b.get("world"):
+        return f"shard span {a.get('world')} vs {b.get('world')}"
+    ua, ub = a.get("units", []), b.get("units", [])
+    for i in range(max(len(ua), len(ub))):
+        if i >= len(ua) or i >= len(ub):
+            extra = (ua if len(ua) > len(ub) else ub)[i]["fqn"]
+            return f"unit count {len(ua)} vs {len(ub)} (first extra unit {extra!r})"
+        x, y = ua[i], ub[i]
+        if x["fqn"] != y["fqn"]:
+            return f"unit #{i}: {x['fqn']!r} vs {y['fqn']!r}"
+        sx, sy = x["shards"], y["shards"]
+        for j in range(max(len(sx), len(sy))):
+            if j >= len(sx) or j >= len(sy):
+                return f"unit {x['fqn']!r}: parameter count {len(sx)} vs {len(sy)}"
+            if sx[j] != sy[j]:
+                p, q = sx[j], sy[j]
+                diffs = [k for k in p if p.get(k) != q.get(k)]
+                return (f"unit {x['fqn']!r}, parameter {p['fqn']!r}: "
+                        + ", ".join(f"{k} {p.get(k)!r} vs {q.get(k)!r}" for k in diffs))
+    return "collective schedule or options differ"

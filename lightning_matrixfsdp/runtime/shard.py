@@ -1,0 +1,267 @@
+"""``matrix_shard``: walk a model, build its units, plan the owners, apply the plan."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_matrixfsdp.runtime.collectives import (
+    DEFAULT_COLLECTIVE,
+    COLLECTIVES,
+    CommStats,
+    ShardGroup,
+    make_collective,
+    validate_schedule,
+)
+from lightning_matrixfsdp.runtime.param import ShardedParam
+from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
+from lightning_matrixfsdp.runtime.planner import PLANNERS, make_plan
+from lightning_matrixfsdp.runtime.state import STATE_ATTR, MatrixFSDPState
+from lightning_matrixfsdp.runtime.unit import Unit
+
+WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
+MatrixFilter = Callable[[str, nn.Parameter], bool]
+
+
+class MatrixShardError(ValueError):
+    """A model or option that matrix_shard cannot handle."""
+
+
+# ---------------------------------------------------------------------- input checks
+def _check_not_wrapped(module: nn.Module) -> None:
+    for name, m in module.named_modules():
+        if hasattr(m, STATE_ATTR):
+            raise MatrixShardError(
+                f"module {name or '<root>'!r} is already sharded by matrix_shard; shard a model once"
+            )
+        cls = type(m)
+        if any(c.__name__ in ("FSDPModule", "FullyShardedDataParallel") for c in cls.__mro__):
+            raise MatrixShardError(
+                f"module {name or '<root>'!r} is already wrapped by FSDP ({cls.__name__}); "
+                "matrix_shard replaces FSDP: pass the plain, unwrapped model"
+            )
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()  # type: ignore[assignment]
+    for name, p in module.named_parameters():
+        if DTensor and isinstance(p, DTensor):
+            raise MatrixShardError(
+                f"parameter {name!r} is a DTensor (tensor parallel or FSDP2). MatrixFSDP owns whole "
+                "matrices per rank and does not compose with tensor parallelism; use a plain model"
+            )
+    devices = {p.device for p in module.parameters() if not p.is_meta}
+    if len(devices) > 1:
+        raise MatrixShardError(
+            f"parameters live on mixed devices {sorted(map(str, devices))}; move the model to one device "
+            "(or build it on the meta device) before matrix_shard"
+        )
+
+
+def _select_units(root: nn.Module, wrap_policy: WrapPolicy) -> list[tuple[str, nn.Module]]:
+    if wrap_policy is None:  # the children of every nn.ModuleList: the repeated blocks
+        marked = set()
+        for m in root.modules():
+            if isinstance(m, nn.ModuleList):
+                marked.update(id(c) for c in m.children())
+        pick = lambda name, m: id(m) in marked  # noqa: E731
+    elif isinstance(wrap_policy, (set, frozenset, list, tuple)):
+        classes = tuple(wrap_policy)
+        if not all(isinstance(c, type) for c in classes):
+            raise MatrixShardError("wrap_policy as a collection must hold nn.Module classes")
+        pick = lambda name, m: isinstance(m, classes)  # noqa: E731
+    elif callable(wrap_policy):
+        pick = wrap_policy
+    else:
+        raise MatrixShardError(f"wrap_policy must be None, a set of module classes or a callable, got {wrap_policy!r}")
+    units = [(name, m) for name, m in root.named_modules() if name and pick(name, m)]
+    units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
+    return units + [("", root)]
+
+
+def _unit_of(module_name: str, unit_names: list[str]) -> str:
+    """The innermost unit whose subtree holds ``module_name``."""
+    best = ""
+    for u in unit_names:
+        if u and (module_name == u or module_name.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def _default_device(group_device_type: Optional[str]) -> torch.device:
+    if group_device_type == "cuda" or (group_device_type is None and torch.cuda.is_available() and dist.is_initialized()
+                                        and dist.get_backend() == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resolve_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup], Optional[str]]:
+    """(shard group, replicate group, device type) from a DeviceMesh or None."""
+    if mesh is None:
+        return (dist.group.WORLD if dist.is_initialized() else None), None, None
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None, mesh.device_type
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0), mesh.device_type
+    raise MatrixShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
+
+
+# ---------------------------------------------------------------------- entry point
+def matrix_shard(
+    module: nn.Module,
+    *,
+    mesh: Any = None,
+    wrap_policy: WrapPolicy = None,
+    planner: Union[str, Callable[..., Plan]] = "role_greedy",
+    collective: str = DEFAULT_COLLECTIVE,
+    matrix_filter: Optional[MatrixFilter] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    reshard_after_forward: bool = True,
+    ns_steps: int = 5,
+) -> nn.Module:
+    """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
+
+    Each matrix role (a 2D parameter accepted by ``matrix_filter``) is kept whole on
+    one owner rank of the shard group and empty elsewhere; the other parameters of
+    each unit form one tail role.  A 2-D ``mesh`` ``(replicate, shard)`` gives HSDP.
+    Build optimizers *after* this call, over ``module.parameters()``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(planner, str) and planner not in PLANNERS:
+        raise MatrixShardError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)} or pass a callable")
+    if collective not in COLLECTIVES:
+        raise MatrixShardError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    _check_not_wrapped(module)
+
+    shard_pg, replicate_pg, device_type = _resolve_groups(mesh)
+    sg = ShardGroup(shard_pg)
+    real = [p for p in module.parameters() if not p.is_meta]
+    device = real[0].device if real else _default_device(device_type)
+
+    # -- units and the parameters each one holds
+    units = _select_units(module, wrap_policy)
+    unit_names = [n for n, _ in units]
+    regs: dict[int, list[tuple[nn.Module, str]]] = {}
+    first_fqn: dict[int, str] = {}
+    unit_of_param: dict[int, str] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            u = _unit_of(mod_name, unit_names)
+            if id(p) in unit_of_param and unit_of_param[id(p)] != u:
+                raise MatrixShardError(
+                    f"parameter {first_fqn[id(p)]!r} is shared with {fqn!r} across units "
+                    f"{unit_of_param[id(p)] or '<root>'!r} and {u or '<root>'!r}; tied weights must live in one "
+                    "unit (adjust wrap_policy so both users fall in the same unit, e.g. the root)"
+                )
+            unit_of_param[id(p)] = u
+            first_fqn.setdefault(id(p), fqn)
+            if (mod, pname) not in [(m, n) for m, n in regs.get(id(p), [])]:
+                regs.setdefault(id(p), []).append((mod, pname))
+    param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters()}
+
+    def is_matrix(fqn: str, p: nn.Parameter) -> bool:
+        if p.ndim != 2:
+            return False
+        return bool(matrix_filter(fqn, p)) if matrix_filter is not None else True
+
+    unit_specs = []
+    for uname, _ in units:
+        specs = []
+        for pid, p in param_objs.items():
+            if unit_of_param[pid] != uname:
+                continue
+            fqn = first_fqn[pid]
+            specs.append(ParamSpec(fqn, tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                                   is_matrix(fqn, p), p.requires_grad))
+        unit_specs.append(UnitSpec(uname, tuple(specs)))
+
+    replicate_size = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
+    plan = make_plan(unit_specs, sg.size, planner, ns_steps=ns_steps, replicate=replicate_size)
+    schedule = {
+        "collective": collective,
+        "param_dtype": str(param_dtype),
+        "reduce_dtype": str(reduce_dtype),
+        "reshard_after_forward": reshard_after_forward,
+        "replicate": replicate_size,
+    }
+    validate_schedule(plan, schedule, sg)
+
+    # -- apply: resident tensors, pinned unsharded buffers, unit hooks
+    stats = CommStats()
+    coll = make_collective(collective, sg, stats)
+    options = dict(schedule, planner=plan.planner, ns_steps=ns_steps)
+    state = MatrixFSDPState(module, plan, sg, replicate_pg, stats, options)
+    fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
+    meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
+    for layout, (uname, umod) in zip(plan.units, units):
+        sparams = []
+        for shard in layout.shards:
+            pid = fqn_to_pid[shard.fqn]
+            sparams.append(ShardedParam(shard, param_objs[pid], regs[pid], sg.rank, device, param_dtype, reduce_dtype))
+        is_root = umod is module
+        state.units.append(Unit(umod, layout, sparams, coll, state, reshard_after_forward and not is_root))
+    _materialize_meta(module, meta_modules, device)
+    object.__setattr__(module, STATE_ATTR, state)
+    return module
+
+
+def _materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: torch.device) -> None:
+    """Meta-device models: owners now hold uninitialized full tensors; run each module's
+    ``reset_parameters`` (owners fill theirs, others touch empty placeholders)."""
+    for m in root.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
+    for m in meta_modules:
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+
+
+# ---------------------------------------------------------------------- queries
+def _state(module: nn.Module) -> MatrixFSDPState:
+    st = getattr(module, STATE_ATTR, None)
+    if st is None:
+        for m in module.modules():
+            st = getattr(m, STATE_ATTR, None)
+            if st is not None:
+                break
+    if st is None:
+        raise ValueError("this module was not sharded with matrix_shard")
+    return st
+
+
+def get_plan(module: nn.Module) -> Plan:
+    """The owner plan of a sharded model (``str(plan)`` prints a table)."""
+    return _state(module).plan
+
+
+def get_comm_stats(module: nn.Module, reset: bool = False) -> dict[str, dict[str, int]]:
+    """Bytes sent/received and collective calls per phase on this rank."""
+    st = _state(module)
+    snap = st.stats.snapshot()
+    if reset:
+        st.stats.reset()
+    return snap
+
+
+def set_requires_gradient_sync(module: nn.Module, value: bool) -> None:
+    """``False`` accumulates full unsharded gradients locally (no-sync micro-batches)."""
+    _state(module).set_requires_gradient_sync(value)
+
+
+def is_matrix_sharded(module: nn.Module) -> bool:
+    try:
+        _state(module)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,246 @@
+"""The per-unit lifecycle: materialize, reshard, refill for backward, reduce to owners.
+
+States follow FSDP2's naming (``TrainingState``).  One backward pass:
+
+1. ``pre_forward``: materialize every parameter into its unsharded buffer and
+   register the unsharded parameters on the module.
+2. ``post_forward``: reshard (shrink the pinned storage to zero bytes, register
+   the resident parameters again) and hook the outputs for backward.
+3. ``pre_backward`` (first gradient reaching an output): refill the same storage.
+4. ``post_backward``: once the gradients of the unit's inputs and of all its
+   trainable parameters have arrived, reduce them to their owners, add them to the
+   resident ``.grad`` and release the storage.
+5. the root's end-of-backward callback reduces, in unit order on every rank, any
+   unit whose gradients did not all arrive (unused parameters).
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_matrixfsdp.runtime.collectives import OwnerCollective
+from lightning_matrixfsdp.runtime.param import ShardedParam
+from lightning_matrixfsdp.runtime.placement import UnitLayout
+
+if TYPE_CHECKING:
+    from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+def _tree_map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_tree_map_tensors(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tree_map_tensors(fn, o) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _tree_map_tensors(fn, v)) for k, v in obj.items())
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _tree_map_tensors(lambda t: out.append(t) or t, obj)
+    return out
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the unit its backward is done."""
+
+    @staticmethod
+    def forward(ctx, unit: "Unit", *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        ctx.unit._on_input_grads()
+        return (None, *grads)
+
+
+class Unit:
+    """A wrapped module whose parameters are materialized and reduced together."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        layout: UnitLayout,
+        params: list[ShardedParam],
+        collective: OwnerCollective,
+        state: "MatrixFSDPState",
+        reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.layout = layout
+        self.fqn = layout.fqn
+        self.params = params
+        self.collective = collective
+        self.state = state
+        self.reshard_after_forward = reshard_after_forward
+        self.requires_gradient_sync = True
+        self.training_state = TrainingState.IDLE
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True),
+            module.register_forward_hook(self._post_forward_hook),
+        ]
+        for i, p in enumerate(params):
+            self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
+        self.reset_iteration()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def reset_iteration(self) -> None:
+        self._forward_calls = 0
+        self._pending_input_grads = 0
+        self._calls_without_grad_inputs = 0
+        self._ready: set[int] = set()
+        self._reduced = False
+
+    @property
+    def trainable(self) -> list[int]:
+        return [i for i, p in enumerate(self.params) if p.requires_grad]
+
+    @property
+    def is_materialized(self) -> bool:
+        return any(p.materialized for p in self.params)
+
+    # ------------------------------------------------------------------ materialize / reshard
+    def unshard(self) -> None:
+        todo = [p for p in self.params if not p.materialized]
+        if not todo:
+            return
+        for p in todo:
+            p.alloc()
+        with torch.no_grad():
+            pending = self.collective.start_materialize(
+                [p.shard for p in todo], [p.source() for p in todo], [p.data for p in todo]
+            )
+            pending.wait()
+        for p in todo:
+            p.materialized = True
+
+    def reshard(self) -> None:
+        for p in self.params:
+            p.to_resident()
+            p.free()
+
+    def _register_unsharded(self) -> None:
+        for p in self.params:
+            p.to_unsharded()
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        self.state.on_pre_forward(self)
+        if self.state.in_backward:  # activation-checkpoint recomputation inside backward
+            self.training_state = TrainingState.PRE_BACKWARD
+            self.unshard()
+            self._register_unsharded()
+            return None
+        self.unshard()
+        self._register_unsharded()
+        self.training_state = TrainingState.FORWARD
+        if not torch.is_grad_enabled() or not self.trainable:
+            return None
+        self._forward_calls += 1
+        flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if not flat:
+            self._calls_without_grad_inputs += 1
+            return None
+        self._pending_input_grads += 1
+        outs = iter(_PostBackward.apply(self, *flat))
+        ids = {id(t) for t in flat}
+        mapping = {}
+
+        def swap(t: torch.Tensor) -> torch.Tensor:
+            if id(t) in ids and id(t) not in mapping:
+                mapping[id(t)] = next(outs)
+            return mapping.get(id(t), t)
+
+        args, kwargs = _tree_map_tensors(swap, (args, kwargs))
+        return args, kwargs
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.state.in_backward:
+            return None
+        self.training_state = TrainingState.IDLE
+        if not torch.is_grad_enabled():
+            self.reshard()
+            return None
+        if self.reshard_after_forward:
+            self.reshard()
+        outs = [t for t in _tensors(output) if t.requires_grad]
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, self._pre_backward_hook, mode="any")
+        return None
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward_hook(self, *_: Any) -> None:
+        self.state.on_backward_start()
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        self._register_unsharded()
+
+    def _grad_ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self._ready.add(index)
+            self._maybe_post_backward()
+
+        return hook
+
+    def _on_input_grads(self) -> None:
+        self._pending_input_grads -= 1
+        self._maybe_post_backward()
+
+    def _maybe_post_backward(self) -> None:
+        if self._reduced or self._pending_input_grads > 0 or self._forward_calls == 0:
+            return
+        if any(i not in self._ready for i in self.trainable):
+            return
+        if self._calls_without_grad_inputs and any(not p.requires_grad for p in self.params):
+            return  # frozen weights may still be needed; the end-of-backward flush reduces us
+        self.post_backward()
+
+    def post_backward(self, flush: bool = False) -> None:
+        """Reduce this unit's gradients to their owners, then release the buffers."""
+        if self._reduced:
+            return
+        self._reduced = True
+        if self.requires_gradient_sync:
+            self._reduce(flush)
+        self.reshard()
+        self.training_state = TrainingState.POST_BACKWARD
+
+    def _reduce(self, flush: bool) -> None:
+        idx = self.trainable
+        if not idx:
+            return
+        params = [self.params[i] for i in idx]
+        local = [p.local_grad() for p in params]
+        used = [g is not None for g in local]
+        if flush:
+            used = self.state.globally_used(used)
+        grads = [
+            g if g is not None else torch.zeros(p.shape, dtype=p.reduce_dtype, device=p.device)
+            for g, p in zip(local, params)
+        ]
+        for p in params:
+            p.unsharded.grad = None
+        with torch.no_grad():
+            reduced = self.collective.start_reduce([p.shard for p in params], grads).wait()
+            for p, g, u in zip(params, reduced, used):
+                if g is None or not u:
+                    continue
+                g.div_(self.state.dp_size)
+                self.state.replicate_reduce(g)
+                p.accumulate_grad(g)

@@ -1,0 +1,73 @@
+"""Run a function on N CPU processes over gloo and collect each rank's result.
+
+Failures come back as the worker's traceback; a worker that hangs is killed after
+``timeout`` seconds so a broken collective fails the test instead of the suite.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world:
+        try:
+            rank, status, payload = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        except _q.Empty:
+            break
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+            break  # peers of a failed rank may be stuck in a collective
+    for p in procs:
+        p.join(timeout=5 if not errors else 1)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("distributed worker failed:\n" + "\n".join(errors))
+    if len(results) < world:
+        raise AssertionError(f"distributed run timed out after {timeout}s ({len(results)}/{world} ranks finished)")
+    return [results[r] for r in range(world)]

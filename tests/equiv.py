@@ -1,0 +1,201 @@
+"""Shared worker: train the sharded model and the DDP Muon oracle side by side, compare."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from models import TinyLM, batch_for, lm_loss
+from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
+
+# Tolerances.  Both sides run the same float32 forward/backward on the same rank.
+# The p2p collective sums gradients in shard-rank order, exactly as the oracle's
+# ordered all-reduce, so with p2p (and with any collective at world size <= 2,
+# where a sum of two terms is order-free) the runs must be *bitwise* equal.  The
+# broadcast and padded collectives sum inside gloo in an order we do not control;
+# a one-ulp difference in a float32 gradient can flip one bfloat16 rounding inside
+# Newton-Schulz and the trajectories then drift apart chaotically at lr=0.02, so
+# those are compared in float64 (sum-order noise ~1e-16, bf16 flips practically
+# impossible) to 1e-9.
+EXACT = dict(rtol=0.0, atol=0.0)
+FLOAT64 = dict(rtol=1e-9, atol=1e-9)
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole on every rank, broadcast from its owner (test-side gather)."""
+    out = {}
+    for name, p in model.named_parameters():
+        shard = p._mfsdp_shard
+        t = p.data.clone() if p._mfsdp_owned else torch.empty(shard.shape, dtype=p.dtype)
+        dist.broadcast(t, src=shard.owner)
+        out[name] = t
+    return out
+
+
+def make_sharded_optimizer(model, kind: str, muon_kw=None, adamw_kw=None):
+    import lightning_matrixfsdp as mf
+
+    if kind == "ours":
+        mk, ak = {**MUON_DEFAULTS, **(muon_kw or {})}, {**ADAMW_DEFAULTS, **(adamw_kw or {})}
+        opt = mf.Muon([p for p in model.parameters() if p.requires_grad], adamw_lr=ak["lr"],
+                      adamw_betas=ak["betas"], adamw_eps=ak["eps"], adamw_weight_decay=ak["weight_decay"], **mk)
+        return [mf.route_optimizer(opt)]
+    # any torch optimizer via routing: torch.optim.Muon on matrix roles, AdamW on the tail
+    opts = oracle_optimizers(model, is_matrix=lambda n, p: getattr(p, "_mfsdp_role", None) == "matrix",
+                             muon_kw=muon_kw, adamw_kw=adamw_kw)
+    return [mf.route_optimizer(o) for o in opts]
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: dict) -> bool:
+    return torch.equal(a, b) if tol["atol"] == 0 and tol["rtol"] == 0 else torch.allclose(a, b, **tol)
+
+
+def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def compare(a: dict, b: dict, tol: dict, what: str, step: int) -> float:
+    worst = 0.0
+    for k in a:
+        d = maxdiff(a[k], b[k])
+        worst = max(worst, d)
+        assert close(a[k], b[k], tol), f"step {step}: {what} {k} differs by {d:.3e}"
+    return worst
+
+
+def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import lightning_matrixfsdp as mf
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(cfg.get("dtype", torch.float32))
+    model_kw = cfg.get("model", {})
+    if cfg.get("meta"):
+        with torch.device("meta"):
+            sharded = TinyLM(**model_kw)
+    else:
+        oracle = TinyLM(**model_kw)
+        sharded = copy.deepcopy(oracle)
+    frozen = cfg.get("frozen", ())
+    for n, p in sharded.named_parameters():
+        if any(n.startswith(f) for f in frozen):
+            p.requires_grad_(False)
+    mf.matrix_shard(sharded, planner=cfg.get("planner", "role_greedy"), collective=cfg.get("collective", "p2p"),
+                    matrix_filter=cfg.get("matrix_filter"))
+    if cfg.get("meta"):
+        oracle = TinyLM(**model_kw)
+        full = full_params(sharded)
+        with torch.no_grad():
+            for n, p in oracle.named_parameters():
+                p.copy_(full[n])
+    for n, p in oracle.named_parameters():
+        if any(n.startswith(f) for f in frozen):
+            p.requires_grad_(False)
+    is_matrix = cfg.get("matrix_filter")
+    o_opts = oracle_optimizers(oracle, is_matrix=(lambda n, p: p.ndim == 2 and is_matrix(n, p)) if is_matrix else None,
+                               muon_kw=cfg.get("muon_kw"), adamw_kw=cfg.get("adamw_kw"))
+    s_opts = make_sharded_optimizer(sharded, cfg.get("optimizer", "ours"), cfg.get("muon_kw"), cfg.get("adamw_kw"))
+
+    tol = FLOAT64 if cfg.get("dtype") == torch.float64 else EXACT
+    accumulate = cfg.get("accumulate", 1)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    losses = []
+    for step in range(cfg.get("steps", 5)):
+        unused = cfg.get("unused_every") and step % cfg["unused_every"] == 1
+        for m in (oracle, sharded):
+            m.use_branch = not unused
+        for micro in range(accumulate):
+            idx = batch_for(step * accumulate + micro, rank)
+            lo = lm_loss(oracle(idx), idx) / accumulate
+            ls = lm_loss(sharded(idx), idx) / accumulate
+            lo.backward()
+            ls.backward()
+            d = maxdiff(lo.detach(), ls.detach())
+            worst["loss"] = max(worst["loss"], d)
+            assert close(lo.detach(), ls.detach(), tol), f"step {step}: loss {ls.item()} vs oracle {lo.item()}"
+            losses.append(ls.item())
+        allreduce_mean_grads(oracle)
+        if cfg.get("clip"):
+            clip_global_norm(oracle, cfg["clip"])
+            mf.clip_grad_norm_(sharded, cfg["clip"])
+        # full gradients: on the owner, the resident .grad is the averaged full gradient
+        o_params = dict(oracle.named_parameters())
+        for n, p in sharded.named_parameters():
+            og = o_params[n].grad
+            if not p._mfsdp_owned:
+                assert p.grad is None, f"non-owner holds a gradient for {n}"
+                continue
+            if og is None:
+                assert p.grad is None, f"{n}: oracle has no gradient but the owner has one"
+                continue
+            assert p.grad is not None and p.grad.shape == og.shape, f"{n}: missing or misshaped gradient"
+            d = maxdiff(p.grad, og)
+            worst["grad"] = max(worst["grad"], d)
+            assert close(p.grad, og, tol), f"step {step}: grad {n} differs by {d:.3e}"
+        for o in o_opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        # no collective may run inside the optimizer step
+        with count_collectives() as counter:
+            for o in s_opts:
+                o.step()
+        assert counter.calls == 0, f"optimizer step issued {counter.calls} collectives: {counter.names}"
+        for o in s_opts:
+            o.zero_grad(set_to_none=True)
+        check_memory_shape(sharded)
+        worst["param"] = max(worst["param"], compare(full_params(sharded), dict(oracle.named_parameters()),
+                                                     tol, "param", step))
+    # final logits in eval / no_grad
+    idx = batch_for(999, rank)
+    with torch.no_grad():
+        lo, ls = oracle(idx), sharded(idx)
+    worst["logits"] = maxdiff(lo, ls)
+    assert close(lo, ls, tol), f"final logits differ by {worst['logits']:.3e}"
+    check_memory_shape(sharded)
+    return {"worst": worst, "losses": losses, "plan": str(mf.get_plan(sharded)), "stats": mf.get_comm_stats(sharded)}
+
+
+class count_collectives:
+    """Counts every torch.distributed collective / p2p call made inside the block."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+             "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all",
+             "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list", "barrier",
+             "reduce_scatter_single", "all_gather_single")
+
+    def __enter__(self):
+        self.calls, self.names, self._orig = 0, [], {}
+        for n in self.NAMES:
+            f = getattr(dist, n, None)
+            if f is None:
+                continue
+            self._orig[n] = f
+
+            def wrapped(*a, __f=f, __n=n, **k):
+                self.calls += 1
+                self.names.append(__n)
+                return __f(*a, **k)
+
+            setattr(dist, n, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self._orig.items():
+            setattr(dist, n, f)
+
+
+def check_memory_shape(model: torch.nn.Module) -> None:
+    """Between steps: every parameter is held whole exactly once across ranks; no unsharded buffer."""
+    from lightning_matrixfsdp.runtime.state import STATE_ATTR
+
+    st = getattr(model, STATE_ATTR)
+    for p in st.params:
+        assert p.unsharded.untyped_storage().size() == 0, f"{p.shard.fqn}: unsharded buffer still allocated"
+        assert p.unsharded.grad is None, f"{p.shard.fqn}: unsharded gradient still held"
+        for m, name in p.registrations:
+            assert m._parameters[name] is p.resident, f"{p.shard.fqn}: unsharded parameter still registered"
+    sizes = torch.tensor([p.numel() for p in model.parameters()], dtype=torch.int64)
+    full = torch.tensor([p._mfsdp_shard.numel for p in model.parameters()], dtype=torch.int64)
+    dist.all_reduce(sizes)
+    assert torch.equal(sizes, full), "resident tensors do not hold each parameter exactly once"

@@ -1,0 +1,67 @@
+"""A small decoder LM for the tests: token embedding, attention, MLP, LayerNorm, untied head."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    """Options switch on the edge cases the runtime must survive."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 16, *,
+                 tied: bool = False, checkpointing: bool = False, call_twice: bool = False,
+                 extra_branch: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+        self.checkpointing = checkpointing
+        self.call_twice = call_twice
+        self.branch = nn.Linear(d, d) if extra_branch else None
+        self.use_branch = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for i, blk in enumerate(self.blocks):
+            x = checkpoint(blk, x, use_reentrant=False) if self.checkpointing else blk(x)
+            if self.call_twice and i == 0:
+                x = blk(x)
+        if self.branch is not None and self.use_branch:
+            x = x + self.branch(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+def batch_for(step: int, rank: int, vocab: int = 64, batch: int = 2, seq: int = 16) -> torch.Tensor:
+    """Distinct, reproducible data per (step, rank)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, vocab, (batch, seq), generator=g)

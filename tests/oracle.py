@@ -1,0 +1,65 @@
+"""The correctness oracle: DDP Muon written plainly, independent of the runtime.
+
+Every rank holds the full model; gradients are all-reduced and averaged (a
+parameter with no gradient on any rank keeps ``grad=None``, as DDP does);
+``torch.optim.Muon`` updates the 2D parameters and ``torch.optim.AdamW`` the rest.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MUON_DEFAULTS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+ADAMW_DEFAULTS = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def oracle_optimizers(model: nn.Module, is_matrix: Optional[Callable[[str, nn.Parameter], bool]] = None,
+                      muon_kw: Optional[dict] = None, adamw_kw: Optional[dict] = None):
+    is_matrix = is_matrix or (lambda n, p: p.ndim == 2)
+    mats = [p for n, p in model.named_parameters() if p.requires_grad and is_matrix(n, p)]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and not is_matrix(n, p)]
+    opts = []
+    if mats:
+        opts.append(torch.optim.Muon(mats, **{**MUON_DEFAULTS, **(muon_kw or {})}))
+    if rest:
+        opts.append(torch.optim.AdamW(rest, **{**ADAMW_DEFAULTS, **(adamw_kw or {})}))
+    return opts
+
+
+def allreduce_mean_grads(model: nn.Module) -> None:
+    world = dist.get_world_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    used = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int32)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    for p, u in zip(params, used.tolist()):
+        if not u:
+            p.grad = None
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        p.grad = ordered_all_reduce(g) / world
+
+
+def ordered_all_reduce(g: torch.Tensor) -> torch.Tensor:
+    """All-reduce (sum) with a fixed summation order: rank 0 + rank 1 + ... .
+
+    Mathematically the all-reduce DDP does; the fixed order makes float32 results
+    reproducible, so the comparison with the sharded run can be exact where the
+    sharded side sums in the same order.
+    """
+    parts = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, g.contiguous())
+    total = parts[0].clone()
+    for x in parts[1:]:
+        total.add_(x)
+    return total
+
+
+def clip_global_norm(model: nn.Module, max_norm: float) -> None:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
