@@ -11,9 +11,13 @@ from lightning_matrixfsdp.runtime import (
     set_requires_gradient_sync,
 )
 
+from lightning_matrixfsdp.strategy import MatrixFSDPStrategy, register
+
 __version__ = "0.1.0"
 
-__all__ = ["MatrixShard", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
+register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
+
+__all__ = ["MatrixFSDPStrategy", "MatrixShard", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
            "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
 
 try:  # the optimizer lands in its own module; keep the package importable meanwhile

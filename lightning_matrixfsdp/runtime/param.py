@@ -45,13 +45,11 @@ class ShardedParam:
         self.compute_dtype = compute_dtype or resident.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self._make_resident()
-        resident._mfsdp_shard = shard  # type: ignore[attr-defined]
-        resident._mfsdp_role = shard.role.value  # type: ignore[attr-defined]
-        resident._mfsdp_owned = self.owned  # type: ignore[attr-defined]
-        self.unsharded = nn.Parameter(
-            torch.empty(self.shape, dtype=self.compute_dtype, device=device),
-            requires_grad=resident.requires_grad,
-        )
+        self.resident._mfsdp_shard = shard  # type: ignore[attr-defined]
+        self.resident._mfsdp_role = shard.role.value  # type: ignore[attr-defined]
+        self.resident._mfsdp_owned = self.owned  # type: ignore[attr-defined]
+        # Created trainable so the unit can hook it once; frozen-ness follows the resident.
+        self.unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.compute_dtype, device=device))
         # A plain alias of the same storage with its own version counter: writes
         # through it refill the buffer without tripping autograd's saved-tensor checks.
         self.data = self.unsharded.data
@@ -62,11 +60,15 @@ class ShardedParam:
     # ------------------------------------------------------------------ resident state
     def _make_resident(self) -> None:
         p = self.resident
-        if self.owned:
-            if p.is_meta or p.device != self.device:
-                p.data = torch.empty(self.shape, dtype=p.dtype, device=self.device)
-        else:
-            p.data = torch.empty(placeholder_shape(tuple(self.shape)), dtype=p.dtype, device=self.device)
+        shape = self.shape if self.owned else placeholder_shape(tuple(self.shape))
+        if p.is_meta:
+            # A meta tensor cannot take real data in place: register a new Parameter
+            # (only the owner allocates the full tensor).
+            self.resident = nn.Parameter(torch.empty(shape, dtype=p.dtype, device=self.device),
+                                         requires_grad=p.requires_grad)
+            self.to_resident()
+        elif not self.owned or p.device != self.device:
+            p.data = torch.empty(shape, dtype=p.dtype, device=self.device) if not self.owned else p.data.to(self.device)
 
     @property
     def is_matrix(self) -> bool:

@@ -53,7 +53,14 @@ def _check_not_wrapped(module: nn.Module) -> None:
                 f"parameter {name!r} is a DTensor (tensor parallel or FSDP2). MatrixFSDP owns whole "
                 "matrices per rank and does not compose with tensor parallelism; use a plain model"
             )
-    devices = {p.device for p in module.parameters() if not p.is_meta}
+    params = list(module.parameters())
+    devices = {p.device for p in params if not p.is_meta}
+    n_meta = sum(p.is_meta for p in params)
+    if n_meta and n_meta != len(params):
+        raise MatrixShardError(
+            f"{n_meta} of {len(params)} parameters are on the meta device and the rest on "
+            f"{sorted(map(str, devices))}; build the whole model on one device (or all on meta)"
+        )
     if len(devices) > 1:
         raise MatrixShardError(
             f"parameters live on mixed devices {sorted(map(str, devices))}; move the model to one device "
@@ -102,6 +109,11 @@ def _resolve_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[di
     """(shard group, replicate group, device type) from a DeviceMesh or None."""
     if mesh is None:
         return (dist.group.WORLD if dist.is_initialized() else None), None, None
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tensor_parallel" in names:  # Lightning's (data_parallel, tensor_parallel) mesh
+        if mesh["tensor_parallel"].size() > 1:
+            raise MatrixShardError("tensor parallelism is out of scope for MatrixFSDP: use tensor_parallel_size=1")
+        mesh = mesh["data_parallel"]
     if mesh.ndim == 1:
         return mesh.get_group(0), None, mesh.device_type
     if mesh.ndim == 2:
@@ -122,13 +134,17 @@ def matrix_shard(
     reduce_dtype: Optional[torch.dtype] = None,
     reshard_after_forward: bool = True,
     ns_steps: int = 5,
+    device: Optional[torch.device] = None,
 ) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
 
     Each matrix role (a 2D parameter accepted by ``matrix_filter``) is kept whole on
     one owner rank of the shard group and empty elsewhere; the other parameters of
     each unit form one tail role.  A 2-D ``mesh`` ``(replicate, shard)`` gives HSDP.
-    Build optimizers *after* this call, over ``module.parameters()``.
+    Build optimizers *after* this call, over ``module.parameters()``.  ``device``
+    moves resident tensors and buffers there while sharding (default: where the
+    parameters are, or the current accelerator for a meta-device model), so a
+    CPU-built model never needs to fit on one accelerator whole.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
@@ -141,7 +157,9 @@ def matrix_shard(
     shard_pg, replicate_pg, device_type = _resolve_groups(mesh)
     sg = ShardGroup(shard_pg)
     real = [p for p in module.parameters() if not p.is_meta]
-    device = real[0].device if real else _default_device(device_type)
+    if device is None:
+        device = real[0].device if real else _default_device(device_type)
+    device = torch.device(device)
 
     # -- units and the parameters each one holds
     units = _select_units(module, wrap_policy)
@@ -201,7 +219,7 @@ def matrix_shard(
     state = MatrixFSDPState(module, plan, sg, replicate_pg, stats, options)
     fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
-    for layout, (uname, umod) in zip(plan.units, units):
+    for layout, (uname, umod) in zip(plan.units, units):  # noqa: B007
         sparams = []
         for shard in layout.shards:
             pid = fqn_to_pid[shard.fqn]
@@ -220,6 +238,8 @@ def _materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: to
         for name, b in list(m._buffers.items()):
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.empty_like(b, device=device)
+            elif b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
     for m in meta_modules:
         reset = getattr(m, "reset_parameters", None)
         if callable(reset):

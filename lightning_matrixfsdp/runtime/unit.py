@@ -91,12 +91,14 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self.training_state = TrainingState.IDLE
+        self._depth = 0
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True),
             module.register_forward_hook(self._post_forward_hook),
         ]
         for i, p in enumerate(params):
             self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
+            p.unsharded.requires_grad_(p.requires_grad)
         self.reset_iteration()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -142,6 +144,7 @@ class Unit:
     # ------------------------------------------------------------------ forward
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         self.state.on_pre_forward(self)
+        self._depth += 1
         if self.state.in_backward:  # activation-checkpoint recomputation inside backward
             self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
@@ -171,13 +174,17 @@ class Unit:
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self._depth -= 1
         if self.state.in_backward:
             return None
-        self.training_state = TrainingState.IDLE
+        outer = self._depth == 0  # a nested call of the same unit must not reshard its caller
+        if outer:
+            self.training_state = TrainingState.IDLE
         if not torch.is_grad_enabled():
-            self.reshard()
+            if outer:
+                self.reshard()
             return None
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and outer:
             self.reshard()
         outs = [t for t in _tensors(output) if t.requires_grad]
         if outs:

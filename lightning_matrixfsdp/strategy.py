@@ -1,0 +1,473 @@
+"""``MatrixFSDPStrategy``: owner-sharded ZeRO-3 for the Lightning Trainer.
+
+A subclass of ``ModelParallelStrategy`` that takes over what Lightning would do
+wrongly with owner-shaped parameters (see ``docs/how-it-works.md``): the mesh and
+data-parallel size, sharding unmodified modules, optimizer routing and
+replacement, global-norm clipping, precision checks, the model summary,
+checkpoints and observability.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import types
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+
+from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
+from lightning_matrixfsdp.runtime.collectives import COLLECTIVES, DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.planner import PLANNERS
+from lightning_matrixfsdp.runtime.shard import get_comm_stats, get_plan, matrix_shard, set_requires_gradient_sync
+from lightning_matrixfsdp.runtime.state import STATE_ATTR
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
+
+
+def _as_dtype(value: Union[str, torch.dtype, None], name: str) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"{name}={value!r} is not a dtype; use one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def _as_classes(policy: Any, name: str) -> Any:
+    """Accept class objects or dotted import paths (handy in YAML configs)."""
+    if policy is None or callable(policy) and not isinstance(policy, (set, list, tuple, frozenset)):
+        return policy
+    out = set()
+    for c in policy:
+        if isinstance(c, str):
+            import importlib
+
+            mod, _, attr = c.rpartition(".")
+            try:
+                c = getattr(importlib.import_module(mod), attr)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"{name}: cannot import module class {c!r}: {e}") from None
+        if not (isinstance(c, type) and issubclass(c, nn.Module)):
+            raise ValueError(f"{name} must hold nn.Module classes, got {c!r}")
+        out.add(c)
+    return out
+
+
+class _GlobalNormClip:
+    """Precision-plugin mixin: clip by the global norm of owner-sharded gradients."""
+
+    _mfsdp_clip_group: Any = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        clip_grad_norm_(params, float(clip_val), group=self._mfsdp_clip_group)
+
+
+class MatrixFSDPStrategy(ModelParallelStrategy):
+    """Owner-sharded ZeRO-3 with exact matrix optimizers (Muon, Shampoo, SOAP).
+
+    Args:
+        wrap_policy: which modules become units (a set of module classes, their
+            import paths, or ``callable(name, module) -> bool``); default: the
+            children of every ``nn.ModuleList``.
+        planner: ``"role_greedy"``, ``"scope_greedy"`` or ``"cost_aware"``.
+        collective: ``"p2p"``, ``"broadcast"`` or ``"padded_all_gather"``.
+        matrix_filter: ``callable(fqn, param) -> bool``; 2D parameters it rejects
+            go to the AdamW tail (e.g. embeddings and the LM head).
+        param_dtype / reduce_dtype: compute dtype of the unsharded buffers and
+            dtype of the gradient reduction; resident weights keep theirs.
+        activation_checkpointing_policy: module classes (or a callable) whose
+            forward is recomputed in backward (non-reentrant checkpointing).
+        optimizer: ``callable(params) -> Optimizer`` replacing the module's own
+            optimizer, e.g. ``functools.partial(lightning_matrixfsdp.Muon, lr=0.02)``.
+        reshard_after_forward: free unit buffers after forward (ZeRO-3); ``False``
+            keeps them until backward (ZeRO-2-like memory, less traffic).
+        accumulation_no_sync: with ``accumulate_grad_batches > 1``, accumulate full
+            gradients locally and reduce once per optimizer step.
+        shard_size: HSDP; shard over groups of this many ranks, replicate across
+            groups (default: shard over the whole world).
+        save_distributed_checkpoint: directory of per-rank files (default) or one
+            consolidated file.
+        log_plan: log the owner plan at fit start (rank 0).
+    """
+
+    strategy_name = "matrix_fsdp"
+
+    def __init__(
+        self,
+        wrap_policy: Any = None,
+        planner: str = "role_greedy",
+        collective: str = DEFAULT_COLLECTIVE,
+        matrix_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
+        param_dtype: Union[str, torch.dtype, None] = None,
+        reduce_dtype: Union[str, torch.dtype, None] = None,
+        activation_checkpointing_policy: Any = None,
+        optimizer: Optional[OptimizerFactory] = None,
+        reshard_after_forward: bool = True,
+        accumulation_no_sync: bool = False,
+        shard_size: Optional[int] = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        tensor_parallel_size: int = 1,
+        log_plan: bool = True,
+    ) -> None:
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: MatrixFSDP keeps every matrix whole on one rank and "
+                "does not compose with tensor parallelism; use tensor_parallel_size=1 (data parallel over all ranks)"
+            )
+        if not callable(planner) and planner not in PLANNERS:
+            raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+        if collective not in COLLECTIVES:
+            raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+        if optimizer is not None and not callable(optimizer):
+            raise ValueError(f"optimizer must be a callable params -> Optimizer (e.g. functools.partial), got {optimizer!r}")
+        if shard_size is not None and int(shard_size) < 1:
+            raise ValueError(f"shard_size must be a positive integer, got {shard_size!r}")
+        super().__init__(
+            data_parallel_size="auto", tensor_parallel_size="auto",
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend, timeout=timeout,
+        )
+        self.wrap_policy = _as_classes(wrap_policy, "wrap_policy")
+        self.planner = planner
+        self.collective = collective
+        self.matrix_filter = matrix_filter
+        self.param_dtype = _as_dtype(param_dtype, "param_dtype")
+        self.reduce_dtype = _as_dtype(reduce_dtype, "reduce_dtype")
+        self.activation_checkpointing_policy = _as_classes(activation_checkpointing_policy,
+                                                           "activation_checkpointing_policy")
+        self.optimizer_factory = optimizer
+        self.reshard_after_forward = reshard_after_forward
+        self.accumulation_no_sync = accumulation_no_sync
+        self.shard_size = int(shard_size) if shard_size is not None else None
+        self.log_plan = log_plan
+        self._shard_mesh: Any = None
+        self._last_stats: dict[str, dict[str, int]] = {}
+        self._opt_ms: list[float] = []
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def precision_plugin(self):  # type: ignore[override]
+        return super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:  # type: ignore[override]
+        if plugin is not None:
+            if getattr(plugin, "precision", None) == "16-mixed":
+                raise ValueError(
+                    "precision='16-mixed' needs a gradient scaler whose inf checks span the owner shards; "
+                    "MatrixFSDPStrategy does not provide one. Use precision='bf16-mixed' or 'bf16-true'."
+                )
+            if not isinstance(plugin, _GlobalNormClip):
+                cls = type(plugin)
+                plugin.__class__ = type(f"MatrixFSDP{cls.__name__}", (_GlobalNormClip, cls), {})
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------ environment
+    def setup_environment(self) -> None:
+        world = self.num_nodes * self.num_processes
+        self._data_parallel_size, self._tensor_parallel_size = world, 1
+        super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        W = self.shard_size or world
+        if world % W:
+            raise ValueError(f"shard_size={W} must divide the world size {world}")
+        if W == world:
+            self._shard_mesh = self.device_mesh["data_parallel"]
+        else:
+            self._shard_mesh = init_device_mesh(self.root_device.type, (world // W, W),
+                                                mesh_dim_names=("replicate", "shard"))
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._shard_mesh  # what configure_model sees as self.device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank: distinct batches per rank.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: "Any") -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError("Found FSDP1-wrapped modules; MatrixFSDPStrategy needs the plain model.")
+        if not self._is_sharded(module):
+            self.model = self.precision_plugin.convert_module(self.model)
+            self._apply_activation_checkpointing(module)
+            matrix_shard(
+                module, mesh=self._shard_mesh, wrap_policy=self.wrap_policy, planner=self.planner,
+                collective=self.collective, matrix_filter=self.matrix_filter, param_dtype=self.param_dtype,
+                reduce_dtype=self.reduce_dtype, reshard_after_forward=self.reshard_after_forward,
+                device=self.root_device,
+            )
+        self.model_to_device()  # buffers and anything outside the shard
+        self._install_clip_group()
+        self._install_summary(trainer)
+        self.barrier()
+        if self.log_plan:
+            for plan in self._plans():
+                rank_zero_info(str(plan))
+        from lightning.pytorch.trainer.states import TrainerFn
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _is_sharded(self, module: nn.Module) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            raise TypeError(
+                "configure_model applied FSDP2/tensor parallelism (DTensor parameters); MatrixFSDPStrategy shards "
+                "the model itself: remove fully_shard/parallelize_module, or call lightning_matrixfsdp.matrix_shard"
+            )
+        return any(hasattr(m, STATE_ATTR) for m in module.modules())
+
+    def _sharded_roots(self) -> list[nn.Module]:
+        assert self.lightning_module is not None
+        return [m for m in self.lightning_module.modules() if hasattr(m, STATE_ATTR)]
+
+    def _plans(self) -> list:
+        return [get_plan(m) for m in self._sharded_roots()]
+
+    def _apply_activation_checkpointing(self, module: nn.Module) -> None:
+        policy = self.activation_checkpointing_policy
+        if not policy:
+            return
+        pick = (lambda m: isinstance(m, tuple(policy))) if isinstance(policy, set) else (lambda m: policy(m))
+        from torch.utils.checkpoint import checkpoint
+
+        for m in module.modules():
+            if m is not module and pick(m):
+                forward = m.forward
+
+                @functools.wraps(forward)
+                def run(*args: Any, __f=forward, **kwargs: Any) -> Any:
+                    return checkpoint(__f, *args, use_reentrant=False, **kwargs)
+
+                m.forward = run
+
+    def _install_clip_group(self) -> None:
+        roots = self._sharded_roots()
+        plugin = self.precision_plugin
+        if roots and isinstance(plugin, _GlobalNormClip):
+            plugin._mfsdp_clip_group = getattr(roots[0], STATE_ATTR).sg.group
+
+    def _install_summary(self, trainer: Any) -> None:
+        from lightning.pytorch.callbacks import ModelSummary
+
+        from lightning_matrixfsdp.summary import MatrixFSDPSummary
+
+        for cb in trainer.callbacks:
+            if isinstance(cb, ModelSummary):
+                cb._summary = types.MethodType(
+                    lambda self, t, m: MatrixFSDPSummary(m, max_depth=self._max_depth), cb)
+
+    # ------------------------------------------------------------------ optimizers
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self.optimizer_factory is not None:
+            self._replace_optimizer()
+        for opt in self.optimizers:
+            route_optimizer(opt)
+
+    def _replace_optimizer(self) -> None:
+        assert self.lightning_module is not None
+        if len(self.optimizers) > 1:
+            raise MisconfigurationException(
+                f"MatrixFSDPStrategy(optimizer=...) replaces one optimizer, but configure_optimizers returned "
+                f"{len(self.optimizers)}; drop the strategy's optimizer option or return a single optimizer"
+            )
+        old = self.optimizers[0] if self.optimizers else None
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        new = self.optimizer_factory(params)  # type: ignore[misc]
+        if not isinstance(new, Optimizer):
+            raise MisconfigurationException(f"the optimizer factory returned {type(new).__name__}, not an Optimizer")
+        kept = []
+        for cfg in self.lr_scheduler_configs:
+            sched = cfg.scheduler
+            if old is None or len(old.param_groups) != len(new.param_groups) or not hasattr(sched, "base_lrs"):
+                rank_zero_warn(f"MatrixFSDPStrategy(optimizer=...): dropping LR scheduler {type(sched).__name__}, "
+                               "which cannot follow the replacement optimizer's param groups")
+                continue
+            # Keep the schedule's shape (its factor so far) on the new optimizer's own learning rates.
+            for go, gn in zip(old.param_groups, new.param_groups):
+                factor = go["lr"] / go.get("initial_lr", go["lr"]) if go.get("initial_lr") else 1.0
+                gn["initial_lr"] = gn["lr"]
+                gn["lr"] = gn["lr"] * factor
+            sched.optimizer = new
+            sched.base_lrs = [g["initial_lr"] for g in new.param_groups]
+            if hasattr(sched, "_last_lr"):
+                sched._last_lr = [g["lr"] for g in new.param_groups]
+            rank_zero_warn(f"MatrixFSDPStrategy(optimizer=...): LR scheduler {type(sched).__name__} now drives "
+                           f"{type(new).__name__}, rescaled to its learning rates", category=UserWarning)
+            kept.append(cfg)
+        self.lr_scheduler_configs = kept
+        self.optimizers = [new]
+        rank_zero_info(f"MatrixFSDPStrategy: training with {type(new).__name__} "
+                       f"(replacing {type(old).__name__ if old is not None else 'no optimizer'})")
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
+        marks: dict[str, float] = {}
+
+        def timed_closure() -> Any:
+            out = closure()
+            self._sync()
+            marks["t"] = time.perf_counter()
+            return out
+
+        out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
+        if "t" in marks:
+            self._sync()
+            self._opt_ms.append((time.perf_counter() - marks["t"]) * 1e3)
+        self._log_metrics()
+        return out
+
+    def _sync(self) -> None:
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
+
+    def _log_metrics(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.logger is None or not self.is_global_zero:
+            return
+        step = trainer.global_step
+        if trainer.log_every_n_steps <= 0 or (step + 1) % trainer.log_every_n_steps:
+            return
+        metrics: dict[str, float] = {}
+        if self._opt_ms:
+            metrics["matrix_fsdp/optimizer_step_ms"] = sum(self._opt_ms) / len(self._opt_ms)
+            self._opt_ms = []
+        for root in self._sharded_roots():
+            now = get_comm_stats(root)
+            for phase, d in now.items():
+                prev = self._last_stats.get(phase, {"sent": 0, "recv": 0})
+                moved = d["sent"] + d["recv"] - prev["sent"] - prev["recv"]
+                metrics[f"matrix_fsdp/{phase}_MB"] = metrics.get(f"matrix_fsdp/{phase}_MB", 0.0) + moved / 2**20
+            self._last_stats = now
+        trainer.logger.log_metrics(metrics, step=step)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches: defer the reduction when ``accumulation_no_sync`` is on."""
+        if not self.accumulation_no_sync:
+            yield
+            return
+        roots = self._sharded_roots()
+        for r in roots:
+            set_requires_gradient_sync(r, False)
+        try:
+            yield
+        finally:
+            for r in roots:
+                set_requires_gradient_sync(r, True)
+
+    # ------------------------------------------------------------------ steps through the root unit
+    def _through_root(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run a ``*_step`` method as the LightningModule's forward, so a sharded
+        LightningModule's root unit materializes around it (Lightning calls steps
+        directly, which would bypass module hooks)."""
+        module = self.lightning_module
+        assert module is not None
+        if not hasattr(module, STATE_ATTR):
+            return getattr(module, name)(*args, **kwargs)
+        had_own = "forward" in module.__dict__
+        original = module.__dict__.get("forward")
+
+        def redirected(*a: Any, **k: Any) -> Any:
+            _restore()
+            return getattr(module, name)(*a, **k)
+
+        def _restore() -> None:
+            if had_own:
+                module.forward = original
+            else:
+                module.__dict__.pop("forward", None)
+
+        module.forward = redirected
+        try:
+            return module(*args, **kwargs)
+        finally:
+            _restore()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_root("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_root("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_root("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_root("predict_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from lightning_matrixfsdp.runtime import checkpoint
+
+        return checkpoint.module_state_dict(self, full=not self._save_distributed_checkpoint)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from lightning_matrixfsdp.runtime import checkpoint
+
+        return checkpoint.optimizer_state_dict(self, optimizer, full=not self._save_distributed_checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        from lightning_matrixfsdp.runtime import checkpoint as ckpt
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        ckpt.save(self, checkpoint, filepath)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning_matrixfsdp.runtime import checkpoint as ckpt
+
+        return ckpt.load(self, checkpoint_path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint already restored the weights
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint already restored the optimizer states
+
+
+def register(registry: Any = None) -> None:
+    """Register ``"matrix_fsdp"`` with Lightning's strategy registry (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    registry = registry if registry is not None else StrategyRegistry
+    if MatrixFSDPStrategy.strategy_name not in registry:
+        registry.register(MatrixFSDPStrategy.strategy_name, MatrixFSDPStrategy,
+                          description="Owner-sharded ZeRO-3 with exact matrix optimizers (lightning_matrixfsdp)")

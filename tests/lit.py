@@ -1,0 +1,133 @@
+"""Lightning-side test helpers: a LightningModule around TinyLM and a Trainer worker with its oracle."""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+
+from models import TinyLM, lm_loss
+from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, vocab: int = 64, seq: int = 16) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i]
+
+
+class LitTiny(LightningModule):
+    """Records every batch and loss it sees, so the oracle can replay them."""
+
+    def __init__(self, optimizer: str = "muon", **model_kw: Any) -> None:
+        super().__init__()
+        self.model = TinyLM(**model_kw)
+        self.optimizer_name = optimizer
+        self.seen: list[torch.Tensor] = []
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = lm_loss(self.model(batch), batch)
+        self.seen.append(batch.detach().clone())
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = lm_loss(self.model(batch), batch)
+        self.log("val_loss", loss)
+        return loss
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(TokenData(), batch_size=2)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(TokenData(8), batch_size=2)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":  # an "existing" module; the strategy may replace this
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        import lightning_matrixfsdp as mf
+
+        a = ADAMW_DEFAULTS
+        return mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+
+
+def gather_full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in module.named_parameters():
+        shard = getattr(p, "_mfsdp_shard", None)
+        if shard is None:
+            out[name] = p.detach().clone()
+            continue
+        t = p.data.clone() if p._mfsdp_owned else torch.empty(shard.shape, dtype=p.dtype)
+        dist.broadcast(t, src=shard.owner)
+        out[name] = t
+    return out
+
+
+def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Fit with Trainer(strategy=...) in this process group; replay the batches through the DDP oracle."""
+    import lightning_matrixfsdp as mf
+
+    torch.manual_seed(0)
+    lit = LitTiny(optimizer=cfg.get("module_optimizer", "muon"), **cfg.get("model", {}))
+    initial = copy.deepcopy(lit.model)
+    strategy = cfg.get("strategy", "matrix_fsdp")
+    if isinstance(strategy, dict):
+        strategy = mf.MatrixFSDPStrategy(**strategy)
+    tk = dict(accelerator="cpu", devices=world, max_steps=cfg.get("steps", 5), logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0, default_root_dir=cfg.get("root", os.getcwd()))
+    tk.update(cfg.get("trainer", {}))
+    trainer = Trainer(strategy=strategy, **tk)
+    trainer.fit(lit)
+    full = gather_full(lit.model)
+
+    # ---- oracle: DDP Muon replaying exactly the batches every rank saw
+    acc = tk.get("accumulate_grad_batches", 1)
+    clip = tk.get("gradient_clip_val")
+    oracle = initial
+    opts = oracle_optimizers(oracle)
+    seen = lit.seen
+    oracle_losses = []
+    for step in range(len(seen) // acc):
+        accg: dict = {}
+        for micro in range(acc):
+            batch = seen[step * acc + micro]
+            loss = lm_loss(oracle(batch), batch)
+            oracle_losses.append(loss.item())
+            (loss / acc).backward()
+            allreduce_mean_grads(oracle)
+            for n, p in oracle.named_parameters():
+                if p.grad is not None:
+                    accg[n] = accg[n] + p.grad if n in accg else p.grad
+                p.grad = None
+        for n, p in oracle.named_parameters():
+            p.grad = accg.get(n)
+        if clip:
+            clip_global_norm(oracle, clip)
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    ref = dict(oracle.named_parameters())
+    diffs = {n: (full[n].double() - ref[n].detach().double()).abs().max().item() for n in full}
+    return {"losses": lit.losses, "oracle_losses": oracle_losses, "param_diff": max(diffs.values()),
+            "worst_param": max(diffs, key=diffs.get), "steps": trainer.global_step,
+            "optimizer": type(trainer.optimizers[0]).__name__,
+            "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
+
+
+def _other_rank_first(x: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return parts[(dist.get_rank() + 1) % len(parts)]
