@@ -86,6 +86,10 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
     if cfg.get("meta"):
         oracle = TinyLM(**model_kw)
         full = full_params(sharded)
+        # owners initialized their parameters: finite, LayerNorm weights one, matrices random
+        assert all(torch.isfinite(t).all() for t in full.values())
+        assert torch.equal(full["blocks.0.ln1.weight"], torch.ones_like(full["blocks.0.ln1.weight"]))
+        assert all(t.std() > 0 for t in full.values() if t.ndim == 2)
         with torch.no_grad():
             for n, p in oracle.named_parameters():
                 p.copy_(full[n])

@@ -46,6 +46,10 @@ class TinyLM(nn.Module):
         self.branch = nn.Linear(d, d) if extra_branch else None
         self.use_branch = True
 
+    def reset_parameters(self) -> None:
+        """Initializes this module's own parameter (meta-device materialization calls it)."""
+        torch.nn.init.normal_(self.pos, std=0.02)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         for i, blk in enumerate(self.blocks):
