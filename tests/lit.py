@@ -25,7 +25,7 @@ class TokenData(torch.utils.data.Dataset):
         return self.x[i]
 
 
-class LitTiny(LightningModule):
+class LitTiny(LightningModule):  # noqa: D101
     """Records every batch and loss it sees, so the oracle can replay them."""
 
     def __init__(self, optimizer: str = "muon", **model_kw: Any) -> None:
@@ -35,7 +35,7 @@ class LitTiny(LightningModule):
         self.seen: list[torch.Tensor] = []
         self.losses: list[float] = []
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:  # noqa: D102
         loss = lm_loss(self.model(batch), batch)
         self.seen.append(batch.detach().clone())
         self.losses.append(loss.item())
@@ -62,6 +62,16 @@ class LitTiny(LightningModule):
         return mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
 
 
+class SelfShardingLitTiny(LitTiny):
+    """Calls matrix_shard itself in configure_model, like fully_shard with FSDP2."""
+
+    def configure_model(self) -> None:
+        import lightning_matrixfsdp as mf
+
+        if not mf.is_matrix_sharded(self):
+            mf.matrix_shard(self, mesh=self.device_mesh, planner="scope_greedy")
+
+
 def gather_full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in module.named_parameters():
@@ -80,11 +90,17 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     import lightning_matrixfsdp as mf
 
     torch.manual_seed(0)
-    lit = LitTiny(optimizer=cfg.get("module_optimizer", "muon"), **cfg.get("model", {}))
+    cls = SelfShardingLitTiny if cfg.get("self_shard") else LitTiny
+    lit = cls(optimizer=cfg.get("module_optimizer", "muon"), **cfg.get("model", {}))
     initial = copy.deepcopy(lit.model)
     strategy = cfg.get("strategy", "matrix_fsdp")
     if isinstance(strategy, dict):
-        strategy = mf.MatrixFSDPStrategy(**strategy)
+        kw = dict(strategy)
+        if "optimizer" in kw:  # picklable spec -> factory
+            import functools
+
+            kw["optimizer"] = functools.partial(mf.Muon, **kw["optimizer"])
+        strategy = mf.MatrixFSDPStrategy(**kw)
     tk = dict(accelerator="cpu", devices=world, max_steps=cfg.get("steps", 5), logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               limit_val_batches=0, default_root_dir=cfg.get("root", os.getcwd()))
@@ -96,6 +112,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     # ---- oracle: DDP Muon replaying exactly the batches every rank saw
     acc = tk.get("accumulate_grad_batches", 1)
     clip = tk.get("gradient_clip_val")
+    no_sync = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.accumulation_no_sync
     oracle = initial
     opts = oracle_optimizers(oracle)
     seen = lit.seen
@@ -107,24 +124,34 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
             loss = lm_loss(oracle(batch), batch)
             oracle_losses.append(loss.item())
             (loss / acc).backward()
+            if no_sync:  # local accumulation, one reduction per optimizer step
+                continue
             allreduce_mean_grads(oracle)
             for n, p in oracle.named_parameters():
                 if p.grad is not None:
                     accg[n] = accg[n] + p.grad if n in accg else p.grad
                 p.grad = None
-        for n, p in oracle.named_parameters():
-            p.grad = accg.get(n)
+        if no_sync:
+            allreduce_mean_grads(oracle)
+        else:
+            for n, p in oracle.named_parameters():
+                p.grad = accg.get(n)
         if clip:
             clip_global_norm(oracle, clip)
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
+    summary = None
+    if cfg.get("summary"):
+        from lightning_matrixfsdp.summary import MatrixFSDPSummary
+
+        summary = (MatrixFSDPSummary(lit, max_depth=1).total_parameters, sum(p.numel() for p in initial.parameters()))
     ref = dict(oracle.named_parameters())
     diffs = {n: (full[n].double() - ref[n].detach().double()).abs().max().item() for n in full}
     return {"losses": lit.losses, "oracle_losses": oracle_losses, "param_diff": max(diffs.values()),
             "worst_param": max(diffs, key=diffs.get), "steps": trainer.global_step,
             "optimizer": type(trainer.optimizers[0]).__name__,
-            "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
+            "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
 
 
 def _other_rank_first(x: torch.Tensor) -> torch.Tensor:

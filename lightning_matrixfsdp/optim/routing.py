@@ -63,19 +63,20 @@ def clip_grad_norm_(
     grads = _owned_grads(list(parameters))
     norm_type = float(norm_type)
     device = grads[0].device if grads else _group_device(group)
+    # Partial sums in float64: the owners' pieces are added in another order than a
+    # single-device norm would use, and float64 keeps that from showing in float32.
     if norm_type == math.inf:
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        local = (torch.stack([g.detach().abs().max().double() for g in grads]).max() if grads
+                 else torch.zeros((), dtype=torch.float64, device=device))
         op = dist.ReduceOp.MAX
     else:
-        local = (
-            torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum()
-            if grads else torch.zeros((), device=device)
-        )
+        local = (torch.stack([g.detach().double().abs().pow(norm_type).sum() for g in grads]).sum() if grads
+                 else torch.zeros((), dtype=torch.float64, device=device))
         op = dist.ReduceOp.SUM
     total = local.to(device).reshape(1).clone()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=op, group=group)
-    total = total[0] if norm_type == math.inf else total[0] ** (1.0 / norm_type)
+    total = (total[0] if norm_type == math.inf else total[0] ** (1.0 / norm_type)).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
