@@ -1,0 +1,341 @@
+"""Muon for matrix roles plus AdamW for everything else, in one optimizer object.
+
+Matrix parameters get exactly the math of ``torch.optim.Muon``; the rest (the tail
+role: norms, biases, embeddings if so tagged) gets exactly the math of
+``torch.optim.AdamW`` (single-tensor path). One object means one ``state_dict``,
+one set of param groups for LR schedulers, and one ``step()`` that the owner of a
+role can run without talking to any other rank: nothing here calls
+``torch.distributed``.
+
+Routing (:func:`uses_muon`): a parameter tagged by the sharding runtime with
+``_mfsdp_role`` follows its tag (``"matrix"`` -> Muon, anything else -> AdamW);
+an untagged parameter goes to Muon iff it is 2D. Resident tensors that a rank does
+not own are empty (``numel() == 0``) and are skipped, as are parameters without a
+gradient.
+
+Learning rate of the AdamW part: ``adamw_lr=None`` means "use the group's ``lr``"
+(so it follows any LR scheduler trivially). With an explicit ``adamw_lr`` it is
+scaled by the same factor the scheduler applied to ``lr``: the effective value is
+``adamw_lr * group["lr"] / group["lr_at_init"]``, where ``lr_at_init`` is the
+group's ``lr`` recorded when the group was added (kept in the group, so it
+survives ``state_dict`` round trips). If ``lr_at_init`` is 0, ``adamw_lr`` is used
+unscaled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .orthogonalize import (
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
+    gram_polar_express,
+    newton_schulz,
+    newton_schulz_batched,
+    polar_express,
+)
+
+__all__ = ["MATRIX_ROLE", "Muon", "ORTHOGONALIZERS", "adjust_lr", "uses_muon"]
+
+#: Value of ``p._mfsdp_role`` that selects Muon; every other tag selects AdamW.
+MATRIX_ROLE = "matrix"
+
+#: Valid ``orthogonalizer`` names. "newton_schulz" is bitwise torch.optim.Muon;
+#: "batched" is the same math with same-shape matrices of a group stacked;
+#: "polar_express" and "gram_polar_express" are opt-in faster/more accurate schemes.
+ORTHOGONALIZERS = ("newton_schulz", "batched", "polar_express", "gram_polar_express")
+
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def uses_muon(p: Tensor) -> bool:
+    """True if ``p`` is trained by Muon: its ``_mfsdp_role`` tag if any, else ``ndim == 2``."""
+    role = getattr(p, "_mfsdp_role", None)
+    if role is None:
+        return p.ndim == 2
+    role = getattr(role, "value", role)  # accept an Enum whose value is the name
+    return role == MATRIX_ROLE
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Shape-dependent Muon learning rate, as torch.optim.Muon computes it."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    return lr * ratio
+
+
+def _scalar_dtype() -> torch.dtype:
+    """dtype torch's Adam uses for ``state["step"]`` (non-fused, non-capturable)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _as_float(x: float | Tensor) -> float:
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def _check_nonneg(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element")
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not 0.0 <= value:
+        raise ValueError(f"{name} should be >= 0 but is: {value}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on matrix parameters, AdamW on the rest; no communication in ``step()``.
+
+    Args:
+        params: parameters or param groups (any group may override any default).
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
+            adjust_lr_fn: as ``torch.optim.Muon`` (same defaults, same math).
+        adamw_lr: AdamW learning rate; ``None`` -> the group's ``lr``. Follows LR
+            schedulers (see the module docstring).
+        adamw_betas, adamw_eps: AdamW betas and epsilon.
+        adamw_weight_decay: AdamW decoupled weight decay; ``None`` -> ``weight_decay``.
+        orthogonalizer: one of :data:`ORTHOGONALIZERS`. With "polar_express" /
+            "gram_polar_express", ``ns_coefficients`` is ignored and ``ns_steps``
+            iterations of the Polar Express schedule run instead.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        orthogonalizer: str = "newton_schulz",
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "adamw_lr": adamw_lr,
+            "adamw_betas": adamw_betas,
+            "adamw_eps": adamw_eps,
+            "adamw_weight_decay": adamw_weight_decay,
+            "orthogonalizer": orthogonalizer,
+        }
+        # Validate the defaults even if every group overrides them: a bad default
+        # is a bug the user wants to hear about at construction.
+        self._validate_group(defaults)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ groups
+
+    @staticmethod
+    def _validate_group(group: dict[str, Any]) -> None:
+        """Raise ValueError for any hyper-parameter torch's Muon/AdamW would reject."""
+        _check_nonneg("Learning rate", group["lr"])
+        _check_nonneg("momentum", group["momentum"])
+        _check_nonneg("weight decay", group["weight_decay"])
+        _check_nonneg("eps", group["eps"])
+        if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
+            raise ValueError(
+                f"Adjust learning rate function {group['adjust_lr_fn']} is not supported; "
+                f"valid: {_ADJUST_LR_FNS}"
+            )
+        coefficients = group["ns_coefficients"]
+        if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+            raise ValueError("Coefficients must be a tuple of exactly 3 values")
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+            raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
+        _check_nonneg("adamw_lr", group["adamw_lr"], allow_none=True)
+        _check_nonneg("adamw_eps", group["adamw_eps"])
+        _check_nonneg("adamw_weight_decay", group["adamw_weight_decay"], allow_none=True)
+        betas = group["adamw_betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"adamw_betas must be a pair, got {betas!r}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= _as_float(beta) < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        if group["orthogonalizer"] not in ORTHOGONALIZERS:
+            raise ValueError(
+                f"Unknown orthogonalizer {group['orthogonalizer']!r}; valid: {', '.join(ORTHOGONALIZERS)}"
+            )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Fill defaults, validate, reject complex params, record ``lr_at_init``."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._validate_group(group)
+            if any(torch.is_complex(p) for p in group["params"]):
+                raise ValueError("Muon (with its AdamW tail) does not support complex parameters")
+        except ValueError:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+        group.setdefault("lr_at_init", _as_float(group["lr"]))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle older objects: give every group the keys step() reads."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            group.setdefault("lr_at_init", _as_float(group["lr"]))
+
+    # -------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One local optimization step (never communicates)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        # Route and check every group before touching any state, so a bad
+        # parameter raises without leaving the optimizer half-stepped.
+        routed: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]] = []
+        for group in self.param_groups:
+            matrices: list[Tensor] = []
+            others: list[Tensor] = []
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0 or p.grad.numel() == 0:
+                    continue  # no gradient, or an empty non-owner placeholder
+                if torch.is_complex(p):
+                    raise ValueError("Muon (with its AdamW tail) does not support complex parameters")
+                if p.grad.is_sparse:
+                    raise RuntimeError("Muon (with its AdamW tail) does not support sparse gradients")
+                if uses_muon(p):
+                    if p.ndim != 2:
+                        raise ValueError(
+                            "Muon only supports 2D parameters; a parameter routed to Muon has "
+                            f"size {tuple(p.size())}"
+                        )
+                    matrices.append(p)
+                else:
+                    others.append(p)
+            routed.append((group, matrices, others))
+
+        for group, matrices, others in routed:
+            if matrices:
+                self._muon_group(group, matrices)
+            if others:
+                self._adamw_group(group, others)
+        return loss
+
+    def _muon_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """torch.optim.Muon's update for every matrix of one group.
+
+        Works bucket by bucket (one matrix per bucket, or one shape per bucket for
+        "batched") so the transient copies never exceed one bucket's size.
+        """
+        lr = _as_float(group["lr"])
+        weight_decay = group["weight_decay"]
+        momentum = group["momentum"]
+        nesterov = group["nesterov"]
+        for bucket in self._buckets(group, params):
+            updates: list[Tensor] = []
+            for p in bucket:
+                grad = p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - momentum)
+                updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+            for p, update in zip(bucket, self._orthogonalize(group, updates)):
+                p.mul_(1 - lr * weight_decay)
+                p.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+    @staticmethod
+    def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
+        """Matrices processed together: same (shape, device) for "batched", else one each."""
+        if group["orthogonalizer"] != "batched":
+            return [[p] for p in params]
+        buckets: dict[tuple[torch.Size, torch.device], list[Tensor]] = defaultdict(list)
+        for p in params:
+            buckets[(p.shape, p.device)].append(p)
+        return list(buckets.values())
+
+    @staticmethod
+    def _orthogonalize(group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
+        """Apply the group's orthogonalizer to one bucket of momentum updates."""
+        name = group["orthogonalizer"]
+        coefficients = tuple(group["ns_coefficients"])
+        steps, eps = group["ns_steps"], group["eps"]
+        if name == "newton_schulz":
+            return [newton_schulz(u, coefficients, steps, eps) for u in updates]
+        if name == "batched":
+            return newton_schulz_batched(updates, coefficients, steps, eps)
+        if name == "polar_express":
+            return [polar_express(u, steps, eps) for u in updates]
+        if name == "gram_polar_express":
+            return [gram_polar_express(u, steps, eps) for u in updates]
+        raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")
+
+    def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """torch.optim.AdamW's single-tensor update (amsgrad=False, maximize=False)."""
+        lr = self._adamw_lr(group)
+        beta1, beta2 = (_as_float(b) for b in group["adamw_betas"])
+        eps = group["adamw_eps"]
+        weight_decay = group["adamw_weight_decay"]
+        if weight_decay is None:
+            weight_decay = group["weight_decay"]
+        for p in params:
+            grad = p.grad
+            state = self.state[p]
+            if "step" not in state:
+                # Same layout as torch's Adam: a CPU scalar step, moments like p.
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+
+            step_t += 1
+            if weight_decay != 0:
+                p.mul_(1 - lr * weight_decay)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+            step = step_t.item()
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            step_size = lr / bias_correction1
+            denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+            p.addcdiv_(exp_avg, denom, value=-step_size)
+
+    @staticmethod
+    def _adamw_lr(group: dict[str, Any]) -> float:
+        """AdamW lr for this step: follows the scheduler's changes of ``group["lr"]``."""
+        lr = _as_float(group["lr"])
+        adamw_lr = group["adamw_lr"]
+        if adamw_lr is None:
+            return lr
+        adamw_lr = _as_float(adamw_lr)
+        initial = group.get("lr_at_init", lr)
+        if initial == 0 or lr == initial:
+            return adamw_lr
+        return adamw_lr * (lr / initial)
