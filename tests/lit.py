@@ -28,17 +28,20 @@ class TokenData(torch.utils.data.Dataset):
 class LitTiny(LightningModule):  # noqa: D101
     """Records every batch and loss it sees, so the oracle can replay them."""
 
-    def __init__(self, optimizer: str = "muon", **model_kw: Any) -> None:
+    def __init__(self, optimizer: str = "muon", scheduler: bool = False, **model_kw: Any) -> None:
         super().__init__()
         self.model = TinyLM(**model_kw)
         self.optimizer_name = optimizer
+        self.scheduler = scheduler
         self.seen: list[torch.Tensor] = []
         self.losses: list[float] = []
+        self.lrs: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:  # noqa: D102
         loss = lm_loss(self.model(batch), batch)
         self.seen.append(batch.detach().clone())
         self.losses.append(loss.item())
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train_loss", loss)
         return loss
 
@@ -55,11 +58,20 @@ class LitTiny(LightningModule):  # noqa: D101
 
     def configure_optimizers(self):
         if self.optimizer_name == "sgd":  # an "existing" module; the strategy may replace this
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-        import lightning_matrixfsdp as mf
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        else:
+            import lightning_matrixfsdp as mf
 
-        a = ADAMW_DEFAULTS
-        return mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+            a = ADAMW_DEFAULTS
+            opt = mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def schedule(step: int) -> float:
+    return 0.5 ** step
 
 
 class SelfShardingLitTiny(LitTiny):
@@ -91,7 +103,8 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
 
     torch.manual_seed(0)
     cls = SelfShardingLitTiny if cfg.get("self_shard") else LitTiny
-    lit = cls(optimizer=cfg.get("module_optimizer", "muon"), **cfg.get("model", {}))
+    lit = cls(optimizer=cfg.get("module_optimizer", "muon"), scheduler=cfg.get("scheduler", False),
+              **cfg.get("model", {}))
     initial = copy.deepcopy(lit.model)
     strategy = cfg.get("strategy", "matrix_fsdp")
     if isinstance(strategy, dict):
@@ -105,6 +118,10 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
               limit_val_batches=0, default_root_dir=cfg.get("root", os.getcwd()))
     tk.update(cfg.get("trainer", {}))
+    if cfg.get("csv_logger"):
+        from lightning.pytorch.loggers import CSVLogger
+
+        tk["logger"] = CSVLogger(tk["default_root_dir"], name="csv", version=0)
     trainer = Trainer(strategy=strategy, **tk)
     trainer.fit(lit)
     full = gather_full(lit.model)
@@ -115,6 +132,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     no_sync = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.accumulation_no_sync
     oracle = initial
     opts = oracle_optimizers(oracle)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts] if cfg.get("scheduler") else []
     seen = lit.seen
     oracle_losses = []
     for step in range(len(seen) // acc):
@@ -141,6 +159,8 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
+        for sc in scheds:
+            sc.step()
     summary = None
     if cfg.get("summary"):
         from lightning_matrixfsdp.summary import MatrixFSDPSummary
@@ -151,7 +171,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     return {"losses": lit.losses, "oracle_losses": oracle_losses, "param_diff": max(diffs.values()),
             "worst_param": max(diffs, key=diffs.get), "steps": trainer.global_step,
             "optimizer": type(trainer.optimizers[0]).__name__,
-            "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
+            "lrs": lit.lrs, "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
 
 
 def _other_rank_first(x: torch.Tensor) -> torch.Tensor:

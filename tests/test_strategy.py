@@ -82,3 +82,50 @@ def test_configure_model_calling_matrix_shard_is_respected():
     res = run_distributed(trainer_worker, 2, {"steps": 3, "self_shard": True})
     _exact(res)
     assert res[0]["planner"] == "scope_greedy"  # the module's own choice, not the strategy default
+
+
+def test_optimizer_replacement_keeps_the_modules_lr_schedule():
+    a = ADAMW_DEFAULTS
+    opt = dict(adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+    res = run_distributed(trainer_worker, 2, {"steps": 4, "module_optimizer": "sgd", "scheduler": True,
+                                              "strategy": {"optimizer": opt}})
+    _exact(res)  # the oracle runs the same LambdaLR on Muon's own lr (0.02), not on SGD's 0.1
+    assert res[0]["lrs"] == [MUON_DEFAULTS["lr"] * 0.5 ** s for s in range(4)]
+
+
+def test_plan_and_traffic_are_logged(tmp_path):
+    res = run_distributed(trainer_worker, 2, {"steps": 4, "csv_logger": True, "root": str(tmp_path),
+                                              "trainer": {"log_every_n_steps": 2}})
+    _exact(res)
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv")))
+    logged = [r for r in rows if r.get("matrix_fsdp/optimizer_step_ms")]
+    assert len(logged) == 2, rows
+    for r in logged:
+        assert float(r["matrix_fsdp/optimizer_step_ms"]) > 0
+        assert float(r["matrix_fsdp/materialize_MB"]) > 0 and float(r["matrix_fsdp/reduce_MB"]) > 0
+        assert float(r["matrix_fsdp/optimizer_step_MB"]) == 0.0
+
+
+def _fsdp2_module_worker(rank, world):
+    from lightning.pytorch import Trainer
+    from torch.distributed.fsdp import fully_shard
+
+    from lit import LitTiny
+
+    class FSDP2Module(LitTiny):
+        def configure_model(self):
+            fully_shard(self.model, mesh=self.device_mesh)
+
+    try:
+        Trainer(strategy="matrix_fsdp", accelerator="cpu", devices=world, max_steps=1, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False).fit(FSDP2Module())
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fsdp2_wrapped_module_is_refused():
+    for msg in run_distributed(_fsdp2_module_worker, 2):
+        assert "FSDP2" in msg and "matrix_shard" in msg, msg
