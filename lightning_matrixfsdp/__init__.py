@@ -6,6 +6,7 @@ from lightning_matrixfsdp.runtime import (
     Plan,
     get_comm_stats,
     get_plan,
+    hsdp_mesh,
     is_matrix_sharded,
     matrix_shard,
     set_requires_gradient_sync,
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 
 __all__ = ["MatrixFSDPStrategy", "MatrixShard", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
-           "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
+           "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
 
 try:  # the optimizer lands in its own module; keep the package importable meanwhile
     from lightning_matrixfsdp.optim.muon import Muon  # noqa: F401

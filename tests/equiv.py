@@ -24,12 +24,20 @@ FLOAT64 = dict(rtol=1e-9, atol=1e-9)
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole on every rank, broadcast from its owner (test-side gather)."""
+    """Every parameter whole on every rank, broadcast from its owner (test-side gather).
+
+    With HSDP, owners are shard-group ranks; this gathers within the caller's shard
+    group, so every replica checks its own copy.
+    """
+    from lightning_matrixfsdp.runtime.state import STATE_ATTR
+
+    sg = getattr(model, STATE_ATTR).sg
     out = {}
     for name, p in model.named_parameters():
         shard = p._mfsdp_shard
         t = p.data.clone() if p._mfsdp_owned else torch.empty(shard.shape, dtype=p.dtype)
-        dist.broadcast(t, src=shard.owner)
+        if sg.size > 1:
+            dist.broadcast(t, src=sg.g(shard.owner), group=sg.group)
         out[name] = t
     return out
 
@@ -82,7 +90,7 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
         if any(n.startswith(f) for f in frozen):
             p.requires_grad_(False)
     mf.matrix_shard(sharded, planner=cfg.get("planner", "role_greedy"), collective=cfg.get("collective", "p2p"),
-                    matrix_filter=cfg.get("matrix_filter"))
+                    matrix_filter=cfg.get("matrix_filter"), shard_size=cfg.get("shard_size"))
     if cfg.get("meta"):
         oracle = TinyLM(**model_kw)
         full = full_params(sharded)
@@ -172,7 +180,9 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
     worst["logits"] = maxdiff(lo, ls)
     assert close(lo, ls, tol), f"final logits differ by {worst['logits']:.3e}"
     check_memory_shape(sharded)
-    return {"worst": worst, "losses": losses, "plan": str(mf.get_plan(sharded)),
+    owned_bytes = sum(p.numel() * p.element_size() for p in sharded.parameters()
+                      if p._mfsdp_owned and p.requires_grad)
+    return {"worst": worst, "losses": losses, "owned_grad_bytes": owned_bytes, "plan": str(mf.get_plan(sharded)),
             "plan_dict": mf.get_plan(sharded).to_dict(), "stats": mf.get_comm_stats(sharded)}
 
 
@@ -222,5 +232,6 @@ def check_memory_shape(model: torch.nn.Module) -> None:
             assert m._parameters[name] is p.resident, f"{p.shard.fqn}: unsharded parameter still registered"
     sizes = torch.tensor([p.numel() for p in model.parameters()], dtype=torch.int64)
     full = torch.tensor([p._mfsdp_shard.numel for p in model.parameters()], dtype=torch.int64)
-    dist.all_reduce(sizes)
+    if st.sg.size > 1:
+        dist.all_reduce(sizes, group=st.sg.group)  # once per replica
     assert torch.equal(sizes, full), "resident tensors do not hold each parameter exactly once"

@@ -4,10 +4,11 @@ from lightning_matrixfsdp.runtime.shard import (
     MatrixShardError,
     get_comm_stats,
     get_plan,
+    hsdp_mesh,
     is_matrix_sharded,
     matrix_shard,
     set_requires_gradient_sync,
 )
 
 __all__ = ["MatrixShard", "MatrixShardError", "Plan", "RoleKind", "UnitLayout", "get_comm_stats", "get_plan",
-           "is_matrix_sharded", "matrix_shard", "set_requires_gradient_sync"]
+           "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "set_requires_gradient_sync"]

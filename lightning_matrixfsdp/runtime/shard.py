@@ -105,6 +105,19 @@ def _default_device(group_device_type: Optional[str]) -> torch.device:
     return torch.device("cpu")
 
 
+def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None) -> Any:
+    """A ``(replicate, shard)`` DeviceMesh with shard groups of ``shard_size`` consecutive ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise MatrixShardError("shard_size needs an initialized process group")
+    world = dist.get_world_size()
+    if shard_size < 1 or world % shard_size:
+        raise MatrixShardError(f"shard_size={shard_size} must be a positive divisor of the world size {world}")
+    device_type = torch.device(device).type if device is not None else _default_device(None).type
+    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
 def _resolve_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup], Optional[str]]:
     """(shard group, replicate group, device type) from a DeviceMesh or None."""
     if mesh is None:
@@ -135,6 +148,7 @@ def matrix_shard(
     reshard_after_forward: bool = True,
     ns_steps: int = 5,
     device: Optional[torch.device] = None,
+    shard_size: Optional[int] = None,
 ) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
 
@@ -144,7 +158,8 @@ def matrix_shard(
     Build optimizers *after* this call, over ``module.parameters()``.  ``device``
     moves resident tensors and buffers there while sharding (default: where the
     parameters are, or the current accelerator for a meta-device model), so a
-    CPU-built model never needs to fit on one accelerator whole.
+    CPU-built model never needs to fit on one accelerator whole.  ``shard_size=W``
+    (without ``mesh``) builds the HSDP mesh ``(world // W, W)`` itself.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
@@ -154,6 +169,10 @@ def matrix_shard(
         raise MatrixShardError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     _check_not_wrapped(module)
 
+    if shard_size is not None:
+        if mesh is not None:
+            raise MatrixShardError("pass either mesh or shard_size, not both")
+        mesh = hsdp_mesh(int(shard_size), device)
     shard_pg, replicate_pg, device_type = _resolve_groups(mesh)
     sg = ShardGroup(shard_pg)
     real = [p for p in module.parameters() if not p.is_meta]
