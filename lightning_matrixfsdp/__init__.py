@@ -18,12 +18,8 @@ __version__ = "0.1.0"
 
 register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 
-__all__ = ["MatrixFSDPStrategy", "MatrixShard", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
+__all__ = ["MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
            "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
 
-try:  # the optimizer lands in its own module; keep the package importable meanwhile
-    from lightning_matrixfsdp.optim.muon import Muon  # noqa: F401
-
-    __all__.append("Muon")
-except ImportError:  # pragma: no cover
-    pass
+from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo
+from lightning_matrixfsdp.optim.muon import Muon

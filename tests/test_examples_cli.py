@@ -4,7 +4,8 @@ Subprocess tests run the real commands (2 CPU processes, gloo) with a few steps 
 check: exit status 0, TensorBoard event files written, finite losses, and that the
 optimizer which actually stepped is ``lightning_matrixfsdp``'s Muon (printed by the
 ``OptimizerReport`` callback). Tests that need MatrixFSDPStrategy/Muon skip with a
-reason until those are importable; the rest check the plumbing on Lightning's DDP.
+reason until those are importable; the rest (data, model, callback, the CLI on one
+process) need no strategy.
 """
 
 from __future__ import annotations
@@ -240,10 +241,11 @@ def test_module_entry_point_help(tmp_path: Path) -> None:
     assert "usage: lightning-matrixfsdp" in top.stdout and "fit" in top.stdout
 
 
-def test_cli_exposes_optimizer_and_strategy_name(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exposes_optimizer(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process (no interpreter start-up): --optimizer exists, so existing modules can get Muon."""
     from lightning_matrixfsdp.cli import cli_main
 
+    monkeypatch.setattr(sys, "argv", ["lightning-matrixfsdp"])  # not pytest's own arguments
     with pytest.raises(SystemExit) as exc:
         cli_main(["fit", "--help"])
     assert exc.value.code == 0
@@ -251,16 +253,26 @@ def test_cli_exposes_optimizer_and_strategy_name(capsys: pytest.CaptureFixture[s
     assert "--optimizer" in out and "--lr_scheduler" in out
 
 
-def test_pretrain_yaml_plumbing_on_ddp(tmp_path: Path) -> None:
-    """The example config with the one-word change to Lightning's DDP (1 process, to stay cheap)."""
-    proc = _run(
-        [sys.executable, "-m", "lightning_matrixfsdp", "fit", "--config", str(EXAMPLES / "pretrain_gpt.yaml"),
-         "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.max_steps", "4",
-         "--trainer.log_every_n_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2",
-         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
-        tmp_path,
+def test_pretrain_yaml_plumbing_in_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example config through the CLI on one process (no strategy needed): data, model, metrics, logs.
+
+    In-process to stay cheap; the 2-process run with matrix_fsdp is the test below.
+    """
+    from lightning_matrixfsdp.cli import cli_main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-matrixfsdp"])
+    monkeypatch.chdir(tmp_path)
+    cli_main(
+        ["fit", "--config", str(EXAMPLES / "pretrain_gpt.yaml"), "--trainer.strategy", "auto",
+         "--trainer.devices", "1", "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
+         "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar",
+         "false", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")]
     )
+    proc = subprocess.CompletedProcess(args=[], returncode=0, stdout=capsys.readouterr().out)
     _check_trained(proc, tmp_path / "runs", steps=4, muon=False, world_size=1)
+    assert all(math.isfinite(v) for v in _scalars(tmp_path / "runs", "train_ppl"))
     assert all(math.isfinite(v) for v in _scalars(tmp_path / "runs", "val_ppl"))
     assert list((tmp_path / "runs" / "pretrain_gpt").glob("version_*/config.yaml"))
 

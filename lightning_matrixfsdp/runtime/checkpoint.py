@@ -52,7 +52,10 @@ FORMAT = "lightning_matrixfsdp.checkpoint"
 FORMAT_VERSION = 1
 PARTIAL_PREFIX = ".mfsdp-partial-"
 OLD_PREFIX = ".mfsdp-old-"
-_IGNORED_GROUP_KEYS = ("params", "param_names", "initial_lr")
+# Group keys that do not tell optimizers apart: names, the scheduler's mark, and the flags
+# torch's ``Optimizer.__setstate__`` fills in with defaults when a state is loaded.
+_IGNORED_GROUP_KEYS = ("params", "param_names", "initial_lr", "differentiable", "foreach", "fused", "capturable",
+                       "maximize")
 PathLike = Union[str, os.PathLike]
 
 
@@ -389,7 +392,7 @@ def from_native(native: Mapping[str, Any], names: Optional[Sequence[Sequence[str
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {"torch": torch.__version__}
+    out = {"torch": str(torch.__version__)}
     for dist_name, key in (("lightning-matrixfsdp", "lightning_matrixfsdp"), ("lightning", "lightning")):
         try:
             out[key] = version(dist_name)

@@ -149,6 +149,7 @@ def matrix_shard(
     ns_steps: int = 5,
     device: Optional[torch.device] = None,
     shard_size: Optional[int] = None,
+    prefetch: bool = True,
 ) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
 
@@ -228,13 +229,14 @@ def matrix_shard(
         "reduce_dtype": str(reduce_dtype),
         "reshard_after_forward": reshard_after_forward,
         "replicate": replicate_size,
+        "prefetch": prefetch,
     }
     validate_schedule(plan, schedule, sg)
 
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     stats = CommStats()
     coll = make_collective(collective, sg, stats)
-    options = dict(schedule, planner=plan.planner, ns_steps=ns_steps)
+    options = dict(schedule, planner=plan.planner, ns_steps=ns_steps, prefetch=prefetch)
     state = MatrixFSDPState(module, plan, sg, replicate_pg, stats, options)
     fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,10 @@ class MatrixFSDPState:
         self.options = options
         self.units: list[Unit] = []
         self.in_backward = False
+        self.prefetch = bool(options.get("prefetch", True))
+        self._forward_order: list[Unit] = []  # last iteration's, used for prefetching
+        self._order_now: list[Unit] = []
+        self._pending_reduces: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ queries
     @property
@@ -53,7 +57,38 @@ class MatrixFSDPState:
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_pre_forward(self, unit: Unit) -> None:
-        """Called by every unit's pre-forward (room for lazy checks)."""
+        """Record the order in which units run forward (the prefetch schedule)."""
+        if not self.in_backward and torch.is_grad_enabled() and unit not in self._order_now:
+            self._order_now.append(unit)
+
+    def next_to_forward(self, unit: Unit) -> Optional[Unit]:
+        order = self._forward_order
+        if not self.prefetch or unit not in order:
+            return None
+        i = order.index(unit) + 1
+        return order[i] if i < len(order) else None
+
+    def next_to_backward(self, unit: Unit) -> Optional[Unit]:
+        """Backward visits the inner units in reverse forward order (the root, which
+        wraps them all, gets its gradients first)."""
+        order = [u for u in self._forward_order if u.module is not self.root]
+        if not self.prefetch or not order:
+            return None
+        if unit.module is self.root:
+            return order[-1]
+        if unit not in order:
+            return None
+        i = order.index(unit)
+        return order[i - 1] if i > 0 else None
+
+    def defer_reduce(self, finish: Callable[[], None]) -> None:
+        """Keep one reduction in flight: finish the previous before queuing the next."""
+        self.drain_reduces()
+        self._pending_reduces.append(finish)
+
+    def drain_reduces(self) -> None:
+        while self._pending_reduces:
+            self._pending_reduces.pop(0)()
 
     def on_backward_start(self) -> None:
         if self.in_backward:
@@ -67,10 +102,13 @@ class MatrixFSDPState:
             for unit in self.units:
                 if unit._forward_calls > 0 and not unit._reduced:
                     unit.post_backward(flush=True)
+            self.drain_reduces()
             for unit in self.units:
-                if unit.is_materialized:
+                if unit.is_materialized or unit._pending_unshard is not None:
                     unit.reshard()
                 unit.reset_iteration()
+            if self._order_now:
+                self._forward_order, self._order_now = self._order_now, []
         finally:
             self.in_backward = False
 

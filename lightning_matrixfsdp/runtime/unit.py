@@ -92,6 +92,8 @@ class Unit:
         self.requires_gradient_sync = True
         self.training_state = TrainingState.IDLE
         self._depth = 0
+        self._pending_unshard: Optional[Any] = None
+        self._pending_params: list[ShardedParam] = []
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True),
             module.register_forward_hook(self._post_forward_hook),
@@ -103,6 +105,7 @@ class Unit:
 
     # ------------------------------------------------------------------ bookkeeping
     def reset_iteration(self) -> None:
+        self._depth = 0  # no forward is in flight between backward passes
         self._forward_calls = 0
         self._pending_input_grads = 0
         self._calls_without_grad_inputs = 0
@@ -118,21 +121,37 @@ class Unit:
         return any(p.materialized for p in self.params)
 
     # ------------------------------------------------------------------ materialize / reshard
-    def unshard(self) -> None:
+    def start_unshard(self) -> None:
+        """Allocate the pinned buffers and issue materialization (no wait): also the prefetch."""
+        if self._pending_unshard is not None:
+            return
         todo = [p for p in self.params if not p.materialized]
         if not todo:
             return
         for p in todo:
             p.alloc()
         with torch.no_grad():
-            pending = self.collective.start_materialize(
+            self._pending_unshard = self.collective.start_materialize(
                 [p.shard for p in todo], [p.source() for p in todo], [p.data for p in todo]
             )
+        self._pending_params = todo
+
+    def wait_unshard(self) -> None:
+        if self._pending_unshard is None:
+            return
+        pending, self._pending_unshard = self._pending_unshard, None
+        with torch.no_grad():
             pending.wait()
-        for p in todo:
+        for p in self._pending_params:
             p.materialized = True
+        self._pending_params = []
+
+    def unshard(self) -> None:
+        self.start_unshard()
+        self.wait_unshard()
 
     def reshard(self) -> None:
+        self.wait_unshard()  # a prefetch that was never used still owns the buffers
         for p in self.params:
             p.to_resident()
             p.free()
@@ -144,15 +163,20 @@ class Unit:
     # ------------------------------------------------------------------ forward
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         self.state.on_pre_forward(self)
-        self._depth += 1
         if self.state.in_backward:  # activation-checkpoint recomputation inside backward
+            # (not counted in _depth: early-stopping recomputation never runs post-forward)
             self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
             self._register_unsharded()
             return None
+        self._depth += 1
         self.unshard()
         self._register_unsharded()
         self.training_state = TrainingState.FORWARD
+        if torch.is_grad_enabled():
+            nxt = self.state.next_to_forward(self)
+            if nxt is not None:
+                nxt.start_unshard()
         if not torch.is_grad_enabled() or not self.trainable:
             return None
         self._forward_calls += 1
@@ -174,9 +198,9 @@ class Unit:
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self._depth -= 1
         if self.state.in_backward:
             return None
+        self._depth = max(0, self._depth - 1)
         outer = self._depth == 0  # a nested call of the same unit must not reshard its caller
         if outer:
             self.training_state = TrainingState.IDLE
@@ -197,6 +221,9 @@ class Unit:
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
         self._register_unsharded()
+        nxt = self.state.next_to_backward(self)
+        if nxt is not None:
+            nxt.start_unshard()
 
     def _grad_ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
@@ -244,10 +271,17 @@ class Unit:
         for p in params:
             p.unsharded.grad = None
         with torch.no_grad():
-            reduced = self.collective.start_reduce([p.shard for p in params], grads).wait()
-            for p, g, u in zip(params, reduced, used):
+            pending = self.collective.start_reduce([p.shard for p in params], grads)
+
+        @torch.no_grad()
+        def finish() -> None:
+            for p, g, u in zip(params, pending.wait(), used):
                 if g is None or not u:
                     continue
                 g.div_(self.state.dp_size)
                 self.state.replicate_reduce(g)
                 p.accumulate_grad(g)
+
+        # In flight while backward goes on; finished before the next unit's reduction
+        # starts, or at the end of backward.
+        self.state.defer_reduce(finish)

@@ -1,0 +1,175 @@
+"""Convert between the two checkpoint formats, in one process, without a GPU or a process group.
+
+    python -m lightning_matrixfsdp.consolidate IN OUT
+
+* ``IN`` a directory (this package's distributed checkpoint, or one written by
+  Lightning's ``ModelParallelStrategy`` with FSDP2) -> ``OUT`` one consolidated
+  Lightning checkpoint file that plain ``torch.load`` + ``load_state_dict`` read.
+* ``IN`` a file (a consolidated Lightning checkpoint, or a plain ``state_dict``)
+  -> ``OUT`` a distributed checkpoint directory that any world size can load.
+
+Why a separate tool: exporting for inference, or moving a run between formats,
+should not need the job's cluster.  The consolidated file holds every tensor, so
+this process needs about the checkpoint's size in memory (``torch.save`` writes
+one object); the file -> directory direction reads the input memory-mapped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from lightning_matrixfsdp.runtime.checkpoint import (
+    FORMAT,
+    FORMAT_VERSION,
+    META_NAME,
+    PARTIAL_PREFIX,
+    SIDECAR_NAME,
+    CheckpointCorruptError,
+    _dtype_name,
+    _hparams,
+    _nest,
+    _parse_dcp,
+    _publish,
+    _versions,
+    from_native,
+    read_sidecar,
+    to_native,
+)
+
+
+def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
+    """A DCP directory -> one Lightning checkpoint file with full tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (src / ".metadata").is_file():
+        raise CheckpointCorruptError(f"{src} has no DCP '.metadata': not a distributed checkpoint, or incomplete")
+    md = FileSystemReader(str(src)).read_metadata()
+    model_keys = list(_parse_dcp(md, []).model)
+    ck = _parse_dcp(md, model_keys)  # second pass: optimizer keys can be split even without planner data
+    flats = [f for f, _ in ck.model.values()]
+    if not weights_only:
+        flats += [f for per in ck.state.values() for items in per.values() for _, f, _ in items]
+        flats += [f for gs in ck.groups.values() for g in gs.values() for f in g.values()]
+    meta_of = md.state_dict_metadata
+    req: dict[str, Any] = {}
+    for f in flats:
+        m = meta_of[f]
+        req[f] = torch.empty(tuple(m.size), dtype=m.properties.dtype) if hasattr(m, "size") else None
+    dcp.load(req, storage_reader=FileSystemReader(str(src)), no_dist=True)
+    out: dict[str, Any] = {}
+    if (src / META_NAME).is_file():
+        out.update(torch.load(src / META_NAME, map_location="cpu", weights_only=safe))
+    out["state_dict"] = {k: req[f] for k, (f, _) in ck.model.items()}
+    if not weights_only and ck.groups:
+        states = []
+        for i in range(1 + max(ck.groups)):
+            gs = ck.groups.get(i, {})
+            groups = [{h: req[f] for h, f in gs[j].items()} for j in sorted(gs)]
+            state = {fqn: _nest((tail, req[f]) for tail, f, _ in items) for fqn, items in ck.state.get(i, {}).items()}
+            states.append(to_native(state, [_hparams(g) for g in groups], [list(g.get("params") or []) for g in groups]))
+        out["optimizer_states"] = states
+    else:
+        out.pop("optimizer_states", None)
+    if (src / SIDECAR_NAME).is_file():
+        out["matrix_fsdp_layout"] = read_sidecar(src)
+    _write_file(out, dst)
+
+
+def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
+    """A consolidated Lightning checkpoint (or a plain ``state_dict``) -> a distributed checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    ck = torch.load(src, map_location="cpu", mmap=True, weights_only=safe)
+    lightning = isinstance(ck, Mapping) and isinstance(ck.get("state_dict"), Mapping)
+    if not lightning and not (isinstance(ck, Mapping) and all(isinstance(k, str) for k in ck)):
+        raise CheckpointCorruptError(f"{src} holds neither a Lightning checkpoint nor a state_dict")
+    sd = dict(ck["state_dict"] if lightning else ck)
+    converted: dict[str, Any] = {"state_dict": sd}
+    classes: list[Optional[str]] = []
+    layout = ck.get("matrix_fsdp_layout") if lightning else None
+    if isinstance(layout, Mapping):
+        classes = [o.get("class") for o in layout.get("optimizers", [])]
+    if lightning and not weights_only:
+        for i, native in enumerate(ck.get("optimizer_states") or []):
+            groups, state = from_native(native)  # needs param_names: this package always writes them
+            converted[f"optimizer_{i}"] = {"state": state, "param_groups": groups}
+    tmp = dst.parent / f"{PARTIAL_PREFIX}{secrets.token_hex(8)}"
+    tmp.mkdir(parents=True)
+    dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(), no_dist=True)
+    if lightning:
+        rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
+        if weights_only:
+            rest.pop("lr_schedulers", None)
+        torch.save(rest, tmp / META_NAME)
+    side = _file_layout(sd, [converted[k] for k in converted if k.startswith("optimizer_")], classes)
+    (tmp / SIDECAR_NAME).write_text(json.dumps(side, indent=1, default=str))
+    _publish(tmp, dst, tmp.name[len(PARTIAL_PREFIX):])
+
+
+def _file_layout(sd: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]],
+                 classes: Sequence[Optional[str]]) -> dict[str, Any]:
+    """The sidecar of a directory made from one file: one writer that owned everything."""
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "world_size": 1, "shard_span": 1, "replicate": 1,
+        "planner": None, "plans": [],
+        "params": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype), "owner": 0, "role": None}
+                   for k, v in sd.items() if isinstance(v, torch.Tensor)},
+        "optimizers": [{"class": classes[i] if i < len(classes) else None,
+                        "param_groups": [list(g["params"]) for g in o["param_groups"]]} for i, o in enumerate(optimizers)],
+        "versions": _versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "converted_from": "file",
+    }
+
+
+def _write_file(obj: Mapping[str, Any], dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.is_dir() and not (dst / META_NAME).is_file() and not (dst / ".metadata").is_file():
+        raise IsADirectoryError(f"{dst} is an existing directory")
+    tmp = dst.parent / f"{PARTIAL_PREFIX}{secrets.token_hex(8)}"
+    with open(tmp, "wb") as f:
+        torch.save(dict(obj), f)
+        f.flush()
+        os.fsync(f.fileno())
+    _publish(tmp, dst, tmp.name[len(PARTIAL_PREFIX):])
+
+
+def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> str:
+    """Convert ``src`` to the other format at ``dst``; returns the direction taken."""
+    src, dst = Path(src), Path(dst)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist")
+    if src.resolve() == dst.resolve():
+        raise ValueError("IN and OUT must differ")
+    if src.is_dir():
+        dcp_to_file(src, dst, weights_only, safe)
+        return "directory -> file"
+    file_to_dcp(src, dst, weights_only, safe)
+    return "file -> directory"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_matrixfsdp.consolidate",
+        description="Convert a distributed checkpoint directory to one consolidated file, or back.")
+    parser.add_argument("src", metavar="IN", type=Path, help="checkpoint directory or file")
+    parser.add_argument("dst", metavar="OUT", type=Path, help="where to write the other format")
+    parser.add_argument("--weights-only", action="store_true", help="drop optimizer states (e.g. for inference)")
+    parser.add_argument("--unsafe-load", action="store_true",
+                        help="torch.load with weights_only=False (only for trusted files holding arbitrary objects)")
+    args = parser.parse_args(argv)
+    direction = convert(args.src, args.dst, args.weights_only, safe=not args.unsafe_load)
+    print(f"{args.src} -> {args.dst} ({direction})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""A small GPT-style decoder for the pre-training example.
+
+Written as an ordinary LightningModule on purpose: no ``configure_model`` and no
+sharding calls, so it shows that MatrixFSDPStrategy wraps unmodified modules itself
+(each entry of ``blocks`` is the natural unit). Every weight matrix is a plain 2D
+``nn.Linear``/``nn.Embedding`` parameter, which is what Muon trains; LayerNorm
+parameters and biases form each unit's AdamW tail.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+from torchmetrics.text import Perplexity
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention; the fused qkv matrix is one Muon role."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: two matrices with a GELU between."""
+
+    def __init__(self, d_model: int, hidden: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, d_model, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; the strategy's default wrap unit."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model, bias=bias)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout, bias)
+        self.ln2 = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = MLP(d_model, mlp_ratio * d_model, dropout, bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.mlp(self.ln2(x))
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup, then cosine decay to ``min_ratio``.
+
+    A callable object rather than a lambda so LambdaLR can put it in a checkpoint.
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float, cosine: bool) -> None:
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_ratio = min_ratio
+        self.cosine = cosine
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if not self.cosine:
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class GPT(LightningModule):
+    """Decoder-only language model trained with ``lightning_matrixfsdp.Muon``.
+
+    Args:
+        vocab_size: 256 for the byte-level data module.
+        max_seq_len: size of the learned position table (>= the data's seq_len).
+        d_model, n_layers, n_heads, mlp_ratio, dropout, bias: architecture.
+        lr: Muon learning rate for the matrices.
+        adamw_lr: AdamW learning rate for the non-matrix tail (norms, biases).
+        weight_decay: decoupled weight decay for both.
+        warmup_steps: linear warmup length in optimizer steps.
+        lr_schedule: ``"cosine"`` (decay over the run's stepping batches) or ``"constant"``.
+        min_lr_ratio: floor of the cosine decay, as a fraction of the peak.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        max_seq_len: int = 256,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        bias: bool = True,
+        lr: float = 0.02,
+        adamw_lr: Optional[float] = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 10,
+        lr_schedule: Literal["cosine", "constant"] = "cosine",
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(max_seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, dropout, bias) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model, bias=bias)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)  # untied: its own Muon role
+        self.apply(self._init_weights)
+        # Scaled init of the residual projections keeps the residual stream's variance flat with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))
+        self.train_ppl = Perplexity()
+        self.val_ppl = Perplexity()
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab)``."""
+        t = idx.size(1)
+        if t > self.hparams.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.hparams.max_seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return loss, logits.detach().float(), y
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss, logits, y = self._loss(batch)
+        self.train_ppl(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_ppl", self.train_ppl, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss, logits, y = self._loss(batch)
+        self.val_ppl.update(logits, y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_ppl", self.val_ppl, prog_bar=True)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        try:
+            from lightning_matrixfsdp import Muon  # lazy: the optimizer package is optional at import time
+        except ImportError:
+            rank_zero_warn("lightning_matrixfsdp.Muon is not importable; GPT falls back to torch.optim.AdamW")
+            lr = hp.adamw_lr if hp.adamw_lr is not None else hp.lr
+            return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=hp.weight_decay)
+        return Muon(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self._optimizer()
+        hp = self.hparams
+        if hp.lr_schedule == "constant" and hp.warmup_steps <= 0:
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)
+        fn = WarmupCosine(max(0, hp.warmup_steps), total, hp.min_lr_ratio, cosine=hp.lr_schedule == "cosine")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
