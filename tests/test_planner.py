@@ -33,9 +33,9 @@ def test_every_param_has_one_owner_and_loads_add_up(planner, world):
     fqns = [p.fqn for u in units for p in u.params]
     assert sorted(plan.owners) == sorted(fqns)
     assert all(0 <= o < world for o in plan.owners.values())
-    # a unit's tail (all non-matrix params) has exactly one owner
+    # a unit's packed tail (its 0-D/1-D params) has exactly one owner
     for u in plan.units:
-        tails = {s.owner for s in u.shards if s.role is RoleKind.TAIL}
+        tails = {s.owner for s in u.shards if s.role is RoleKind.TAIL and len(s.shape) < 2}
         assert len(tails) <= 1
     expected = sum(role_cost(RoleKind.MATRIX if p.is_matrix else RoleKind.TAIL, [p])[0]
                    for u in units for p in u.params)
@@ -105,3 +105,14 @@ def test_bad_inputs():
         make_plan([block("a"), block("a")], 2)
     with pytest.raises(ValueError, match=">= 1"):
         make_plan(model(), 0)
+
+
+def test_large_non_matrix_params_are_roles_of_their_own():
+    # embedding and head sent to AdamW: each its own tail role, not packed with the norms
+    units = [UnitSpec("", (ParamSpec("tok.weight", (1000, 64), "float32", False),
+                           ParamSpec("ln_f.weight", (64,), "float32", False),
+                           ParamSpec("head.weight", (1000, 64), "float32", False)))]
+    plan = make_plan(units, 2)
+    owners = plan.owners
+    assert owners["tok.weight"] != owners["head.weight"]
+    assert plan.units[0].gamma < 1.1

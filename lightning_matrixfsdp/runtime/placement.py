@@ -267,8 +267,9 @@ class Plan:
 
 
 def _role_count(u: UnitLayout) -> int:
-    return sum(1 for s in u.shards if s.role is RoleKind.MATRIX) + int(
-        any(s.role is RoleKind.TAIL for s in u.shards)
+    """Matrices, 2D+ tail roles of their own, and the packed small tail."""
+    return sum(1 for s in u.shards if s.role is RoleKind.MATRIX or len(s.shape) >= 2) + int(
+        any(s.role is RoleKind.TAIL and len(s.shape) < 2 for s in u.shards)
     )
 
 

@@ -58,13 +58,22 @@ def role_cost(kind: RoleKind, params: Sequence[ParamSpec], ns_steps: int = 5) ->
 
 
 def unit_roles(unit_index: int, unit: UnitSpec, ns_steps: int = 5) -> list[Role]:
-    """Split a unit into its matrix roles and (at most) one tail role."""
+    """Split a unit into its matrix roles and its tail.
+
+    The tail packs the small (0-D/1-D) parameters into one role.  A 2D+ parameter
+    kept off the matrix path (an embedding or LM head sent to AdamW by
+    ``matrix_filter``) is a tail role of its own: packing it with the rest would
+    hand one rank most of the unit (gamma near W) and make it the busiest sender.
+    """
     roles: list[Role] = []
     tail: list[ParamSpec] = []
     for p in unit.params:
         if p.is_matrix:
             b, f = role_cost(RoleKind.MATRIX, [p], ns_steps)
             roles.append(Role(unit_index, RoleKind.MATRIX, (p,), b, f))
+        elif len(p.shape) >= 2:
+            b, f = role_cost(RoleKind.TAIL, [p], ns_steps)
+            roles.append(Role(unit_index, RoleKind.TAIL, (p,), b, f))
         else:
             tail.append(p)
     if tail:
