@@ -214,7 +214,7 @@ def _lit_classes():
             return self.model(x)
 
         def training_step(self, batch, i):
-            x = batch_for(self.global_step, self.global_rank)
+            x = batch_for(self.global_step, self.global_rank).to(self.device)
             loss = lm_loss(self.model(x), x)
             self.losses[self.global_step] = loss.item()
             self.steps_seen += 1
@@ -222,15 +222,15 @@ def _lit_classes():
             return loss
 
         def validation_step(self, batch, i):
-            x = batch_for(1000 + i, self.global_rank)
+            x = batch_for(1000 + i, self.global_rank).to(self.device)
             self.log("val_loss", lm_loss(self.model(x), x), sync_dist=True)
 
         def test_step(self, batch, i):
-            x = batch_for(2000 + i, self.global_rank)
+            x = batch_for(2000 + i, self.global_rank).to(self.device)
             self.log("test_loss", lm_loss(self.model(x), x), sync_dist=True)
 
         def predict_step(self, batch, i):
-            return self.model(batch_for(3000 + i, self.global_rank))
+            return self.model(batch_for(3000 + i, self.global_rank).to(self.device))
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(range(64), batch_size=1)

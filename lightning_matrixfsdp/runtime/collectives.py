@@ -108,7 +108,12 @@ class OwnerCollective(ABC):
 
 
 class P2PCollective(OwnerCollective):
-    """Batched send/recv: the owner sends each role to every other rank; no padding."""
+    """Batched send/recv of owner segments: one message per (owner, peer) pair and dtype.
+
+    Each owner packs what it owns of the unit into one contiguous segment, so a unit
+    costs ``W - 1`` messages per owner rather than one per parameter; nothing is padded.
+    Gradients are summed in shard-rank order, so the result does not depend on who owns it.
+    """
 
     name = "p2p"
 
@@ -117,56 +122,81 @@ class P2PCollective(OwnerCollective):
         self._owner_copies(shards, sources, outs)
         if sg.size == 1:
             return PendingOp()
-        ops = []
+        ops, unpack = [], []
         sent = recv = 0
-        for s, out in zip(shards, outs):
-            if s.owner == sg.rank:
+        for dtype, slots, _ in _buckets(shards, outs, sg.size):
+            device = outs[slots[0][0]].device
+            mine = [i for i, o, _ in slots if o == sg.rank]
+            if mine:
+                seg = _pack([outs[i] for i in mine])
                 for q in range(sg.size):
                     if q != sg.rank:
-                        ops.append(dist.P2POp(dist.isend, out, sg.g(q), sg.group))
-                        sent += _nbytes(out)
-            else:
-                ops.append(dist.P2POp(dist.irecv, out, sg.g(s.owner), sg.group))
-                recv += _nbytes(out)
+                        ops.append(dist.P2POp(dist.isend, seg, sg.g(q), sg.group))
+                        sent += _nbytes(seg)
+            for o in range(sg.size):
+                theirs = [(i, off) for i, ow, off in slots if ow == o]
+                if o == sg.rank or not theirs:
+                    continue
+                n = sum(outs[i].numel() for i, _ in theirs)
+                buf = torch.empty(n, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, buf, sg.g(o), sg.group))
+                recv += _nbytes(buf)
+                unpack.append((buf, theirs))
         self.stats.add("materialize", sent, recv, calls=len(ops))
-        return PendingOp(dist.batch_isend_irecv(ops) if ops else [])
+
+        def finish() -> None:
+            for buf, theirs in unpack:
+                for i, off in theirs:
+                    outs[i].copy_(buf[off:off + outs[i].numel()].view(outs[i].shape))
+
+        return PendingOp(dist.batch_isend_irecv(ops) if ops else [], finish)
 
     def start_reduce(self, shards, grads) -> PendingOp:
         sg = self.sg
         if sg.size == 1:
             return PendingOp(finish=lambda: list(grads))
-        ops = []
-        inbox: dict[int, list[torch.Tensor]] = {}
+        ops, sums = [], []
         sent = recv = 0
-        for i, (s, g) in enumerate(zip(shards, grads)):
-            if s.owner == sg.rank:
-                bufs = []
+        for dtype, slots, _ in _buckets(shards, grads, sg.size):
+            device = grads[slots[0][0]].device
+            for o in range(sg.size):
+                theirs = [(i, off) for i, ow, off in slots if ow == o]
+                if not theirs:
+                    continue
+                if o != sg.rank:
+                    seg = _pack([grads[i] for i, _ in theirs])
+                    ops.append(dist.P2POp(dist.isend, seg, sg.g(o), sg.group))
+                    sent += _nbytes(seg)
+                    continue
+                parts = []
                 for q in range(sg.size):
                     if q == sg.rank:
-                        bufs.append(g)
+                        parts.append(_pack([grads[i] for i, _ in theirs]))
                         continue
-                    b = torch.empty_like(g)
+                    b = torch.empty(sum(grads[i].numel() for i, _ in theirs), dtype=dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, b, sg.g(q), sg.group))
-                    bufs.append(b)
                     recv += _nbytes(b)
-                inbox[i] = bufs
-            else:
-                ops.append(dist.P2POp(dist.isend, g, sg.g(s.owner), sg.group))
-                sent += _nbytes(g)
+                    parts.append(b)
+                sums.append((parts, theirs))
         self.stats.add("reduce", sent, recv, calls=len(ops))
         works = dist.batch_isend_irecv(ops) if ops else []
 
         def finish() -> list[Optional[torch.Tensor]]:
             out: list[Optional[torch.Tensor]] = [None] * len(grads)
-            for i, bufs in inbox.items():
-                # Sum in shard-rank order, so the result does not depend on who owns it.
-                total = bufs[0] if bufs[0] is not grads[i] else bufs[0].clone()
-                for b in bufs[1:]:
+            for parts, theirs in sums:
+                total = parts[0]
+                for b in parts[1:]:  # shard-rank order
                     total.add_(b)
-                out[i] = total
+                for i, off in theirs:
+                    out[i] = total[off:off + grads[i].numel()].view(grads[i].shape)
             return out
 
         return PendingOp(works, finish)
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous segment (a fresh tensor: it is summed into or sent while the sources change)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 class BroadcastCollective(OwnerCollective):
