@@ -187,8 +187,18 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
 
 
 def no_matrices(fqn: str, p) -> bool:
-    """A matrix_filter that sends everything to the tail (few roles: some ranks own nothing)."""
+    """A matrix_filter that sends everything to the AdamW tail."""
     return False
+
+
+def leave_last_rank_empty(units, world):
+    """A custom planner: role_greedy over the first world-1 ranks; the last rank owns nothing."""
+    from lightning_matrixfsdp.runtime.placement import Plan, UnitLayout
+    from lightning_matrixfsdp.runtime.planner import make_plan
+
+    inner = make_plan(units, world - 1, "role_greedy")
+    return Plan(world, "leave_last_rank_empty", [UnitLayout(u.fqn, world, u.shards) for u in inner.units],
+                inner.loads_bytes + [0], inner.loads_flops + [0])
 
 
 class count_collectives:
