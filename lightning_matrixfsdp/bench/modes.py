@@ -221,8 +221,9 @@ def build_ddp_muon(ctx: ModeContext) -> TrainStep:
     return TrainStep("ddp_muon", model, raw, opts)
 
 
-def build_matrix_fsdp(ctx: ModeContext, collective: str) -> TrainStep:
-    """Our owner-sharded ZeRO-3 runtime with one collective implementation."""
+def build_matrix_fsdp(ctx: ModeContext, collective: str, orthogonalizer: str = "newton_schulz") -> TrainStep:
+    """Our owner-sharded ZeRO-3 runtime with one collective implementation (and, for
+    the ``_fast`` mode, the opt-in hybrid orthogonalizer instead of torch's numerics)."""
     try:
         from lightning_matrixfsdp import Muon, get_comm_stats, get_plan, matrix_shard
     except Exception as exc:
@@ -244,8 +245,10 @@ def build_matrix_fsdp(ctx: ModeContext, collective: str) -> TrainStep:
         adamw_betas=tuple(o.adamw_betas),
         adamw_eps=o.adamw_eps,
         adamw_weight_decay=o.adamw_weight_decay,
+        orthogonalizer=orthogonalizer,
     )
-    info: dict[str, Any] = {"collective": collective, "planner": ctx.cfg.run.planner}
+    info: dict[str, Any] = {"collective": collective, "planner": ctx.cfg.run.planner,
+                            "orthogonalizer": orthogonalizer}
     try:
         plan = get_plan(model)
         info["plan"] = plan.to_dict()
@@ -253,7 +256,7 @@ def build_matrix_fsdp(ctx: ModeContext, collective: str) -> TrainStep:
     except Exception as exc:  # the report still runs without the plan
         info["plan_error"] = f"{type(exc).__name__}: {exc}"
     return TrainStep(
-        f"matrix_fsdp_{collective}",
+        f"matrix_fsdp_{collective}" + ("" if orthogonalizer == "newton_schulz" else "_fast"),
         model,
         model,
         [opt],
@@ -274,4 +277,5 @@ BUILDERS: dict[str, Builder] = {
     "matrix_fsdp_p2p": functools.partial(build_matrix_fsdp, collective="p2p"),
     "matrix_fsdp_broadcast": functools.partial(build_matrix_fsdp, collective="broadcast"),
     "matrix_fsdp_padded_all_gather": functools.partial(build_matrix_fsdp, collective="padded_all_gather"),
+    "matrix_fsdp_p2p_fast": functools.partial(build_matrix_fsdp, collective="p2p", orthogonalizer="fast"),
 }

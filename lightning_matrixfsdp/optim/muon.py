@@ -49,7 +49,11 @@ MATRIX_ROLE = "matrix"
 #: Valid ``orthogonalizer`` names. "newton_schulz" is bitwise torch.optim.Muon;
 #: "batched" is the same math with same-shape matrices of a group stacked;
 #: "polar_express" and "gram_polar_express" are opt-in faster/more accurate schemes.
-ORTHOGONALIZERS = ("newton_schulz", "batched", "polar_express", "gram_polar_express")
+ORTHOGONALIZERS = ("newton_schulz", "batched", "polar_express", "gram_polar_express", "fast")
+
+#: "fast" picks per matrix: the Gram-space iteration where the aspect ratio is at
+#: least this (it saves FLOPs there), Polar Express otherwise.
+FAST_GRAM_MIN_ASPECT = 4
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -109,8 +113,10 @@ class Muon(torch.optim.Optimizer):
         adamw_betas, adamw_eps: AdamW betas and epsilon.
         adamw_weight_decay: AdamW decoupled weight decay; ``None`` -> ``weight_decay``.
         orthogonalizer: one of :data:`ORTHOGONALIZERS`. With "polar_express" /
-            "gram_polar_express", ``ns_coefficients`` is ignored and ``ns_steps``
-            iterations of the Polar Express schedule run instead.
+            "gram_polar_express" / "fast", ``ns_coefficients`` is ignored and
+            ``ns_steps`` iterations of the Polar Express schedule run instead
+            ("fast" uses the Gram-space iteration for matrices with an aspect
+            ratio of at least :data:`FAST_GRAM_MIN_ASPECT`).
     """
 
     def __init__(
@@ -294,6 +300,9 @@ class Muon(torch.optim.Optimizer):
             return [polar_express(u, steps, eps) for u in updates]
         if name == "gram_polar_express":
             return [gram_polar_express(u, steps, eps) for u in updates]
+        if name == "fast":
+            return [gram_polar_express(u, steps, eps) if max(u.shape) >= FAST_GRAM_MIN_ASPECT * min(u.shape)
+                    else polar_express(u, steps, eps) for u in updates]
         raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")
 
     def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:

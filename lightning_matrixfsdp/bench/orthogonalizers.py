@@ -1,0 +1,137 @@
+"""Orthogonalizer micro-benchmark: time, achieved rate and accuracy per matrix shape.
+
+    python -m lightning_matrixfsdp.bench.orthogonalizers --shapes 4096x4096 4096x16384 16384x4096
+
+Measures the bf16 matmul rate of this GPU (the ceiling behind the Newton-Schulz
+FLOP floor), then for each shape times ``torch.optim.Muon``'s Newton-Schulz (our
+bitwise copy), the batched variant, Polar Express, the Gram-space iteration and
+the ``fast`` hybrid, and reports each one's distance to the exact polar factor
+(float64 SVD) on a gradient-like matrix.  Output: JSON and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Callable
+
+import torch
+
+from lightning_matrixfsdp.optim.muon import FAST_GRAM_MIN_ASPECT
+from lightning_matrixfsdp.optim.orthogonalize import (
+    gram_polar_express,
+    newton_schulz,
+    newton_schulz_batched,
+    polar_error,
+    polar_express,
+)
+from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
+
+COEFFS = (3.4445, -4.775, 2.0315)
+
+
+def _time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(2):
+        fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize(device)
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return sorted(out)[len(out) // 2]
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = _time(lambda: a @ b, device, reps)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def gradient_like(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """Low-rank-plus-noise, like real gradients (a decaying spectrum)."""
+    m, n = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    r = min(m, n)
+    u = torch.randn(m, r, device=device, generator=g) / r ** 0.5
+    v = torch.randn(r, n, device=device, generator=g) / r ** 0.5
+    s = torch.logspace(0, -3, r, device=device)
+    return (u * s) @ v + 1e-3 * torch.randn(m, n, device=device, generator=g)
+
+
+def run(shapes: list[tuple[int, int]], device: torch.device, reps: int, batch: int) -> dict:
+    rate = matmul_tflops(device) if device.type == "cuda" else float("nan")
+    rows = []
+    for shape in shapes:
+        x = gradient_like(shape, device)
+        xs = [x.clone() for _ in range(batch)]
+        flops = newton_schulz_flops(shape, 5)
+        methods: dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]] = {
+            "newton_schulz (torch.optim.Muon)": (lambda: newton_schulz(x, COEFFS, 5, 1e-7),
+                                                  lambda: newton_schulz(x, COEFFS, 5, 1e-7)),
+            f"batched x{batch} (per matrix)": (lambda: newton_schulz_batched(xs, COEFFS, 5, 1e-7),
+                                               lambda: newton_schulz_batched(xs[:1], COEFFS, 5, 1e-7)[0]),
+            "polar_express 5": (lambda: polar_express(x, 5), lambda: polar_express(x, 5)),
+            "polar_express 4": (lambda: polar_express(x, 4), lambda: polar_express(x, 4)),
+            "gram_polar_express 5": (lambda: gram_polar_express(x, 5), lambda: gram_polar_express(x, 5)),
+        }
+        for name, (timed, result) in methods.items():
+            ms = _time(timed, device, reps)
+            if name.startswith("batched"):
+                ms /= batch
+            err = polar_error(result().float(), x)
+            rows.append({"shape": list(shape), "method": name, "ms": ms,
+                         "ns_equivalent_tflops": flops / (ms * 1e-3) / 1e12,
+                         "floor_ms": flops / (rate * 1e12) * 1e3 if rate == rate else None,
+                         "polar_error": err})
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "matmul_bf16_tflops": rate, "rows": rows,
+            "fast_gram_min_aspect": FAST_GRAM_MIN_ASPECT}
+
+
+def to_markdown(res: dict) -> str:
+    lines = [f"bf16 matmul rate (8192^3): {res['matmul_bf16_tflops']:.0f} TFLOP/s on {res['device']}, "
+             f"torch {res['torch']}", "",
+             "| shape | method | ms / matrix | NS-5 FLOP floor ms | time / floor | NS-equivalent TFLOP/s | "
+             "polar error |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in res["rows"]:
+        floor = r["floor_ms"]
+        ratio = f"{r['ms'] / floor:.2f}" if floor else "n/a"
+        fl = f"{floor:.2f}" if floor else "n/a"
+        lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['method']} | {r['ms']:.2f} | {fl} | {ratio} | "
+                     f"{r['ns_equivalent_tflops']:.0f} | {r['polar_error']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "4096x16384", "16384x4096"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    res = run(shapes, device, args.reps, args.batch)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "orthogonalizers.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    md = to_markdown(res)
+    with open(os.path.join(args.out, "orthogonalizers.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU batch behind docs/benchmarks.md: run on 2 x H200 (device tool) from the repo root.
+#   OUT=<dir> BENCH_GIT_REVISION=<rev> bash scripts/bench_h200.sh [quick|full]
+# Carried wheels in .whl/ (muon-fsdp2) are installed to /tmp/site when present.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__, 'cuda', torch.version.cuda)" >> "$OUT/gpu.txt"
+N=$(nvidia-smi -L | wc -l)
+case "${1:-full}" in
+  quick)
+    torchrun --nproc-per-node "$N" -m lightning_matrixfsdp.bench --preset small --modes matrix_fsdp ddp_muon fsdp2_muon \
+      --out "$OUT/quick" --no-plot --timeout 120 2>&1 | tail -25 ;;
+  full)
+    timeout 120 python3 -m lightning_matrixfsdp.bench.orthogonalizers --out "$OUT" 2>&1 | tail -20
+    torchrun --nproc-per-node "$N" -m lightning_matrixfsdp.bench --preset onenode --modes all --out "$OUT" \
+      --timeout 120 --no-plot 2>&1 | grep -v Warning | tail -40 ;;
+esac
