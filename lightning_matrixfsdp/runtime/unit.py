@@ -16,6 +16,7 @@ States follow FSDP2's naming (``TrainingState``).  One backward pass:
 
 from __future__ import annotations
 
+import weakref
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -226,9 +227,16 @@ class Unit:
             nxt.start_unshard()
 
     def _grad_ready_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        # The hook lives in the tensor's C++ hook list, which Python's garbage
+        # collector cannot see through: a strong reference to the unit would keep
+        # the whole model alive after the user drops it.
+        unit_ref = weakref.ref(self)
+
         def hook(_: torch.Tensor) -> None:
-            self._ready.add(index)
-            self._maybe_post_backward()
+            unit = unit_ref()
+            if unit is not None:
+                unit._ready.add(index)
+                unit._maybe_post_backward()
 
         return hook
 
