@@ -28,7 +28,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
-from lightning_matrixfsdp.runtime.collectives import COLLECTIVES, DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES, DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.planner import PLANNERS
 from lightning_matrixfsdp.runtime.shard import get_comm_stats, get_plan, matrix_shard, set_requires_gradient_sync
 from lightning_matrixfsdp.runtime.state import STATE_ATTR
@@ -135,8 +135,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             )
         if not callable(planner) and planner not in PLANNERS:
             raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
-        if collective not in COLLECTIVES:
-            raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+        if collective not in COLLECTIVE_NAMES:
+            raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVE_NAMES)}")
         if optimizer is not None and not callable(optimizer):
             raise ValueError(f"optimizer must be a callable params -> Optimizer (e.g. functools.partial), got {optimizer!r}")
         if shard_size is not None and int(shard_size) < 1:

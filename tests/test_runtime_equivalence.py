@@ -22,6 +22,7 @@ CORE = [
     (3, "scope_greedy", "p2p", torch.float32),
     (3, "cost_aware", "broadcast", torch.float64),
     (4, "cost_aware", "p2p", torch.float32),
+    (3, "role_greedy", "p2p_direct", torch.float32),  # the unpacked path NCCL takes
     (4, "role_greedy", "padded_all_gather", torch.float64),
 ]
 

@@ -21,6 +21,7 @@ ALL_MODES: tuple[str, ...] = (
     "matrix_fsdp_p2p",
     "matrix_fsdp_broadcast",
     "matrix_fsdp_padded_all_gather",
+    "matrix_fsdp_p2p_packed",
     "matrix_fsdp_p2p_fast",
     "muon_fsdp2",
 )
@@ -29,7 +30,7 @@ ALL_MODES: tuple[str, ...] = (
 MODE_ALIASES: dict[str, tuple[str, ...]] = {
     "all": ALL_MODES,
     "matrix_fsdp": ("matrix_fsdp_p2p", "matrix_fsdp_broadcast", "matrix_fsdp_padded_all_gather",
-                    "matrix_fsdp_p2p_fast"),
+                    "matrix_fsdp_p2p_packed", "matrix_fsdp_p2p_fast"),
     "baselines": ("fsdp2_adamw", "fsdp2_muon", "fsdp2_gather_once", "zero1_owner", "ddp_muon", "muon_fsdp2"),
 }
 

@@ -277,5 +277,6 @@ BUILDERS: dict[str, Builder] = {
     "matrix_fsdp_p2p": functools.partial(build_matrix_fsdp, collective="p2p"),
     "matrix_fsdp_broadcast": functools.partial(build_matrix_fsdp, collective="broadcast"),
     "matrix_fsdp_padded_all_gather": functools.partial(build_matrix_fsdp, collective="padded_all_gather"),
+    "matrix_fsdp_p2p_packed": functools.partial(build_matrix_fsdp, collective="p2p_packed"),
     "matrix_fsdp_p2p_fast": functools.partial(build_matrix_fsdp, collective="p2p", orthogonalizer="fast"),
 }

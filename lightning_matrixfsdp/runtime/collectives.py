@@ -117,11 +117,21 @@ class P2PCollective(OwnerCollective):
 
     name = "p2p"
 
+    def __init__(self, sg: ShardGroup, stats: CommStats, pack: Optional[bool] = None) -> None:
+        super().__init__(sg, stats)
+        # gloo pays per message, so pack segments; NCCL coalesces a batch of
+        # send/recv into one launch, so send the tensors as they are (no copies).
+        if pack is None:
+            pack = sg.group is None or dist.get_backend(sg.group) == "gloo"
+        self.pack = pack
+
     def start_materialize(self, shards, sources, outs) -> PendingOp:
         sg = self.sg
         self._owner_copies(shards, sources, outs)
         if sg.size == 1:
             return PendingOp()
+        if not self.pack:
+            return self._materialize_direct(shards, outs)
         ops, unpack = [], []
         sent = recv = 0
         for dtype, slots, _ in _buckets(shards, outs, sg.size):
@@ -151,10 +161,62 @@ class P2PCollective(OwnerCollective):
 
         return PendingOp(dist.batch_isend_irecv(ops) if ops else [], finish)
 
+    def _materialize_direct(self, shards, outs) -> PendingOp:
+        sg = self.sg
+        ops = []
+        sent = recv = 0
+        for s, out in zip(shards, outs):
+            if s.owner == sg.rank:
+                for q in range(sg.size):
+                    if q != sg.rank:
+                        ops.append(dist.P2POp(dist.isend, out, sg.g(q), sg.group))
+                        sent += _nbytes(out)
+            else:
+                ops.append(dist.P2POp(dist.irecv, out, sg.g(s.owner), sg.group))
+                recv += _nbytes(out)
+        self.stats.add("materialize", sent, recv, calls=len(ops))
+        return PendingOp(dist.batch_isend_irecv(ops) if ops else [])
+
+    def _reduce_direct(self, shards, grads) -> PendingOp:
+        sg = self.sg
+        ops = []
+        inbox: dict[int, list[torch.Tensor]] = {}
+        sent = recv = 0
+        for i, (s, g) in enumerate(zip(shards, grads)):
+            if s.owner != sg.rank:
+                ops.append(dist.P2POp(dist.isend, g, sg.g(s.owner), sg.group))
+                sent += _nbytes(g)
+                continue
+            parts = []
+            for q in range(sg.size):
+                if q == sg.rank:
+                    parts.append(g)
+                    continue
+                b = torch.empty_like(g)
+                ops.append(dist.P2POp(dist.irecv, b, sg.g(q), sg.group))
+                recv += _nbytes(b)
+                parts.append(b)
+            inbox[i] = parts
+        self.stats.add("reduce", sent, recv, calls=len(ops))
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish() -> list[Optional[torch.Tensor]]:
+            out: list[Optional[torch.Tensor]] = [None] * len(grads)
+            for i, parts in inbox.items():
+                total = parts[0] if parts[0] is not grads[i] else parts[0].clone()
+                for b in parts[1:]:  # shard-rank order
+                    total.add_(b)
+                out[i] = total
+            return out
+
+        return PendingOp(works, finish)
+
     def start_reduce(self, shards, grads) -> PendingOp:
         sg = self.sg
         if sg.size == 1:
             return PendingOp(finish=lambda: list(grads))
+        if not self.pack:
+            return self._reduce_direct(shards, grads)
         ops, sums = [], []
         sent = recv = 0
         for dtype, slots, _ in _buckets(shards, grads, sg.size):
@@ -331,11 +393,18 @@ COLLECTIVES: dict[str, type[OwnerCollective]] = {
 DEFAULT_COLLECTIVE = "p2p"
 
 
+COLLECTIVE_NAMES = (*COLLECTIVES, "p2p_packed", "p2p_direct")
+
+
 def make_collective(name: str, sg: ShardGroup, stats: CommStats) -> OwnerCollective:
+    """``p2p`` packs segments on gloo and sends tensors directly on NCCL;
+    ``p2p_packed`` / ``p2p_direct`` force one of the two."""
+    if name in ("p2p_packed", "p2p_direct"):
+        return P2PCollective(sg, stats, pack=name == "p2p_packed")
     try:
         cls = COLLECTIVES[name]
     except KeyError:
-        raise ValueError(f"unknown collective {name!r}; choose one of {', '.join(COLLECTIVES)}") from None
+        raise ValueError(f"unknown collective {name!r}; choose one of {', '.join(COLLECTIVE_NAMES)}") from None
     return cls(sg, stats)
 
 

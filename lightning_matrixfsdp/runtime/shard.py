@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.collectives import (
     DEFAULT_COLLECTIVE,
-    COLLECTIVES,
+    COLLECTIVE_NAMES,
     CommStats,
     ShardGroup,
     make_collective,
@@ -166,8 +166,8 @@ def matrix_shard(
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
     if isinstance(planner, str) and planner not in PLANNERS:
         raise MatrixShardError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)} or pass a callable")
-    if collective not in COLLECTIVES:
-        raise MatrixShardError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    if collective not in COLLECTIVE_NAMES:
+        raise MatrixShardError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVE_NAMES)}")
     _check_not_wrapped(module)
 
     if shard_size is not None:
