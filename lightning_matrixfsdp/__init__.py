@@ -12,13 +12,23 @@ from lightning_matrixfsdp.runtime import (
     set_requires_gradient_sync,
 )
 
+from lightning_matrixfsdp.runtime.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointKeyError,
+    CheckpointMismatchError,
+    load_sharded,
+    load_weights,
+    save_sharded,
+)
 from lightning_matrixfsdp.strategy import MatrixFSDPStrategy, register
 
 __version__ = "0.1.0"
 
 register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 
-__all__ = ["MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
+           "load_sharded", "load_weights", "save_sharded", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",
            "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo

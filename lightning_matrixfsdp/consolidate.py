@@ -37,6 +37,7 @@ from lightning_matrixfsdp.runtime.checkpoint import (
     _hparams,
     _nest,
     _parse_dcp,
+    _placeholder,
     _publish,
     _versions,
     from_native,
@@ -59,11 +60,7 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     if not weights_only:
         flats += [f for per in ck.state.values() for items in per.values() for _, f, _ in items]
         flats += [f for gs in ck.groups.values() for g in gs.values() for f in g.values()]
-    meta_of = md.state_dict_metadata
-    req: dict[str, Any] = {}
-    for f in flats:
-        m = meta_of[f]
-        req[f] = torch.empty(tuple(m.size), dtype=m.properties.dtype) if hasattr(m, "size") else None
+    req: dict[str, Any] = {f: _placeholder(md.state_dict_metadata[f]) for f in flats}
     dcp.load(req, storage_reader=FileSystemReader(str(src)), no_dist=True)
     out: dict[str, Any] = {}
     if (src / META_NAME).is_file():
@@ -75,7 +72,8 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
             gs = ck.groups.get(i, {})
             groups = [{h: req[f] for h, f in gs[j].items()} for j in sorted(gs)]
             state = {fqn: _nest((tail, req[f]) for tail, f, _ in items) for fqn, items in ck.state.get(i, {}).items()}
-            states.append(to_native(state, [_hparams(g) for g in groups], [list(g.get("params") or []) for g in groups]))
+            names = [list(g.get("params") or []) for g in groups]
+            states.append(to_native(state, [_hparams(g) for g in groups], names))
         out["optimizer_states"] = states
     else:
         out.pop("optimizer_states", None)
@@ -125,7 +123,8 @@ def _file_layout(sd: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]],
         "params": {k: {"shape": list(v.shape), "dtype": _dtype_name(v.dtype), "owner": 0, "role": None}
                    for k, v in sd.items() if isinstance(v, torch.Tensor)},
         "optimizers": [{"class": classes[i] if i < len(classes) else None,
-                        "param_groups": [list(g["params"]) for g in o["param_groups"]]} for i, o in enumerate(optimizers)],
+                        "param_groups": [list(g["params"]) for g in o["param_groups"]]}
+                       for i, o in enumerate(optimizers)],
         "versions": _versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "converted_from": "file",
     }
 

@@ -71,3 +71,83 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 240.0
     if len(results) < world:
         raise AssertionError(f"distributed run timed out after {timeout}s ({len(results)}/{world} ranks finished)")
     return [results[r] for r in range(world)]
+
+
+def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args = task
+            try:
+                results.put((rank, "ok", fn(rank, world, *args)))
+            except BaseException:  # noqa: BLE001
+                results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class DistPool:
+    """``world`` gloo workers kept alive across tests: the process start-up (importing
+    torch) is paid once per pool instead of once per test.  A failed or timed-out task
+    tears the pool down (its process group may be wedged); the next task restarts it.
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, self.world, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 240.0) -> list[Any]:
+        import queue as _q
+        import time
+
+        if not self.procs or not all(p.is_alive() for p in self.procs):
+            self.close()
+            self._start()
+        for t in self.tasks:
+            t.put((fn, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world:
+            try:
+                rank, status, payload = self.results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except _q.Empty:
+                self.close()
+                raise AssertionError(f"distributed task timed out after {timeout}s "
+                                     f"({len(results)}/{self.world} ranks finished)") from None
+            if status != "ok":
+                self.close()
+                raise AssertionError(f"distributed worker failed:\n--- rank {rank} ---\n{payload}")
+            results[rank] = payload
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for t in getattr(self, "tasks", []):
+            try:
+                t.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+        self.procs = []

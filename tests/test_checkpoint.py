@@ -6,13 +6,11 @@ no process group).
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,8 @@ from _dist import _free_port, run_distributed
 from models import TinyLM, batch_for, lm_loss
 
 MUON = dict(lr=0.02, weight_decay=0.1)
+# DCP without a process group (the world-1 cases in this process) says so on every call.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 # ---------------------------------------------------------------------- helpers (run inside workers)
@@ -158,8 +158,8 @@ def test_reshard_2_to_3_3_to_2_2_to_1_and_other_planner(tmp_path):
     side = json.loads((tmp_path / "d2" / "matrix_fsdp_layout.json").read_text())
     assert side["world_size"] == 2 and side["planner"] == "role_greedy"
     assert {k: v["owner"] for k, v in side["params"].items()} == saved["owners"]
-    assert sorted(os.listdir(tmp_path / "d2")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "matrix_fsdp_layout.json",
-                                                   "meta.pt"]
+    assert sorted(os.listdir(tmp_path / "d2")) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                   "matrix_fsdp_layout.json", "meta.pt"]
     assert_same_state(saved["hsdp"], ref)  # 2 -> HSDP 2 x 1
     assert json.loads((tmp_path / "d_hsdp" / "matrix_fsdp_layout.json").read_text())["replicate"] == 2
 
@@ -312,7 +312,8 @@ def _lit_worker(rank, world, root):
     result = {"losses_a": a.losses, "losses_b": b.losses, "full_a": full_a, "full_b": full_b,
             "pred_a": pred_a, "pred_c": pred_c, "val": (val_a, val_c), "test_c": test_c, "out_a": out_a,
             "best": sorted(os.listdir(root / "best")), "every": sorted(os.listdir(root / "every")),
-            "global_step_b": tb.global_step, "buffers": (int(a.steps_seen), int(b.steps_seen)), "lr_b": tb.optimizers[0].param_groups[0]["lr"],
+            "global_step_b": tb.global_step, "buffers": (int(a.steps_seen), int(b.steps_seen)),
+            "lr_b": tb.optimizers[0].param_groups[0]["lr"],
             "lr_a": ta.optimizers[0].param_groups[0]["lr"]} if rank == 0 else None
     return _ret(result)
 
@@ -483,9 +484,6 @@ def test_bad_checkpoint_errors(saved, tmp_path):
     from lightning_matrixfsdp.runtime import checkpoint as C
 
     root, ref = saved
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     # missing keys (the model has a branch the checkpoint lacks): strict error, or load the rest with a warning
     with pytest.raises(C.CheckpointKeyError, match=r"missing keys \['branch.weight', 'branch.bias'\]"):
         _load(root, "ok", extra_branch=True)
@@ -519,8 +517,11 @@ def test_bad_checkpoint_errors(saved, tmp_path):
     # another optimizer: error, or weights only with a warning
     model, _ = _sharded(9)
     adamw = mf.route_optimizer(torch.optim.AdamW(model.parameters()))
-    with pytest.raises(C.CheckpointMismatchError, match="cannot take the saved state"):
-        C.load_sharded(model, root / "ok", [adamw])
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    for name in ("ok", "ok.ckpt"):
+        with pytest.raises(C.CheckpointMismatchError, match="cannot take the saved state"):
+            C.load_sharded(model, root / name, [adamw])
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "validated before loading"
     with pytest.warns(UserWarning, match="cannot take the saved state"):
         C.load_sharded(model, root / "ok", [adamw], strict=False)
     assert not adamw.state
@@ -586,3 +587,50 @@ def test_plain_state_dict_and_consolidate_cli(saved, tmp_path):
     assert C.read_sidecar(tmp_path / "back")["world_size"] == 1
     model, opt = _load(tmp_path, "back")
     assert_same_state(full_state(model, opt), ref)
+
+
+@pytest.mark.parametrize("name", ["SOAP", "Shampoo"])
+def test_library_optimizer_state_round_trip(name, tmp_path):
+    """Shampoo/SOAP keep flat, dotted state keys ("name.i"): both formats restore them exactly."""
+    pytest.importorskip("pytorch_optimizer")
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime import checkpoint as C
+
+    kw = {"SOAP": dict(precondition_frequency=2), "Shampoo": dict(start_preconditioning_step=2,
+                                                                   preconditioning_compute_steps=2)}[name]
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = mf.matrix_shard(TinyLM(layers=1))
+        return model, mf.route_optimizer(getattr(mf, name)(model.parameters(), lr=1e-3, **kw))
+
+    model, opt = make(0)
+    _train(model, opt, 3)
+    C.save_sharded(model, tmp_path / "d", [opt])
+    C.save_sharded(model, tmp_path / "f.ckpt", [opt], full=True)
+    ref = full_state(model, opt)
+    assert any("." in k for s in ref["state"].values() for k in s), "expected the library's dotted state keys"
+    _train(model, opt, 1, start=3)
+    for src in ("d", "f.ckpt"):
+        other, o2 = make(1)
+        C.load_sharded(other, tmp_path / src, [o2])
+        assert_same_state(full_state(other, o2), ref)
+        _train(other, o2, 1, start=3)  # the next step lands exactly where the uninterrupted run did
+        assert all(torch.equal(p, q) for p, q in zip(other.parameters(), model.parameters()))
+
+
+def test_tensor_hyperparameters_round_trip(tmp_path):
+    """A tensor learning rate is a DCP tensor entry among the param-group objects."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime import checkpoint as C
+
+    model = mf.matrix_shard(TinyLM(layers=1))
+    opt = mf.route_optimizer(mf.Muon(model.parameters(), lr=torch.tensor(0.02)))
+    _train(model, opt, 1)
+    opt.param_groups[0]["lr"] = torch.tensor(0.005)
+    C.save_sharded(model, tmp_path / "d", [opt])
+    other = mf.matrix_shard(TinyLM(layers=1))
+    o2 = mf.route_optimizer(mf.Muon(other.parameters(), lr=torch.tensor(0.02)))
+    C.load_sharded(other, tmp_path / "d", [o2])
+    assert torch.equal(o2.param_groups[0]["lr"], torch.tensor(0.005))
+    assert_same_state(full_state(other, o2), full_state(model, opt))

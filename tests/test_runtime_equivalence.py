@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import equiv
-from _dist import run_distributed
 from equiv import equivalence_worker
 
 STEPS = 5
@@ -29,8 +28,8 @@ CORE = [
 
 @pytest.mark.parametrize("world,planner,collective,dtype", CORE,
                          ids=[f"w{w}-{p}-{c}-{str(d)[6:]}" for w, p, c, d in CORE])
-def test_matches_ddp_muon(world, planner, collective, dtype):
-    res = run_distributed(equivalence_worker, world,
+def test_matches_ddp_muon(world, planner, collective, dtype, dist_pools):
+    res = dist_pools(world).run(equivalence_worker,
                           {"steps": STEPS, "planner": planner, "collective": collective, "dtype": dtype})
     # the run really trained: losses moved, and traffic was counted
     losses = res[0]["losses"]
@@ -59,9 +58,9 @@ EDGE = {
 
 
 @pytest.mark.parametrize("case", sorted(EDGE))
-def test_edge_case_matches_ddp_muon(case):
+def test_edge_case_matches_ddp_muon(case, dist_pools):
     world, cfg = EDGE[case]
-    res = run_distributed(equivalence_worker, world, {"steps": STEPS, **cfg})
+    res = dist_pools(world).run(equivalence_worker, {"steps": STEPS, **cfg})
     if case == "rank_owns_nothing":
         assert res[0]["plan_dict"]["loads_bytes"][3] == 0, res[0]["plan"]
 
@@ -74,6 +73,7 @@ def _mixed_precision_worker(rank, world):
     from oracle import allreduce_mean_grads, oracle_optimizers
 
     torch.manual_seed(0)
+    torch.set_default_dtype(torch.float32)
     oracle = TinyLM()
     model = mf.matrix_shard(copy.deepcopy(oracle), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     seen = {}
@@ -102,8 +102,8 @@ def _mixed_precision_worker(rank, world):
     return {"compute": str(seen["compute"]), "gaps": gaps}
 
 
-def test_mixed_precision_param_and_reduce_dtypes():
-    res = run_distributed(_mixed_precision_worker, 2)
+def test_mixed_precision_param_and_reduce_dtypes(dist_pools):
+    res = dist_pools(2).run(_mixed_precision_worker)
     for r in res:
         assert r["compute"] == "torch.bfloat16"
         # bf16 compute vs the float32 oracle: close, not equal (bf16 has 8 mantissa bits)

@@ -292,7 +292,8 @@ def _full_groups(index: _Index, optimizer: torch.optim.Optimizer) -> list[list[s
     return [sorted(s, key=index.order.__getitem__) for s in merged]
 
 
-def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False) -> dict[str, Any]:
+def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
+                                 full: bool = False) -> dict[str, Any]:
     """Optimizer state keyed by parameter fqn (``full=False``, this rank's params, for DCP) or
     torch's native id-keyed format on rank 0 (``full=True``, with ``param_names``).  Collective."""
     optimizer = _unwrap(optimizer)
@@ -418,7 +419,8 @@ def layout_dict(index: _Index, optimizers: Sequence[Mapping[str, Any]] = (), cla
         "params": {k: {"shape": list(e.shape), "dtype": _dtype_name(e.dtype), "owner": e.owner, "role": e.role,
                        **({"alias_of": e.primary} if e.primary != k else {})}
                    for k, e in index.entries.items()},
-        "optimizers": [{"class": c, "param_groups": [list(g.get("param_names", g["params"])) for g in o.get("param_groups", [])]}
+        "optimizers": [{"class": c,
+                        "param_groups": [list(g.get("param_names", g["params"])) for g in o.get("param_groups", [])]}
                        for c, o in zip(list(classes) + [None] * len(optimizers), optimizers)],
         "versions": _versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -475,7 +477,7 @@ def _class_name(o: Any) -> str:
 
 def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: PathLike, full: bool,
                      optimizer_classes: Sequence[str] = ()) -> None:
-    """Write what ``model_state_dict`` / ``optimizer_state_dict`` produced, crash-safely. Collective.
+    """Write what ``sharded_model_state_dict`` / ``sharded_optimizer_state_dict`` produced, crash-safely.
 
     Everything goes to a hidden temporary sibling (``.mfsdp-partial-<token>``) first;
     only when every rank has finished does rank 0 rename it to ``path``."""
@@ -491,8 +493,8 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
             if path.is_dir() and not (path / META_NAME).is_file():
                 raise IsADirectoryError(f"the checkpoint path exists and is a directory: {path}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            checkpoint.setdefault("matrix_fsdp_layout",
-                                  layout_dict(_index(module), checkpoint.get("optimizer_states", []), optimizer_classes))
+            layout = layout_dict(_index(module), checkpoint.get("optimizer_states", []), optimizer_classes)
+            checkpoint.setdefault("matrix_fsdp_layout", layout)
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -742,8 +744,10 @@ def _detect(path: Path) -> str:
 @dataclass
 class _Dcp:
     model: dict[str, tuple[str, Any]] = field(default_factory=dict)               # key -> (flat key, metadata)
-    state: dict[int, dict[str, list[tuple[tuple, str, Any]]]] = field(default_factory=dict)  # i -> fqn -> [(tail, flat, md)]
+    # optimizer i -> fqn -> [(state key path, flat key, metadata)]
+    state: dict[int, dict[str, list[tuple[tuple, str, Any]]]] = field(default_factory=dict)
     groups: dict[int, dict[int, dict[str, str]]] = field(default_factory=dict)   # i -> j -> hparam -> flat
+    meta: Mapping[str, Any] = field(default_factory=dict)                        # flat key -> DCP metadata
 
     def specs(self) -> dict[str, tuple]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -756,7 +760,7 @@ def _parse_dcp(md: Any, known: Sequence[str]) -> _Dcp:
     """Split DCP metadata into model entries and per-optimizer state / param-group entries."""
     import re
 
-    out = _Dcp()
+    out = _Dcp(meta=md.state_dict_metadata)
     pdata = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
     known_sorted = sorted(known, key=len, reverse=True)
     for flat, m in md.state_dict_metadata.items():
@@ -780,6 +784,12 @@ def _parse_dcp(md: Any, known: Sequence[str]) -> _Dcp:
     return out
 
 
+def _placeholder(m: Any) -> Optional[torch.Tensor]:
+    """What DCP loads an entry into: a CPU tensor of the saved size and dtype, or ``None`` for objects."""
+    size = getattr(m, "size", None)
+    return torch.empty(tuple(size), dtype=m.properties.dtype) if size is not None else None
+
+
 def _guess_path(flat: str, known_sorted: Sequence[str]) -> Optional[tuple]:
     """Without planner data, split a flat DCP key using the module's keys."""
     if flat.startswith("state_dict."):
@@ -791,7 +801,7 @@ def _guess_path(flat: str, known_sorted: Sequence[str]) -> Optional[tuple]:
         rest = rest[len("state."):]
         for k in known_sorted:
             if rest.startswith(k + "."):
-                return (head, "state", k, *rest[len(k) + 1:].split("."))
+                return (head, "state", k, rest[len(k) + 1:])  # state keys may hold dots ("name.i")
         return None
     parts = rest.split(".")
     if len(parts) == 3 and parts[0] == "param_groups" and parts[1].isdigit():
@@ -851,7 +861,8 @@ def _load_dir(module: nn.Module, index: _Index, path: Path, optimizers: Sequence
     current = [_full_groups(index, o) for o in optimizers]
 
     # phase 1: param-group hyper-parameters (small objects), so everything is validated before any data moves
-    req1: dict[str, Any] = {flat: None for i in use for g in ck.groups[i].values() for flat in g.values()}
+    req1: dict[str, Any] = {flat: _placeholder(ck.meta[flat]) for i in use for g in ck.groups[i].values()
+                            for flat in g.values()}
     if req1:
         dcp.load(req1, storage_reader=FileSystemReader(str(path)))
     saved_groups: dict[int, list[dict[str, Any]]] = {}
@@ -888,8 +899,7 @@ def _load_dir(module: nn.Module, index: _Index, path: Path, optimizers: Sequence
                 key = index.key(p)
                 items = ck.state.get(i, {}).get(match.to_ck.get(key, key), [])
                 for tail, flat, m in items:
-                    size = getattr(m, "size", None)
-                    req2[flat] = torch.empty(tuple(size), dtype=m.properties.dtype) if size is not None else None
+                    req2[flat] = _placeholder(m)
                     wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat))
     dcp.load(req2, storage_reader=FileSystemReader(str(path)))
     if match.objects:
@@ -960,15 +970,9 @@ def _load_file(module: nn.Module, index: _Index, path: Path, optimizers: Sequenc
     ckpt, lightning = _agree(read)
     sd = ckpt["state_dict"] if lightning else ckpt
     match = _agree(_match_model, index, {k: _spec(v) for k, v in sd.items()}, strict, what)
-    with torch.no_grad():
-        for key, c in match.tensors:
-            e = index.entries[key]
-            if e.local is not None:
-                e.local.copy_(sd[c])
-    if match.objects:
-        module.load_state_dict({k: sd[c] for k, c in match.objects}, strict=False)
     saved = list(ckpt.get("optimizer_states") or []) if lightning else []
-    if optimizers and saved:
+    restore: list[tuple[torch.optim.Optimizer, list[dict[str, Any]], dict[str, Any]]] = []
+    if optimizers and saved:  # validate every optimizer before anything is written
         if len(saved) != len(optimizers):
             msg = f"{what} holds {len(saved)} optimizer state(s), the run has {len(optimizers)}"
             if strict:
@@ -989,13 +993,20 @@ def _load_file(module: nn.Module, index: _Index, path: Path, optimizers: Sequenc
                 return (groups, state) if ok else None
 
             got = _agree(prep)
-            if got is None:
-                continue
-            groups, state = got
-            held = {index.key(p) for g in o.param_groups for p in g["params"]}
-            mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
-                    for k, s in state.items() if k in held}
-            _apply_optimizer(index, o, groups, mine)
+            if got is not None:
+                restore.append((o, *got))
+    with torch.no_grad():
+        for key, c in match.tensors:
+            e = index.entries[key]
+            if e.local is not None:
+                e.local.copy_(sd[c])
+    if match.objects:
+        module.load_state_dict({k: sd[c] for k, c in match.objects}, strict=False)
+    for o, groups, state in restore:
+        held = {index.key(p) for g in o.param_groups for p in g["params"]}
+        mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
+                for k, s in state.items() if k in held}
+        _apply_optimizer(index, o, groups, mine)
     if not lightning:
         return None
     rest = dict(ckpt)
