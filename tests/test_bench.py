@@ -153,7 +153,9 @@ def test_balance_and_state(results: dict[str, Any]) -> None:
 def test_matrix_fsdp(results: dict[str, Any], mode: str) -> None:
     e = results["modes"][mode]
     assert e["status"] == "ok", e
-    assert e["losses"] == pytest.approx(results["modes"]["ddp_muon"]["losses"], abs=1e-5)
+    # the opt-in "fast" orthogonalizer has other numerics: close to DDP Muon, not equal
+    tol = 1e-2 if mode.endswith("_fast") else 1e-5
+    assert e["losses"] == pytest.approx(results["modes"]["ddp_muon"]["losses"], abs=tol)
     opt = e["bytes"]["optimizer_step"]
     assert opt["sent"] == [0] * WORLD and opt["recv"] == [0] * WORLD and opt["calls"] == [0] * WORLD
     assert min(e["bytes"]["forward"]["sent"]) + min(e["bytes"]["forward"]["recv"]) > 0
