@@ -30,25 +30,18 @@ from torch.optim import Optimizer
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES, DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.planner import PLANNERS
-from lightning_matrixfsdp.runtime.shard import get_comm_stats, get_plan, matrix_shard, set_requires_gradient_sync
+from lightning_matrixfsdp.runtime.shard import (
+    _as_dtype,
+    get_comm_stats,
+    get_plan,
+    matrix_shard,
+    set_requires_gradient_sync,
+)
 from lightning_matrixfsdp.runtime.state import STATE_ATTR
 
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
-
-
-def _as_dtype(value: Union[str, torch.dtype, None], name: str) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    key = str(value).replace("torch.", "")
-    if key not in _DTYPES:
-        raise ValueError(f"{name}={value!r} is not a dtype; use one of {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[key]
-
-
 def _as_classes(policy: Any, name: str) -> Any:
     """Accept class objects or dotted import paths (handy in YAML configs)."""
     if policy is None or callable(policy) and not isinstance(policy, (set, list, tuple, frozenset)):
@@ -102,6 +95,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             gradients locally and reduce once per optimizer step.
         shard_size: HSDP; shard over groups of this many ranks, replicate across
             groups (default: shard over the whole world).
+        prefetch: materialize the next unit while the current one computes
+            (forward and backward); ``False`` saves one unit of memory.
         save_distributed_checkpoint: directory of per-rank files (default) or one
             consolidated file.
         log_plan: log the owner plan at fit start (rank 0).
@@ -122,6 +117,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         accumulation_no_sync: bool = False,
         shard_size: Optional[int] = None,
+        prefetch: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -158,6 +154,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.accumulation_no_sync = accumulation_no_sync
         self.shard_size = int(shard_size) if shard_size is not None else None
+        self.prefetch = prefetch
         self.log_plan = log_plan
         self._shard_mesh: Any = None
         self._last_stats: dict[str, dict[str, int]] = {}
@@ -221,7 +218,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 module, mesh=self._shard_mesh, wrap_policy=self.wrap_policy, planner=self.planner,
                 collective=self.collective, matrix_filter=self.matrix_filter, param_dtype=self.param_dtype,
                 reduce_dtype=self.reduce_dtype, reshard_after_forward=self.reshard_after_forward,
-                device=self.root_device,
+                device=self.root_device, prefetch=self.prefetch,
             )
         self.model_to_device()  # buffers and anything outside the shard
         self._install_clip_group()

@@ -89,6 +89,20 @@ def _select_units(root: nn.Module, wrap_policy: WrapPolicy) -> list[tuple[str, n
     return units + [("", root)]
 
 
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
+
+
+def _as_dtype(value: Union[str, torch.dtype, None], name: str) -> Optional[torch.dtype]:
+    """Accept ``torch.bfloat16`` or its name (``"bfloat16"``, ``"bf16"``) for YAML/CLI configs."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).replace("torch.", "")
+    if key not in _DTYPES:
+        raise MatrixShardError(f"{name}={value!r} is not a dtype; use one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[key]
+
+
 def _unit_of(module_name: str, unit_names: list[str]) -> str:
     """The innermost unit whose subtree holds ``module_name``."""
     best = ""
@@ -143,8 +157,8 @@ def matrix_shard(
     planner: Union[str, Callable[..., Plan]] = "role_greedy",
     collective: str = DEFAULT_COLLECTIVE,
     matrix_filter: Optional[MatrixFilter] = None,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
+    param_dtype: Union[torch.dtype, str, None] = None,
+    reduce_dtype: Union[torch.dtype, str, None] = None,
     reshard_after_forward: bool = True,
     ns_steps: int = 5,
     device: Optional[torch.device] = None,
@@ -164,6 +178,7 @@ def matrix_shard(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
+    param_dtype, reduce_dtype = _as_dtype(param_dtype, "param_dtype"), _as_dtype(reduce_dtype, "reduce_dtype")
     if isinstance(planner, str) and planner not in PLANNERS:
         raise MatrixShardError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)} or pass a callable")
     if collective not in COLLECTIVE_NAMES:
@@ -232,6 +247,8 @@ def matrix_shard(
         "prefetch": prefetch,
     }
     validate_schedule(plan, schedule, sg)
+    if replicate_pg is not None:  # HSDP: every replica must hold the same layout too
+        validate_schedule(plan, schedule, ShardGroup(replicate_pg))
 
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     stats = CommStats()
