@@ -154,7 +154,9 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
         else:
             for n, p in oracle.named_parameters():
                 p.grad = accg.get(n)
-        if clip:
+        if clip and tk.get("gradient_clip_algorithm") == "value":
+            torch.nn.utils.clip_grad_value_(oracle.parameters(), clip)
+        elif clip:
             clip_global_norm(oracle, clip)
         for o in opts:
             o.step()

@@ -37,6 +37,11 @@ def test_gradient_clipping_by_global_norm():
     _exact(run_distributed(trainer_worker, 2, {"steps": 5, "trainer": {"gradient_clip_val": 0.3}}))
 
 
+def test_gradient_clipping_by_value():
+    _exact(run_distributed(trainer_worker, 2, {"steps": 4, "trainer": {"gradient_clip_val": 1e-3,
+                                                                      "gradient_clip_algorithm": "value"}}))
+
+
 @pytest.mark.parametrize("no_sync", [False, True])
 def test_gradient_accumulation(no_sync):
     res = run_distributed(trainer_worker, 2, {"steps": 3, "strategy": {"accumulation_no_sync": no_sync},
