@@ -112,7 +112,8 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
         if "optimizer" in kw:  # picklable spec -> factory
             import functools
 
-            kw["optimizer"] = functools.partial(mf.Muon, **kw["optimizer"])
+            spec = dict(kw["optimizer"])
+            kw["optimizer"] = functools.partial(getattr(mf, spec.pop("class", "Muon")), **spec)
         strategy = mf.MatrixFSDPStrategy(**kw)
     tk = dict(accelerator="cpu", devices=world, max_steps=cfg.get("steps", 5), logger=False,
               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

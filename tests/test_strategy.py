@@ -134,3 +134,38 @@ def _fsdp2_module_worker(rank, world):
 def test_fsdp2_wrapped_module_is_refused():
     for msg in run_distributed(_fsdp2_module_worker, 2):
         assert "FSDP2" in msg and "matrix_shard" in msg, msg
+
+
+@pytest.mark.parametrize("cls", ["SOAP", "Shampoo"])
+def test_matrix_optimizers_through_the_strategy_option(cls):
+    pytest.importorskip("pytorch_optimizer")
+    res = run_distributed(trainer_worker, 2, {"steps": 3, "module_optimizer": "sgd",
+                                              "strategy": {"optimizer": {"class": cls, "lr": 1e-3}}})
+    for r in res:
+        assert r["optimizer"] == cls
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        assert r["losses"][0] == r["oracle_losses"][0]  # same model, same first batch
+
+
+def test_plan_is_logged_and_a_second_import_is_harmless(caplog):
+    import importlib
+    import logging
+
+    importlib.reload(mf)  # registers again: must not raise
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["matrix_fsdp"]["strategy"] is mf.MatrixFSDPStrategy
+    from lightning.pytorch import Trainer
+
+    from lit import LitTiny
+
+    import torch.distributed as dist
+
+    try:
+        with caplog.at_level(logging.INFO):
+            Trainer(strategy="matrix_fsdp", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False).fit(LitTiny())
+    finally:  # the Trainer left a 1-process group in this pytest process
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert "MatrixFSDP plan" in caplog.text and "imbalance" in caplog.text
