@@ -5,6 +5,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest
 
+# Rendezvous variables an earlier in-process test may have left behind; a child launched
+# with them would join (or bind) that stale rendezvous instead of starting its own.
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+             "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(**extra: str) -> dict:
+    """``os.environ`` without distributed rendezvous variables, for launching subprocesses."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
 
 @pytest.fixture(scope="session")
 def dist_pools():

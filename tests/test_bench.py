@@ -43,7 +43,9 @@ BASELINES = ["fsdp2_adamw", "fsdp2_muon", "fsdp2_gather_once", "zero1_owner", "d
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
+    from conftest import clean_env
+
+    env = clean_env()
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 

@@ -46,9 +46,10 @@ def _blocks(text: str, langs: tuple[str, ...]) -> list[str]:
 
 def _env_with_this_python() -> dict[str, str]:
     """Console scripts and ``python`` resolve to this interpreter's environment."""
-    env = dict(os.environ)
+    from conftest import clean_env
+
+    env = clean_env()
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 

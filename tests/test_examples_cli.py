@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SUBPROCESS_TIMEOUT = 150
 
+from conftest import clean_env  # noqa: E402
+
 
 def _runtime_missing() -> Optional[str]:
     """Why the strategy tests cannot run yet, or None when they can."""
@@ -52,8 +54,8 @@ def _console_script() -> list[str]:
     return [found] if found else [sys.executable, "-m", "lightning_matrixfsdp"]
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:  # noqa: D103
+    env = clean_env()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert proc.returncode == 0, (
         f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
