@@ -25,12 +25,12 @@ def main(out: str) -> None:
     devices = torch.cuda.device_count()
     common = dict(accelerator="gpu", devices=devices, precision="bf16-mixed", logger=False,
                   enable_progress_bar=False, enable_model_summary=True, limit_val_batches=2,
-                  default_root_dir=os.path.join(out, "root"))
+                  default_root_dir="/tmp/gpu_smoke_root")
     data = ByteTextDataModule(seq_len=256, batch_size=8)
     model = GPT(d_model=256, n_layers=4, n_heads=8, max_seq_len=256)
     t1 = Trainer(strategy=mf.MatrixFSDPStrategy(), max_steps=20, enable_checkpointing=False, **common)
     t1.fit(model, datamodule=data)
-    ckpt = os.path.join(out, "root", "step20")
+    ckpt = "/tmp/gpu_smoke_root/step20"
     t1.save_checkpoint(ckpt)
     loss1 = float(t1.callback_metrics.get("train_loss", float("nan")))
     model2 = GPT(d_model=256, n_layers=4, n_heads=8, max_seq_len=256)
