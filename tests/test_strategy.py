@@ -1,6 +1,4 @@
 """MatrixFSDPStrategy under the Lightning Trainer equals DDP Muon (tests/lit.py replays the batches)."""
-import functools
-import os
 
 import pytest
 import torch

@@ -65,7 +65,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .muon import _as_float, _check_nonneg, _scalar_dtype, uses_muon
+from .muon import _as_float, _check_nonneg, _scalar_dtype, adamw_update, uses_muon
 
 __all__ = ["LIBRARY_REQUIREMENT", "SOAP", "Shampoo", "is_matrix_role"]
 
@@ -392,30 +392,7 @@ class _MatrixLibraryOptimizer(torch.optim.Optimizer):
 
     def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """torch.optim.AdamW's single-tensor update (amsgrad=False, maximize=False)."""
-        lr = self._adamw_lr(group)
-        beta1, beta2 = (_as_float(b) for b in group["adamw_betas"])
-        eps = group["adamw_eps"]
-        weight_decay = group["adamw_weight_decay"]
-        if weight_decay is None:
-            weight_decay = group["weight_decay"]
-        for p in params:
-            grad = p.grad
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-            step_t += 1
-            if weight_decay != 0:
-                p.mul_(1 - lr * weight_decay)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            step = step_t.item()
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-            p.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        adamw_update(self.state, group, params, self._adamw_lr(group))
 
     @staticmethod
     def _adamw_lr(group: dict[str, Any]) -> float:

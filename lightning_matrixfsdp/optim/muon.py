@@ -67,6 +67,39 @@ def uses_muon(p: Tensor) -> bool:
     return role == MATRIX_ROLE
 
 
+def adamw_update(state_of: Any, group: dict[str, Any], params: list[Tensor], lr: float) -> None:
+    """torch.optim.AdamW's single-tensor math on ``params`` with the group's ``adamw_*``
+    hyper-parameters; state (``step``, ``exp_avg``, ``exp_avg_sq``) as torch keeps it.
+    Shared by every optimizer here that trains the tail with AdamW."""
+    beta1, beta2 = (_as_float(b) for b in group["adamw_betas"])
+    eps = group["adamw_eps"]
+    weight_decay = group["adamw_weight_decay"]
+    if weight_decay is None:
+        weight_decay = group["weight_decay"]
+    for p in params:
+        grad = p.grad
+        state = state_of[p]
+        if "step" not in state:
+            # Same layout as torch's Adam: a CPU scalar step, moments like p.
+            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+
+        step_t += 1
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+        step = step_t.item()
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """Shape-dependent Muon learning rate, as torch.optim.Muon computes it."""
     rows, cols = shape[:2]
@@ -307,34 +340,7 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """torch.optim.AdamW's single-tensor update (amsgrad=False, maximize=False)."""
-        lr = self._adamw_lr(group)
-        beta1, beta2 = (_as_float(b) for b in group["adamw_betas"])
-        eps = group["adamw_eps"]
-        weight_decay = group["adamw_weight_decay"]
-        if weight_decay is None:
-            weight_decay = group["weight_decay"]
-        for p in params:
-            grad = p.grad
-            state = self.state[p]
-            if "step" not in state:
-                # Same layout as torch's Adam: a CPU scalar step, moments like p.
-                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            step_t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-
-            step_t += 1
-            if weight_decay != 0:
-                p.mul_(1 - lr * weight_decay)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-
-            step = step_t.item()
-            bias_correction1 = 1 - beta1**step
-            bias_correction2 = 1 - beta2**step
-            step_size = lr / bias_correction1
-            denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-            p.addcdiv_(exp_avg, denom, value=-step_size)
+        adamw_update(self.state, group, params, self._adamw_lr(group))
 
     @staticmethod
     def _adamw_lr(group: dict[str, Any]) -> float:

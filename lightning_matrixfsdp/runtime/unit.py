@@ -21,7 +21,6 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.collectives import OwnerCollective
