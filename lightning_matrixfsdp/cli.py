@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-import lightning_matrixfsdp  # noqa: F401  (import side effect: registers "matrix_fsdp")  # noqa: F401  (registers "matrix_fsdp")
+import lightning_matrixfsdp  # noqa: F401  (import side effect: registers "matrix_fsdp")
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
 
