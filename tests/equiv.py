@@ -90,7 +90,8 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
         if any(n.startswith(f) for f in frozen):
             p.requires_grad_(False)
     mf.matrix_shard(sharded, planner=cfg.get("planner", "role_greedy"), collective=cfg.get("collective", "p2p"),
-                    matrix_filter=cfg.get("matrix_filter"), shard_size=cfg.get("shard_size"))
+                    matrix_filter=cfg.get("matrix_filter"), shard_size=cfg.get("shard_size"),
+                    reshard_after_forward=cfg.get("reshard_after_forward", True), prefetch=cfg.get("prefetch", True))
     if cfg.get("meta"):
         oracle = TinyLM(**model_kw)
         full = full_params(sharded)

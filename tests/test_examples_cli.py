@@ -312,3 +312,18 @@ def test_finetune_yaml_trains_with_muon(tmp_path: Path) -> None:
         tmp_path,
     )
     _check_trained(proc, tmp_path / "runs", steps=4, muon=True)
+
+
+@pytest.mark.parametrize("cls", ["Muon", "SOAP", "Shampoo"])
+def test_cli_optimizer_flag_builds_matrix_optimizers(cls: str, tmp_path: Path) -> None:
+    """``--optimizer lightning_matrixfsdp.<cls>`` replaces the module's optimizer (no fit needed)."""
+    if cls != "Muon":
+        pytest.importorskip("pytorch_optimizer")
+    from lightning_matrixfsdp.cli import cli_main
+
+    cli = cli_main(["--config", str(EXAMPLES / "pretrain_gpt.yaml"), "--optimizer", f"lightning_matrixfsdp.{cls}",
+                    "--optimizer.lr", "0.001", "--trainer.devices", "1", "--trainer.strategy", "auto",
+                    "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)], run=False)
+    out = cli.model.configure_optimizers()
+    opt = out["optimizer"] if isinstance(out, dict) else (out[0][0] if isinstance(out, tuple) else out)
+    assert type(opt).__name__ == cls and opt.param_groups[0]["lr"] == 0.001

@@ -54,6 +54,8 @@ EDGE = {
     "embeddings_and_head_on_adamw": (3, {"matrix_filter": equiv.no_matrices}),
     "global_norm_clipping": (3, {"clip": 0.5}),
     "any_torch_optimizer_routed": (3, {"optimizer": "torch"}),
+    "no_reshard_after_forward": (3, {"reshard_after_forward": False, "model": {"checkpointing": True}}),
+    "no_prefetch": (2, {"prefetch": False, "model": {"call_twice": True}}),
 }
 
 
