@@ -257,7 +257,7 @@ def matrix_shard(
     state = MatrixFSDPState(module, plan, sg, replicate_pg, stats, options)
     fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
-    for layout, (uname, umod) in zip(plan.units, units):  # noqa: B007
+    for layout, (_, umod) in zip(plan.units, units):
         sparams = []
         for shard in layout.shards:
             pid = fqn_to_pid[shard.fqn]
