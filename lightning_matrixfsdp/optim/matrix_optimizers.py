@@ -65,7 +65,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .muon import _as_float, _check_nonneg, _scalar_dtype, adamw_update, uses_muon
+from .muon import _as_float, _check_nonneg, _scalar_dtype, adamw_update, split_by_role, uses_muon
 
 __all__ = ["LIBRARY_REQUIREMENT", "SOAP", "Shampoo", "is_matrix_role"]
 
@@ -325,28 +325,7 @@ class _MatrixLibraryOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # Route and check everything before touching any state.
-        routed: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]] = []
-        for group in self.param_groups:
-            matrices: list[Tensor] = []
-            others: list[Tensor] = []
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0 or p.grad.numel() == 0:
-                    continue  # no gradient, or an empty non-owner placeholder
-                if torch.is_complex(p):
-                    raise ValueError(f"{type(self).__name__} does not support complex parameters")
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if is_matrix_role(p):
-                    if p.ndim != 2:
-                        raise ValueError(
-                            f"{type(self).__name__} preconditions 2D matrices only; a parameter routed "
-                            f"to it has size {tuple(p.size())}"
-                        )
-                    matrices.append(p)
-                else:
-                    others.append(p)
-            routed.append((group, matrices, others))
+        routed = split_by_role(self.param_groups, type(self).__name__)
 
         self._prune_object_cache()
         for group, matrices, others in routed:

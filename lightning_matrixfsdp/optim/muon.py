@@ -67,6 +67,38 @@ def uses_muon(p: Tensor) -> bool:
     return role == MATRIX_ROLE
 
 
+def split_by_role(
+    param_groups: list[dict[str, Any]], who: str
+) -> list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]:
+    """Per group: (group, matrix-role params, AdamW params) with a gradient to apply.
+
+    Checks everything before any state is touched, so a bad parameter raises without
+    leaving the optimizer half-stepped. Empty non-owner placeholders are skipped.
+    """
+    routed: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]] = []
+    for group in param_groups:
+        matrices: list[Tensor] = []
+        others: list[Tensor] = []
+        for p in group["params"]:
+            if p.grad is None or p.numel() == 0 or p.grad.numel() == 0:
+                continue  # no gradient, or an empty non-owner placeholder
+            if torch.is_complex(p):
+                raise ValueError(f"{who} does not support complex parameters")
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{who} does not support sparse gradients")
+            if uses_muon(p):
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"{who} updates 2D matrices only; a parameter routed to it as a matrix has "
+                        f"size {tuple(p.size())}"
+                    )
+                matrices.append(p)
+            else:
+                others.append(p)
+        routed.append((group, matrices, others))
+    return routed
+
+
 def adamw_update(state_of: Any, group: dict[str, Any], params: list[Tensor], lr: float) -> None:
     """torch.optim.AdamW's single-tensor math on ``params`` with the group's ``adamw_*``
     hyper-parameters; state (``step``, ``exp_avg``, ``exp_avg_sq``) as torch keeps it.
@@ -254,30 +286,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        # Route and check every group before touching any state, so a bad
-        # parameter raises without leaving the optimizer half-stepped.
-        routed: list[tuple[dict[str, Any], list[Tensor], list[Tensor]]] = []
-        for group in self.param_groups:
-            matrices: list[Tensor] = []
-            others: list[Tensor] = []
-            for p in group["params"]:
-                if p.grad is None or p.numel() == 0 or p.grad.numel() == 0:
-                    continue  # no gradient, or an empty non-owner placeholder
-                if torch.is_complex(p):
-                    raise ValueError("Muon (with its AdamW tail) does not support complex parameters")
-                if p.grad.is_sparse:
-                    raise RuntimeError("Muon (with its AdamW tail) does not support sparse gradients")
-                if uses_muon(p):
-                    if p.ndim != 2:
-                        raise ValueError(
-                            "Muon only supports 2D parameters; a parameter routed to Muon has "
-                            f"size {tuple(p.size())}"
-                        )
-                    matrices.append(p)
-                else:
-                    others.append(p)
-            routed.append((group, matrices, others))
-
+        routed = split_by_role(self.param_groups, "Muon (with its AdamW tail)")
         for group, matrices, others in routed:
             if matrices:
                 self._muon_group(group, matrices)
