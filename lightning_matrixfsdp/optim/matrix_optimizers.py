@@ -65,7 +65,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .muon import _as_float, _check_nonneg, _scalar_dtype, adamw_update, split_by_role, uses_muon
+from .muon import _as_float, _check_nonneg, _scalar_dtype, adamw_lr, adamw_update, split_by_role, uses_muon
 
 __all__ = ["LIBRARY_REQUIREMENT", "SOAP", "Shampoo", "is_matrix_role"]
 
@@ -371,20 +371,7 @@ class _MatrixLibraryOptimizer(torch.optim.Optimizer):
 
     def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """torch.optim.AdamW's single-tensor update (amsgrad=False, maximize=False)."""
-        adamw_update(self.state, group, params, self._adamw_lr(group))
-
-    @staticmethod
-    def _adamw_lr(group: dict[str, Any]) -> float:
-        """AdamW lr for this step: follows the scheduler's changes of ``group["lr"]``."""
-        lr = _as_float(group["lr"])
-        adamw_lr = group["adamw_lr"]
-        if adamw_lr is None:
-            return lr
-        adamw_lr = _as_float(adamw_lr)
-        initial = group.get("lr_at_init", lr)
-        if initial == 0 or lr == initial:
-            return adamw_lr
-        return adamw_lr * (lr / initial)
+        adamw_update(self.state, group, params, adamw_lr(group))
 
 
 class SOAP(_MatrixLibraryOptimizer):

@@ -99,6 +99,19 @@ def split_by_role(
     return routed
 
 
+def adamw_lr(group: dict[str, Any]) -> float:
+    """AdamW lr for this step: follows the scheduler's changes of ``group["lr"]``."""
+    lr = _as_float(group["lr"])
+    tail_lr = group["adamw_lr"]
+    if tail_lr is None:
+        return lr
+    tail_lr = _as_float(tail_lr)
+    initial = group.get("lr_at_init", lr)
+    if initial == 0 or lr == initial:
+        return tail_lr
+    return tail_lr * (lr / initial)
+
+
 def adamw_update(state_of: Any, group: dict[str, Any], params: list[Tensor], lr: float) -> None:
     """torch.optim.AdamW's single-tensor math on ``params`` with the group's ``adamw_*``
     hyper-parameters; state (``step``, ``exp_avg``, ``exp_avg_sq``) as torch keeps it.
@@ -349,17 +362,4 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """torch.optim.AdamW's single-tensor update (amsgrad=False, maximize=False)."""
-        adamw_update(self.state, group, params, self._adamw_lr(group))
-
-    @staticmethod
-    def _adamw_lr(group: dict[str, Any]) -> float:
-        """AdamW lr for this step: follows the scheduler's changes of ``group["lr"]``."""
-        lr = _as_float(group["lr"])
-        adamw_lr = group["adamw_lr"]
-        if adamw_lr is None:
-            return lr
-        adamw_lr = _as_float(adamw_lr)
-        initial = group.get("lr_at_init", lr)
-        if initial == 0 or lr == initial:
-            return adamw_lr
-        return adamw_lr * (lr / initial)
+        adamw_update(self.state, group, params, adamw_lr(group))

@@ -52,15 +52,11 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
-@dataclass(frozen=True)
-class ParamSpec:
-    """What the planner needs to know of one parameter (no tensors)."""
+class _Sized:
+    """``numel`` / ``nbytes`` of anything with a ``shape`` and a ``dtype`` name."""
 
-    fqn: str
     shape: tuple[int, ...]
     dtype: str
-    is_matrix: bool
-    requires_grad: bool = True
 
     @property
     def numel(self) -> int:
@@ -72,6 +68,17 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class ParamSpec(_Sized):
+    """What the planner needs to know of one parameter (no tensors)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    is_matrix: bool
+    requires_grad: bool = True
+
+
+@dataclass(frozen=True)
 class UnitSpec:
     """One unit's parameters in registration order; ``fqn`` is ``""`` for the root."""
 
@@ -80,7 +87,7 @@ class UnitSpec:
 
 
 @dataclass(frozen=True)
-class MatrixShard:
+class MatrixShard(_Sized):
     """Placement of one parameter: its role, its owner, and its owner segment slot.
 
     ``segment_offset`` is the element offset of the parameter inside its owner's
@@ -96,14 +103,6 @@ class MatrixShard:
     owner: int
     segment_offset: int
     requires_grad: bool = True
-
-    @property
-    def numel(self) -> int:
-        return numel_of(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_bytes(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
