@@ -1,31 +1,43 @@
-"""Attribute the owner's optimizer-step time on one GPU (not part of CI).
+"""Attribute and compare the owner's optimizer step on one GPU (not part of CI).
 
     python scripts/profile_owner_step.py OUT_DIR
 
 Builds the matrices one owner holds in the 2-GPU one-node benchmark (32 of 4096x4096,
-16 of 16384x4096, 8 of 4096x16384, bf16, plus one 32000x4096 AdamW tensor) and times,
-as medians of back-to-back runs: our Muon step, torch.optim.Muon + AdamW, Newton-Schulz
-alone over the same matrices, and the step with orthogonalization replaced by a copy
-(the elementwise work). Writes OUT_DIR/owner_step_profile.json.
+16 of 16384x4096, 8 of 4096x16384, bf16, plus one 32000x4096 AdamW tensor) and measures:
+
+* per shape, Newton-Schulz as ``torch.optim.Muon`` runs it and ours with 1-4 symmetric
+  row blocks (and row-major tall layout, and cuBLASLt): time, whether the result is
+  bitwise the stock one, the largest difference, the distance to the exact polar factor;
+* the whole owner step, rounds interleaved: ``torch.optim.Muon`` + ``AdamW`` against our
+  ``Muon`` with/without symmetric blocks and side streams, and the opt-in ``fast`` path;
+* after one step from the same state, how many parameter entries differ from the stock
+  optimizer's for each of our configurations.
+
+Writes OUT_DIR/owner_step_profile.json.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
-from unittest import mock
+from collections.abc import Callable
 
 import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
 
-from lightning_matrixfsdp.optim import muon as muon_mod
+import lightning_matrixfsdp.optim.orthogonalize as ortho
+from lightning_matrixfsdp.bench.orthogonalizers import gradient_like
 from lightning_matrixfsdp.optim.muon import Muon
-from lightning_matrixfsdp.optim.orthogonalize import newton_schulz
 from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
 
+COEFFS = (3.4445, -4.775, 2.0315)
+OWNER_SHAPES = [(4096, 4096)] * 32 + [(16384, 4096)] * 16 + [(4096, 16384)] * 8
 
-def timed(fn, reps: int = 5) -> float:
-    fn()
-    fn()
+
+def timed(fn: Callable[[], object], reps: int = 5, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` between CUDA events."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
@@ -38,35 +50,141 @@ def timed(fn, reps: int = 5) -> float:
     return sorted(out)[len(out) // 2]
 
 
-def main(out: str) -> None:
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    shapes = [(4096, 4096)] * 32 + [(16384, 4096)] * 16 + [(4096, 16384)] * 8
-    mats = [torch.nn.Parameter(torch.randn(s, device=dev, dtype=torch.bfloat16) * 0.02) for s in shapes]
-    emb = torch.nn.Parameter(torch.randn(32000, 4096, device=dev, dtype=torch.bfloat16) * 0.02)
+def matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / (timed(lambda: a @ b, reps=10) * 1e-3) / 1e12
+
+
+def per_shape(rate: float) -> list[dict]:
+    rows = []
+    for shape in [(4096, 4096), (4096, 16384), (16384, 4096)]:
+        g = gradient_like(shape, torch.device("cuda")).bfloat16()
+        floor = newton_schulz_flops(shape, 5) / (rate * 1e12) * 1e3
+        ref = _zeropower_via_newtonschulz(g.clone(), COEFFS, 5, 1e-7)
+        variants: dict[str, Callable[[], torch.Tensor]] = {
+            "torch.optim.Muon": lambda: _zeropower_via_newtonschulz(g.clone(), COEFFS, 5, 1e-7)}
+        for blocks in (1, 2, 3, 4, 6, 8):
+            variants[f"ns blocks={blocks}"] = lambda b=blocks: ortho.newton_schulz(g.clone(), COEFFS, 5, 1e-7, b)
+        if shape[0] > shape[1]:
+            for blocks in (2, 4):
+                variants[f"ns blocks={blocks} row-major"] = lambda b=blocks: _row_major(g, b)
+        for blocks in (1, 4):
+            variants[f"ns blocks={blocks} cublaslt"] = lambda b=blocks: _cublaslt(g, b)
+            variants[f"polar_express blocks={blocks}"] = lambda b=blocks: ortho.polar_express(g.clone(), blocks=b)
+            if max(shape) >= 4 * min(shape):
+                variants[f"gram_polar_express blocks={blocks}"] = (
+                    lambda b=blocks: ortho.gram_polar_express(g.clone(), blocks=b))
+        for name, fn in variants.items():
+            out = fn()
+            ms = timed(fn, reps=7)
+            rows.append({"shape": list(shape), "variant": name, "ms": ms, "over_floor": ms / floor,
+                         "bitwise_stock": bool(torch.equal(out, ref)),
+                         "max_abs_diff_stock": float((out.float() - ref.float()).abs().max()),
+                         "polar_error": ortho.polar_error(out.float(), g.float())})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _row_major(g: torch.Tensor, blocks: int) -> torch.Tensor:
+    ortho.ROW_MAJOR_TALL = True
+    try:
+        return ortho.newton_schulz(g.clone(), COEFFS, 5, 1e-7, blocks)
+    finally:
+        ortho.ROW_MAJOR_TALL = False
+
+
+def _cublaslt(g: torch.Tensor, blocks: int) -> torch.Tensor:
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        return ortho.newton_schulz(g.clone(), COEFFS, 5, 1e-7, blocks)
+    finally:
+        torch.backends.cuda.preferred_blas_library("cublas")
+
+
+def owner_set(seed: int = 0) -> tuple[list[torch.nn.Parameter], torch.nn.Parameter]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mats = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02)
+            for s in OWNER_SHAPES]
+    emb = torch.nn.Parameter(torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02)
+    emb._mfsdp_role = "tail"  # as the runtime tags it: AdamW in our Muon, not Newton-Schulz
     for p in mats + [emb]:
-        p.grad = torch.randn_like(p) * 1e-3
-    flops = sum(newton_schulz_flops(s, 5) for s in shapes)
-    n = 8192
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    rate = 2 * n ** 3 / (timed(lambda: a @ a) * 1e-3) / 1e12
-    ours = Muon(mats + [emb], lr=0.02)
-    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "matmul_tflops": rate,
-           "ns_flops": flops, "floor_ms": flops / (rate * 1e12) * 1e3}
-    res["ours_step_ms"] = timed(ours.step)
-    res["ns_only_ms"] = timed(lambda: [newton_schulz(p.grad) for p in mats])
-    with mock.patch.object(muon_mod.Muon, "_orthogonalize", staticmethod(lambda g, u: [x.bfloat16() for x in u])):
-        res["elementwise_only_ms"] = timed(ours.step)
+        p.grad = torch.randn(p.shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 1e-3
+    return mats, emb
+
+
+CONFIGS = {
+    "ours blocks=1 streams=1": dict(symmetric_blocks=1, streams=1),
+    "ours blocks=1 streams=2": dict(symmetric_blocks=1, streams=2),
+    "ours blocks=2 streams=1": dict(symmetric_blocks=2, streams=1),
+    "ours blocks=4 streams=1": dict(symmetric_blocks=4, streams=1),
+    "ours blocks=2 streams=2": dict(symmetric_blocks=2, streams=2),
+    "ours blocks=4 streams=2": dict(symmetric_blocks=4, streams=2),
+    "ours blocks=4 streams=3": dict(symmetric_blocks=4, streams=3),
+    "ours default": dict(),
+    "ours fast default": dict(orthogonalizer="fast"),
+}
+
+
+def whole_step(rate: float, rounds: int = 3) -> dict:
+    mats, emb = owner_set()
+    flops = sum(newton_schulz_flops(s, 5) for s in OWNER_SHAPES)
+    steps: dict[str, Callable[[], object]] = {}
     t_muon = torch.optim.Muon(mats, lr=0.02)
-    t_adam = torch.optim.AdamW([emb], lr=0.02)
-    res["torch_muon_adamw_ms"] = timed(lambda: (t_muon.step(), t_adam.step()))
-    res["adamw_tail_ms"] = timed(t_adam.step)
-    res["ns_sustained_x3_ms"] = timed(lambda: [newton_schulz(p.grad) for _ in range(3) for p in mats], reps=3) / 3
-    res["ours_over_floor"] = res["ours_step_ms"] / res["floor_ms"]
+    t_adam = torch.optim.AdamW([emb], lr=0.02, weight_decay=0.1)
+    steps["torch.optim.Muon + AdamW"] = lambda: (t_muon.step(), t_adam.step())
+    for name, kw in CONFIGS.items():
+        steps[name] = Muon(mats + [emb], lr=0.02, **kw).step
+    steps["ns only (stock function)"] = lambda: [_zeropower_via_newtonschulz(p.grad, COEFFS, 5, 1e-7) for p in mats]
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            times[name].append(timed(fn, reps=3, warmup=1))
+            print(name, round(times[name][-1], 1), flush=True)
+    floor = flops / (rate * 1e12) * 1e3
+    res = {"ns_flops": flops, "floor_ms": floor, "ms": {k: sorted(v)[len(v) // 2] for k, v in times.items()},
+           "all_rounds_ms": times}
+    res["over_floor"] = {k: v / floor for k, v in res["ms"].items()}
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    del steps, t_muon, t_adam, mats, emb
+    torch.cuda.empty_cache()
+    res["peak_gib_all_optimizers"] = peak
+    return res
+
+
+def step_agreement() -> dict:
+    """One step from the same state: entries of our parameters that differ from stock."""
+    mats, emb = owner_set(1)
+    torch.optim.Muon(mats, lr=0.02).step()
+    torch.optim.AdamW([emb], lr=0.02, weight_decay=0.1).step()
+    stock = [p.detach().clone() for p in mats + [emb]]
+    del mats, emb
+    out = {}
+    for name, kw in CONFIGS.items():
+        mats, emb = owner_set(1)
+        Muon(mats + [emb], lr=0.02, **kw).step()
+        ours = mats + [emb]
+        diff = sum(int((a != b).sum()) for a, b in zip(ours, stock))
+        worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ours, stock))
+        out[name] = {"differing_entries": diff, "of": sum(p.numel() for p in stock), "max_abs_diff": worst}
+        print(name, out[name], flush=True)
+        del mats, emb, ours
+    return out
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "matmul_tflops_start": matmul_tflops()}
+    rate = res["matmul_tflops_start"]
+    res["per_shape"] = per_shape(rate)
+    res["whole_step"] = whole_step(rate)
+    res["step_agreement"] = step_agreement()
+    res["matmul_tflops_end"] = matmul_tflops()
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "owner_step_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "per_shape"}, indent=1))
 
 
 if __name__ == "__main__":

@@ -195,6 +195,15 @@ class Muon(torch.optim.Optimizer):
             ``ns_steps`` iterations of the Polar Express schedule run instead
             ("fast" uses the Gram-space iteration for matrices with an aspect
             ratio of at least :data:`FAST_GRAM_MIN_ASPECT`).
+        symmetric_blocks: row blocks for the symmetric products ``X X^T`` and
+            ``A A`` of the iteration (only their upper block triangle is
+            multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
+            CPU and for small matrices, several on CUDA. See
+            :func:`~lightning_matrixfsdp.optim.orthogonalize.symmetric_addmm`.
+        streams: CUDA streams the per-matrix work is spread over, so that one
+            matrix's memory-bound momentum and update kernels overlap another's
+            GEMMs (same kernels, same results). ``None`` = 2 on CUDA; 1 = the
+            current stream only. Ignored on CPU.
     """
 
     def __init__(
@@ -213,6 +222,8 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
         orthogonalizer: str = "newton_schulz",
+        symmetric_blocks: int | None = None,
+        streams: int | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -228,7 +239,12 @@ class Muon(torch.optim.Optimizer):
             "adamw_eps": adamw_eps,
             "adamw_weight_decay": adamw_weight_decay,
             "orthogonalizer": orthogonalizer,
+            "symmetric_blocks": symmetric_blocks,
         }
+        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
+            raise ValueError(f"streams must be a positive int or None, got {streams!r}")
+        self.streams = streams
+        self._side_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
         # Validate the defaults even if every group overrides them: a bad default
         # is a bug the user wants to hear about at construction.
         self._validate_group(defaults)
@@ -263,6 +279,9 @@ class Muon(torch.optim.Optimizer):
         for i, beta in enumerate(betas):
             if not 0.0 <= _as_float(beta) < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        blocks = group["symmetric_blocks"]
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
+            raise ValueError(f"symmetric_blocks must be a positive int or None, got {blocks!r}")
         if group["orthogonalizer"] not in ORTHOGONALIZERS:
             raise ValueError(
                 f"Unknown orthogonalizer {group['orthogonalizer']!r}; valid: {', '.join(ORTHOGONALIZERS)}"
@@ -284,6 +303,8 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle older objects: give every group the keys step() reads."""
         super().__setstate__(state)
+        self.__dict__.setdefault("streams", None)
+        self._side_streams = {}
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -311,25 +332,52 @@ class Muon(torch.optim.Optimizer):
         """torch.optim.Muon's update for every matrix of one group.
 
         Works bucket by bucket (one matrix per bucket, or one shape per bucket for
-        "batched") so the transient copies never exceed one bucket's size.
+        "batched") so the transient copies never exceed one bucket's size per stream.
+        On CUDA consecutive buckets alternate over :attr:`streams` side streams.
         """
+        for p in params:  # state is created on the current stream, never on a side one
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        buckets = self._buckets(group, params)
+        streams = self._streams_for(params[0].device, len(buckets))
+        if not streams:
+            for bucket in buckets:
+                self._muon_bucket(group, bucket)
+            return
+        current = torch.cuda.current_stream(params[0].device)
+        for stream in streams:
+            stream.wait_stream(current)  # gradients and parameters are ready
+        for i, bucket in enumerate(buckets):
+            with torch.cuda.stream(streams[i % len(streams)]):
+                self._muon_bucket(group, bucket)
+        for stream in streams:
+            current.wait_stream(stream)
+
+    def _streams_for(self, device: torch.device, buckets: int) -> list[torch.cuda.Stream]:
+        """Side streams for this step on ``device``; empty means "the current stream"."""
+        count = self.streams if self.streams is not None else 2
+        if device.type != "cuda" or count <= 1 or buckets <= 1:
+            return []
+        streams = self._side_streams.setdefault(device, [])
+        while len(streams) < count:
+            streams.append(torch.cuda.Stream(device))
+        return streams[:count]
+
+    def _muon_bucket(self, group: dict[str, Any], bucket: list[Tensor]) -> None:
+        """Momentum, orthogonalization and the update of one bucket (torch's op order)."""
         lr = _as_float(group["lr"])
         weight_decay = group["weight_decay"]
         momentum = group["momentum"]
         nesterov = group["nesterov"]
-        for bucket in self._buckets(group, params):
-            updates: list[Tensor] = []
-            for p in bucket:
-                grad = p.grad
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                updates.append(grad.lerp(buf, momentum) if nesterov else buf)
-            for p, update in zip(bucket, self._orthogonalize(group, updates)):
-                p.mul_(1 - lr * weight_decay)
-                p.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        updates: list[Tensor] = []
+        for p in bucket:
+            grad = p.grad
+            buf = self.state[p]["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+        for p, update in zip(bucket, self._orthogonalize(group, updates)):
+            p.mul_(1 - lr * weight_decay)
+            p.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
     @staticmethod
     def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
@@ -347,17 +395,19 @@ class Muon(torch.optim.Optimizer):
         name = group["orthogonalizer"]
         coefficients = tuple(group["ns_coefficients"])
         steps, eps = group["ns_steps"], group["eps"]
+        blocks = group.get("symmetric_blocks")
         if name == "newton_schulz":
-            return [newton_schulz(u, coefficients, steps, eps) for u in updates]
+            return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
         if name == "batched":
             return newton_schulz_batched(updates, coefficients, steps, eps)
         if name == "polar_express":
-            return [polar_express(u, steps, eps) for u in updates]
+            return [polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "gram_polar_express":
-            return [gram_polar_express(u, steps, eps) for u in updates]
+            return [gram_polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "fast":
-            return [gram_polar_express(u, steps, eps) if max(u.shape) >= FAST_GRAM_MIN_ASPECT * min(u.shape)
-                    else polar_express(u, steps, eps) for u in updates]
+            return [gram_polar_express(u, steps, eps, blocks=blocks)
+                    if max(u.shape) >= FAST_GRAM_MIN_ASPECT * min(u.shape)
+                    else polar_express(u, steps, eps, blocks=blocks) for u in updates]
         raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")
 
     def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:

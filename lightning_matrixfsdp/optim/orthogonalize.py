@@ -36,6 +36,8 @@ __all__ = [
     "polar_express",
     "polar_express_batched",
     "polar_express_coefficients",
+    "symmetric_addmm",
+    "symmetric_blocks",
 ]
 
 Coefficients = tuple[float, float, float]
@@ -44,6 +46,16 @@ Coefficients = tuple[float, float, float]
 DEFAULT_NS_COEFFICIENTS: Coefficients = (3.4445, -4.775, 2.0315)
 DEFAULT_NS_STEPS = 5
 _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100
+
+#: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`); chosen
+#: by measurement on an H200 (docs/benchmarks.md, "Symmetric products").
+CUDA_SYMMETRIC_BLOCKS = 4
+#: Smallest ``min(m, n)`` for which the symmetric products are used automatically.
+SYMMETRIC_MIN_ROWS = 1024
+_BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
+#: Copy a tall matrix's transposed view to row-major before the blocked products
+#: (False keeps torch.optim.Muon's layout, which is what makes CPU results bitwise).
+ROW_MAJOR_TALL = False
 
 
 # --------------------------------------------------------------------------- checks
@@ -73,16 +85,82 @@ def _check_matrix(grad: Tensor) -> None:
 # ------------------------------------------------------------------- the iteration
 
 
-def _iterate(x: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
+def symmetric_blocks(x: Tensor, blocks: int | None) -> int:
+    """Row blocks for the symmetric products of ``x`` (``m x n``, ``m <= n``).
+
+    ``None`` picks automatically: :data:`CUDA_SYMMETRIC_BLOCKS` on CUDA when ``m`` is at
+    least :data:`SYMMETRIC_MIN_ROWS` (where halving GEMM work beats the extra launches),
+    else 1, which is torch.optim.Muon's exact op sequence. CPU stays at 1 so that our
+    Muon is bitwise the stock one where the tests compare them.
+    """
+    if blocks is None:
+        if x.device.type != "cuda" or x.size(-2) < SYMMETRIC_MIN_ROWS:
+            return 1
+        blocks = CUDA_SYMMETRIC_BLOCKS
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"symmetric blocks must be a positive int or None, got {blocks!r}")
+    return max(1, min(blocks, x.size(-2) // _BLOCK_ALIGN))
+
+
+def _block_edges(m: int, blocks: int) -> list[int]:
+    """``blocks + 1`` row offsets, interior ones rounded to :data:`_BLOCK_ALIGN` (GEMM tiles)."""
+    edges = [0]
+    for i in range(1, blocks):
+        edge = int(round(i * m / blocks / _BLOCK_ALIGN)) * _BLOCK_ALIGN
+        edges.append(min(max(edge, edges[-1] + _BLOCK_ALIGN), m))
+    edges.append(m)
+    return sorted(set(edges))
+
+
+def symmetric_addmm(
+    left: Tensor,
+    right: Tensor,
+    blocks: int,
+    input: Tensor | None = None,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+) -> Tensor:
+    """``beta * input + alpha * left @ right`` for a result known to be symmetric.
+
+    Only the upper block triangle is multiplied, one row block per GEMM
+    (``out[r0:r1, r0:] = left[r0:r1] @ right[:, r0:]``); the strict lower blocks are
+    then copied from their mirror images. With ``b`` equal blocks that is
+    ``(b + 1) / (2 b)`` of the GEMM work. Every computed entry is the same dot
+    product over the same ``k`` as in the full GEMM, so with a kernel that does not
+    split ``k`` it is the same number; ``blocks=1`` is the plain (add)mm. Used for
+    ``X X^T`` and ``A A`` in the Newton-Schulz family, where the symmetry is exact
+    in exact arithmetic; the mirrored result is exactly symmetric.
+    """
+    m = left.size(0)
+    if blocks <= 1:
+        if input is None:
+            return left @ right
+        return torch.addmm(input, left, right, beta=beta, alpha=alpha)
+    out = torch.empty(m, m, dtype=left.dtype, device=left.device)
+    edges = _block_edges(m, blocks)
+    for r0, r1 in zip(edges[:-1], edges[1:]):
+        if input is None:
+            torch.mm(left[r0:r1], right[:, r0:], out=out[r0:r1, r0:])
+        else:
+            torch.addmm(input[r0:r1, r0:], left[r0:r1], right[:, r0:], beta=beta, alpha=alpha,
+                        out=out[r0:r1, r0:])
+    for r0, r1 in zip(edges[:-2], edges[1:-1]):
+        out[r1:, r0:r1].copy_(out[r0:r1, r1:].T)
+    return out
+
+
+def _iterate(x: Tensor, schedule: Sequence[Coefficients], blocks: int = 1) -> Tensor:
     """Apply ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` once per schedule entry.
 
-    The op sequence (``@`` then ``addmm`` twice) is exactly torch.optim.Muon's, which
-    is what makes the 2D result bitwise equal to it; 3D input uses the batched ops.
+    With ``blocks == 1`` the op sequence (``@`` then ``addmm`` twice) is exactly
+    torch.optim.Muon's, which is what makes the 2D result bitwise equal to it; with
+    more blocks ``A`` and ``b A + c A^2`` come from :func:`symmetric_addmm`. 3D input
+    uses the batched ops.
     """
     if x.ndim == 2:
         for a, b, c in schedule:
-            gram = x @ x.T
-            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            gram = symmetric_addmm(x, x.T, blocks)
+            gram_update = symmetric_addmm(gram, gram, blocks, input=gram, beta=b, alpha=c)
             x = torch.addmm(x, gram_update, x, beta=a)
         return x
     for a, b, c in schedule:
@@ -92,7 +170,9 @@ def _iterate(x: Tensor, schedule: Sequence[Coefficients]) -> Tensor:
     return x
 
 
-def _orthogonalize(grad: Tensor, schedule: Sequence[Coefficients], eps: float) -> Tensor:
+def _orthogonalize(
+    grad: Tensor, schedule: Sequence[Coefficients], eps: float, blocks: int | None = 1
+) -> Tensor:
     """bf16, wide orientation, Frobenius normalization, iterate, restore orientation."""
     _check_matrix(grad)
     x = grad.bfloat16()
@@ -100,8 +180,12 @@ def _orthogonalize(grad: Tensor, schedule: Sequence[Coefficients], eps: float) -
     if tall:
         x = x.T
     # Frobenius norm >= spectral norm: afterwards every singular value is <= 1.
+    # In place, as torch.optim.Muon does (it then also scales a bf16 input tensor).
     x.div_(x.norm().clamp(min=eps))
-    x = _iterate(x, schedule)
+    nblocks = symmetric_blocks(x, blocks)
+    if nblocks > 1 and tall and ROW_MAJOR_TALL:
+        x = x.contiguous()
+    x = _iterate(x, schedule, nblocks)
     return x.T if tall else x
 
 
@@ -139,15 +223,20 @@ def newton_schulz(
     ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = DEFAULT_NS_STEPS,
     eps: float = 1e-7,
+    blocks: int | None = None,
 ) -> Tensor:
     """torch.optim.Muon's quintic Newton-Schulz; returns a bf16 matrix of ``grad``'s shape.
 
-    Bitwise equal to ``torch.optim._muon._zeropower_via_newtonschulz`` (same ops in
-    the same order), so our Muon reproduces the stock optimizer exactly.
+    With ``blocks=1`` (automatic on CPU and for small matrices) it is bitwise equal to
+    ``torch.optim._muon._zeropower_via_newtonschulz`` (same ops in the same order).
+    With more blocks (automatic on CUDA, see :func:`symmetric_blocks`) it is the same
+    iteration in the same precision with the symmetric products ``X X^T`` and ``A A``
+    computed as their upper block triangle (:func:`symmetric_addmm`): up to 37% fewer
+    FLOPs; how close that is to the stock result is measured in docs/benchmarks.md.
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
-    return _orthogonalize(grad, [coefficients] * ns_steps, eps)
+    return _orthogonalize(grad, [coefficients] * ns_steps, eps, blocks)
 
 
 def newton_schulz_batched(
@@ -296,7 +385,11 @@ def polar_express_coefficients(
 
 
 def polar_express(
-    grad: Tensor, steps: int = DEFAULT_NS_STEPS, eps: float = 1e-7, lower: float = 1e-3
+    grad: Tensor,
+    steps: int = DEFAULT_NS_STEPS,
+    eps: float = 1e-7,
+    lower: float = 1e-3,
+    blocks: int | None = None,
 ) -> Tensor:
     """Orthogonalize with the Polar Express schedule; bf16 result of ``grad``'s shape.
 
@@ -304,9 +397,9 @@ def polar_express(
     distance to ``U V^T`` at 5 iterations (measured in the tests). ``lower`` is the
     smallest normalized singular value the schedule is designed to lift to 1: a
     larger one converges in fewer iterations for well-conditioned matrices but
-    leaves smaller singular values behind.
+    leaves smaller singular values behind. ``blocks``: as :func:`newton_schulz`.
     """
-    return _orthogonalize(grad, polar_express_coefficients(steps, lower), eps)
+    return _orthogonalize(grad, polar_express_coefficients(steps, lower), eps, blocks)
 
 
 def polar_express_batched(
@@ -326,6 +419,7 @@ def gram_polar_express(
     restart_at: Sequence[int] = (2,),
     dtype: torch.dtype = torch.bfloat16,
     lower: float = 1e-3,
+    blocks: int | None = None,
 ) -> Tensor:
     """Polar Express iterated on the ``m x m`` Gram matrix (``m = min`` dimension).
 
@@ -340,7 +434,8 @@ def gram_polar_express(
     hundredths of :func:`polar_express` (tests use :func:`polar_error`). Measured
     on an H200 (bf16, 5 steps): 1024x16384 0.59 ms vs 0.77 ms for
     :func:`polar_express`, 2048x8192 about equal, square 4096 1.9x slower; so it
-    is worth it only for aspect ratios of about 8 or more.
+    is worth it only for aspect ratios of about 8 or more. ``blocks``: as
+    :func:`newton_schulz` (here every ``m x m`` product is symmetric).
     """
     _check_matrix(grad)
     schedule = polar_express_coefficients(steps, lower)
@@ -350,22 +445,29 @@ def gram_polar_express(
     if tall:
         x = x.T
     x = x / x.norm().clamp(min=eps)
-    m = x.size(0)
-    eye = torch.eye(m, dtype=dtype, device=x.device)
-    r = x @ x.T
-    q = eye.clone()
+    nblocks = symmetric_blocks(x, blocks)
+    if nblocks > 1 and tall and ROW_MAJOR_TALL:
+        x = x.contiguous()
+    # R, Z and Q are polynomials in the first R, so every product of two of them is
+    # symmetric: all m x m products go through symmetric_addmm.
+    r = symmetric_addmm(x, x.T, nblocks)
+    q: Tensor | None = None  # None stands for the identity (skips Q = Z I)
     for t, (a, b, c) in enumerate(schedule):
         # z = a I + b R + c R^2; X <- z X  =>  Q <- z Q, R <- z R z.
-        z = torch.addmm(r, r, r, beta=b, alpha=c)
+        z = symmetric_addmm(r, r, nblocks, input=r, beta=b, alpha=c)
         z.diagonal().add_(a)
-        q = z @ q
-        r = z @ r @ z
-        r = 0.5 * (r + r.T)  # keep R symmetric despite rounding
+        q = z if q is None else symmetric_addmm(z, q, nblocks)
+        if nblocks > 1:
+            r = symmetric_addmm(symmetric_addmm(z, r, nblocks), z, nblocks)  # exactly symmetric
+        else:
+            r = z @ r @ z
+            r = 0.5 * (r + r.T)  # keep R symmetric despite rounding
         if t + 1 in restarts and t + 1 < len(schedule):
             x = q @ x
-            r = x @ x.T
-            q = eye.clone()
-    x = q @ x
+            r = symmetric_addmm(x, x.T, nblocks)
+            q = None
+    if q is not None:
+        x = q @ x
     return x.T if tall else x
 
 
