@@ -64,13 +64,9 @@ def per_shape(rate: float) -> list[dict]:
         ref = _zeropower_via_newtonschulz(g.clone(), COEFFS, 5, 1e-7)
         variants: dict[str, Callable[[], torch.Tensor]] = {
             "torch.optim.Muon": lambda: _zeropower_via_newtonschulz(g.clone(), COEFFS, 5, 1e-7)}
-        for blocks in (1, 2, 3, 4, 6, 8):
+        for blocks in (1, 2, 3, 4, 5, 6, 8):
             variants[f"ns blocks={blocks}"] = lambda b=blocks: ortho.newton_schulz(g.clone(), COEFFS, 5, 1e-7, b)
-        if shape[0] > shape[1]:
-            for blocks in (2, 4):
-                variants[f"ns blocks={blocks} row-major"] = lambda b=blocks: _row_major(g, b)
-        for blocks in (1, 4):
-            variants[f"ns blocks={blocks} cublaslt"] = lambda b=blocks: _cublaslt(g, b)
+        for blocks in (1, 2, 3, 4):
             variants[f"polar_express blocks={blocks}"] = lambda b=blocks: ortho.polar_express(g.clone(), blocks=b)
             if max(shape) >= 4 * min(shape):
                 variants[f"gram_polar_express blocks={blocks}"] = (
@@ -86,20 +82,16 @@ def per_shape(rate: float) -> list[dict]:
     return rows
 
 
-def _row_major(g: torch.Tensor, blocks: int) -> torch.Tensor:
-    ortho.ROW_MAJOR_TALL = True
-    try:
-        return ortho.newton_schulz(g.clone(), COEFFS, 5, 1e-7, blocks)
-    finally:
-        ortho.ROW_MAJOR_TALL = False
-
-
-def _cublaslt(g: torch.Tensor, blocks: int) -> torch.Tensor:
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        return ortho.newton_schulz(g.clone(), COEFFS, 5, 1e-7, blocks)
-    finally:
-        torch.backends.cuda.preferred_blas_library("cublas")
+def mirror_check() -> dict:
+    """The Triton transposed copy against torch's strided copy, and their times."""
+    from lightning_matrixfsdp.optim.transpose import HAS_TRITON, transpose_copy_
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    src, dst_k, dst_t = a[:2048, 2048:], a.clone()[2048:, :2048], a.clone()[2048:, :2048]
+    transpose_copy_(dst_k, src)
+    dst_t.copy_(src.T)
+    return {"triton": HAS_TRITON, "equal": bool(torch.equal(dst_k, dst_t)),
+            "kernel_us": timed(lambda: transpose_copy_(dst_k, src), reps=20) * 1e3,
+            "torch_copy_us": timed(lambda: dst_t.copy_(src.T), reps=20) * 1e3}
 
 
 def owner_set(seed: int = 0) -> tuple[list[torch.nn.Parameter], torch.nn.Parameter]:
@@ -115,14 +107,17 @@ def owner_set(seed: int = 0) -> tuple[list[torch.nn.Parameter], torch.nn.Paramet
 
 CONFIGS = {
     "ours blocks=1 streams=1": dict(symmetric_blocks=1, streams=1),
-    "ours blocks=1 streams=2": dict(symmetric_blocks=1, streams=2),
     "ours blocks=2 streams=1": dict(symmetric_blocks=2, streams=1),
+    "ours blocks=3 streams=1": dict(symmetric_blocks=3, streams=1),
     "ours blocks=4 streams=1": dict(symmetric_blocks=4, streams=1),
     "ours blocks=2 streams=2": dict(symmetric_blocks=2, streams=2),
+    "ours blocks=3 streams=2": dict(symmetric_blocks=3, streams=2),
     "ours blocks=4 streams=2": dict(symmetric_blocks=4, streams=2),
-    "ours blocks=4 streams=3": dict(symmetric_blocks=4, streams=3),
     "ours default": dict(),
-    "ours fast default": dict(orthogonalizer="fast"),
+    "ours fast blocks=1": dict(orthogonalizer="fast", symmetric_blocks=1),
+    "ours fast blocks=2": dict(orthogonalizer="fast", symmetric_blocks=2),
+    "ours fast blocks=3": dict(orthogonalizer="fast", symmetric_blocks=3),
+    "ours fast blocks=4": dict(orthogonalizer="fast", symmetric_blocks=4),
 }
 
 
@@ -177,6 +172,8 @@ def main(out: str) -> None:
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "cuda": torch.version.cuda, "matmul_tflops_start": matmul_tflops()}
     rate = res["matmul_tflops_start"]
+    res["mirror"] = mirror_check()
+    print(res["mirror"], flush=True)
     res["per_shape"] = per_shape(rate)
     res["whole_step"] = whole_step(rate)
     res["step_agreement"] = step_agreement()

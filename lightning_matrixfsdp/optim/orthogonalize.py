@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .transpose import transpose_copy_
+
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "DEFAULT_NS_STEPS",
@@ -53,9 +55,6 @@ CUDA_SYMMETRIC_BLOCKS = 4
 #: Smallest ``min(m, n)`` for which the symmetric products are used automatically.
 SYMMETRIC_MIN_ROWS = 1024
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
-#: Copy a tall matrix's transposed view to row-major before the blocked products
-#: (False keeps torch.optim.Muon's layout, which is what makes CPU results bitwise).
-ROW_MAJOR_TALL = False
 
 
 # --------------------------------------------------------------------------- checks
@@ -125,7 +124,8 @@ def symmetric_addmm(
     Only the upper block triangle is multiplied, one row block per GEMM
     (``out[r0:r1, r0:] = left[r0:r1] @ right[:, r0:]``); the strict lower blocks are
     then copied from their mirror images. With ``b`` equal blocks that is
-    ``(b + 1) / (2 b)`` of the GEMM work. Every computed entry is the same dot
+    ``(b + 1) / (2 b)`` of the GEMM work; the mirror copies use a coalesced
+    transpose (:func:`~lightning_matrixfsdp.optim.transpose.transpose_copy_`). Every computed entry is the same dot
     product over the same ``k`` as in the full GEMM, so with a kernel that does not
     split ``k`` it is the same number; ``blocks=1`` is the plain (add)mm. Used for
     ``X X^T`` and ``A A`` in the Newton-Schulz family, where the symmetry is exact
@@ -145,7 +145,7 @@ def symmetric_addmm(
             torch.addmm(input[r0:r1, r0:], left[r0:r1], right[:, r0:], beta=beta, alpha=alpha,
                         out=out[r0:r1, r0:])
     for r0, r1 in zip(edges[:-2], edges[1:-1]):
-        out[r1:, r0:r1].copy_(out[r0:r1, r1:].T)
+        transpose_copy_(out[r1:, r0:r1], out[r0:r1, r1:])
     return out
 
 
@@ -183,7 +183,9 @@ def _orthogonalize(
     # In place, as torch.optim.Muon does (it then also scales a bf16 input tensor).
     x.div_(x.norm().clamp(min=eps))
     nblocks = symmetric_blocks(x, blocks)
-    if nblocks > 1 and tall and ROW_MAJOR_TALL:
+    if nblocks > 1 and tall and x.is_cuda:
+        # Row blocks of a row-major X: measured faster on an H200 and bitwise the same
+        # there; on CPU torch's column-major view is kept (bitwise only that way).
         x = x.contiguous()
     x = _iterate(x, schedule, nblocks)
     return x.T if tall else x
@@ -446,7 +448,9 @@ def gram_polar_express(
         x = x.T
     x = x / x.norm().clamp(min=eps)
     nblocks = symmetric_blocks(x, blocks)
-    if nblocks > 1 and tall and ROW_MAJOR_TALL:
+    if nblocks > 1 and tall and x.is_cuda:
+        # Row blocks of a row-major X: measured faster on an H200 and bitwise the same
+        # there; on CPU torch's column-major view is kept (bitwise only that way).
         x = x.contiguous()
     # R, Z and Q are polynomials in the first R, so every product of two of them is
     # symmetric: all m x m products go through symmetric_addmm.
