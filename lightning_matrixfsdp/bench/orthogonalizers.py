@@ -25,6 +25,7 @@ from lightning_matrixfsdp.optim.orthogonalize import (
     newton_schulz,
     newton_schulz_batched,
     polar_error,
+    polar_factor,
     polar_express,
 )
 from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
@@ -77,21 +78,29 @@ def run(shapes: list[tuple[int, int]], device: torch.device, reps: int, batch: i
         x = gradient_like(shape, device)
         xs = [x.clone() for _ in range(batch)]
         flops = newton_schulz_flops(shape, 5)
+        fast = (gram_polar_express if max(shape) >= FAST_GRAM_MIN_ASPECT * min(shape) else polar_express)
         methods: dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]] = {
-            "newton_schulz (torch.optim.Muon)": (lambda: newton_schulz(x, COEFFS, 5, 1e-7),
-                                                  lambda: newton_schulz(x, COEFFS, 5, 1e-7)),
+            "newton_schulz blocks=1 (torch.optim.Muon's ops)": (
+                lambda: newton_schulz(x, COEFFS, 5, 1e-7, blocks=1), lambda: newton_schulz(x, COEFFS, 5, 1e-7, blocks=1)),
+            "newton_schulz (default: symmetric blocks on CUDA)": (
+                lambda: newton_schulz(x, COEFFS, 5, 1e-7), lambda: newton_schulz(x, COEFFS, 5, 1e-7)),
             f"batched x{batch} (per matrix)": (lambda: newton_schulz_batched(xs, COEFFS, 5, 1e-7),
                                                lambda: newton_schulz_batched(xs[:1], COEFFS, 5, 1e-7)[0]),
             "polar_express 5": (lambda: polar_express(x, 5), lambda: polar_express(x, 5)),
             "polar_express 4": (lambda: polar_express(x, 4), lambda: polar_express(x, 4)),
             "gram_polar_express 5": (lambda: gram_polar_express(x, 5), lambda: gram_polar_express(x, 5)),
+            "fast (opt-in)": (lambda: fast(x, 5), lambda: fast(x, 5)),
         }
+        stock = newton_schulz(x, COEFFS, 5, 1e-7, blocks=1)
+        polar = polar_factor(x)  # one SVD per shape
         for name, (timed, result) in methods.items():
             ms = _time(timed, device, reps)
             if name.startswith("batched"):
                 ms /= batch
-            err = polar_error(result().float(), x)
+            out = result()
+            err = polar_error(out.float(), x, polar=polar)
             rows.append({"shape": list(shape), "method": name, "ms": ms,
+                         "bitwise_stock": bool(torch.equal(out, stock)),
                          "ns_equivalent_tflops": flops / (ms * 1e-3) / 1e12,
                          "floor_ms": flops / (rate * 1e12) * 1e3 if rate == rate else None,
                          "polar_error": err})
@@ -104,19 +113,20 @@ def to_markdown(res: dict) -> str:
     lines = [f"bf16 matmul rate (8192^3): {res['matmul_bf16_tflops']:.0f} TFLOP/s on {res['device']}, "
              f"torch {res['torch']}", "",
              "| shape | method | ms / matrix | NS-5 FLOP floor ms | time / floor | NS-equivalent TFLOP/s | "
-             "polar error |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "polar error | bitwise = stock |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in res["rows"]:
         floor = r["floor_ms"]
         ratio = f"{r['ms'] / floor:.2f}" if floor else "n/a"
         fl = f"{floor:.2f}" if floor else "n/a"
         lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['method']} | {r['ms']:.2f} | {fl} | {ratio} | "
-                     f"{r['ns_equivalent_tflops']:.0f} | {r['polar_error']:.3f} |")
+                     f"{r['ns_equivalent_tflops']:.0f} | {r['polar_error']:.3f} | {'yes' if r['bitwise_stock'] else 'no'} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "4096x16384", "16384x4096"])
+    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "4096x16384", "16384x4096", "2048x2048",
+                                                     "2048x8192", "1024x1024", "1024x4096"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default="bench_out")

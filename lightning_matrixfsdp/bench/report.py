@@ -97,6 +97,7 @@ def markdown(results: dict[str, Any]) -> str:
         "mem max/avg: resident parameter bytes, busiest rank over mean; NS max/avg: Newton-Schulz FLOPs a rank "
         "runs alone (owner modes), busiest over mean; gamma: per-unit busiest owner over an even share.",
     ]
+    lines += floor_section(results)
     state_rows = [
         f"| {name} | {_bytes(max(e['state_bytes']['params']))} | {_bytes(max(e['state_bytes']['grads']))} | "
         f"{_bytes(max(e['state_bytes']['optimizer']))} |"
@@ -113,6 +114,25 @@ def markdown(results: dict[str, Any]) -> str:
         if text:
             lines += ["", f"Plan of `{name}`:", "", "```", text.rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def floor_section(results: dict[str, Any]) -> list[str]:
+    """Owner modes' optimizer step against the busiest owner's Newton-Schulz FLOP floor."""
+    rate = results["meta"].get("matmul_bf16_tflops")
+    rows = []
+    for name, e in results["modes"].items():
+        flops = e.get("balance", {}).get("ns_flops") if e["status"] == "ok" else None
+        if not rate or not flops or max(flops) == 0:
+            continue
+        floor = max(flops) / (rate * 1e12) * 1e3
+        opt = e["time_ms"]["optimizer_step"]
+        rows.append(f"| {name} | {max(flops) / 1e9:,.0f} | {floor:.1f} | {opt:.1f} | {opt / floor:.3f} |")
+    if not rows:
+        return []
+    return ["", f"Optimizer step against the busiest owner's Newton-Schulz FLOP floor (FLOPs / the {rate:.0f} "
+            "TFLOP/s bf16 rate of an 8192^3 matmul measured in this run):", "",
+            "| mode | NS GFLOP (busiest owner) | floor ms | opt ms | opt / floor |",
+            "| --- | ---: | ---: | ---: | ---: |", *rows]
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:

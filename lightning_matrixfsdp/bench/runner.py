@@ -305,6 +305,23 @@ def _git_revision() -> str | None:
     return None
 
 
+def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """bf16 rate of one ``n^3`` matmul on ``device`` (median of ``reps``, CUDA events)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = []
+    for i in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    ms = sorted(times)[len(times) // 2]
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
 def metadata(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
     import lightning_matrixfsdp
 
@@ -323,6 +340,8 @@ def metadata(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
         "dtype": cfg.run.dtype,
     }
     if device.type == "cuda":
+        # The ceiling behind the Newton-Schulz FLOP floor, measured in this invocation.
+        meta["matmul_bf16_tflops"] = matmul_tflops(device)
         meta["gpu"] = torch.cuda.get_device_name(device)
         meta["cuda"] = torch.version.cuda
         try:

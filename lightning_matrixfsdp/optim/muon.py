@@ -200,10 +200,6 @@ class Muon(torch.optim.Optimizer):
             multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
             CPU and for small matrices, several on CUDA. See
             :func:`~lightning_matrixfsdp.optim.orthogonalize.symmetric_addmm`.
-        streams: CUDA streams the per-matrix work is spread over, so that one
-            matrix's memory-bound momentum and update kernels overlap another's
-            GEMMs (same kernels, same results). ``None`` = 2 on CUDA; 1 = the
-            current stream only. Ignored on CPU.
     """
 
     def __init__(
@@ -223,7 +219,6 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float | None = None,
         orthogonalizer: str = "newton_schulz",
         symmetric_blocks: int | None = None,
-        streams: int | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -241,10 +236,7 @@ class Muon(torch.optim.Optimizer):
             "orthogonalizer": orthogonalizer,
             "symmetric_blocks": symmetric_blocks,
         }
-        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int) or streams < 1):
-            raise ValueError(f"streams must be a positive int or None, got {streams!r}")
-        self.streams = streams
-        self._side_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+
         # Validate the defaults even if every group overrides them: a bad default
         # is a bug the user wants to hear about at construction.
         self._validate_group(defaults)
@@ -303,8 +295,6 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle older objects: give every group the keys step() reads."""
         super().__setstate__(state)
-        self.__dict__.setdefault("streams", None)
-        self._side_streams = {}
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -332,36 +322,12 @@ class Muon(torch.optim.Optimizer):
         """torch.optim.Muon's update for every matrix of one group.
 
         Works bucket by bucket (one matrix per bucket, or one shape per bucket for
-        "batched") so the transient copies never exceed one bucket's size per stream.
-        On CUDA consecutive buckets alternate over :attr:`streams` side streams.
+        "batched") so the transient copies never exceed one bucket's size. (Spreading
+        buckets over two CUDA streams was measured on an H200 and gained nothing:
+        docs/decisions.md.)
         """
-        for p in params:  # state is created on the current stream, never on a side one
-            if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        buckets = self._buckets(group, params)
-        streams = self._streams_for(params[0].device, len(buckets))
-        if not streams:
-            for bucket in buckets:
-                self._muon_bucket(group, bucket)
-            return
-        current = torch.cuda.current_stream(params[0].device)
-        for stream in streams:
-            stream.wait_stream(current)  # gradients and parameters are ready
-        for i, bucket in enumerate(buckets):
-            with torch.cuda.stream(streams[i % len(streams)]):
-                self._muon_bucket(group, bucket)
-        for stream in streams:
-            current.wait_stream(stream)
-
-    def _streams_for(self, device: torch.device, buckets: int) -> list[torch.cuda.Stream]:
-        """Side streams for this step on ``device``; empty means "the current stream"."""
-        count = self.streams if self.streams is not None else 2
-        if device.type != "cuda" or count <= 1 or buckets <= 1:
-            return []
-        streams = self._side_streams.setdefault(device, [])
-        while len(streams) < count:
-            streams.append(torch.cuda.Stream(device))
-        return streams[:count]
+        for bucket in self._buckets(group, params):
+            self._muon_bucket(group, bucket)
 
     def _muon_bucket(self, group: dict[str, Any], bucket: list[Tensor]) -> None:
         """Momentum, orthogonalization and the update of one bucket (torch's op order)."""
@@ -372,7 +338,10 @@ class Muon(torch.optim.Optimizer):
         updates: list[Tensor] = []
         for p in bucket:
             grad = p.grad
-            buf = self.state[p]["momentum_buffer"]
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - momentum)
             updates.append(grad.lerp(buf, momentum) if nesterov else buf)
         for p, update in zip(bucket, self._orthogonalize(group, updates)):

@@ -35,6 +35,7 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_batched",
     "polar_error",
+    "polar_factor",
     "polar_express",
     "polar_express_batched",
     "polar_express_coefficients",
@@ -51,9 +52,9 @@ _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100
 
 #: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`); chosen
 #: by measurement on an H200 (docs/benchmarks.md, "Symmetric products").
-CUDA_SYMMETRIC_BLOCKS = 4
+CUDA_SYMMETRIC_BLOCKS = 3
 #: Smallest ``min(m, n)`` for which the symmetric products are used automatically.
-SYMMETRIC_MIN_ROWS = 1024
+SYMMETRIC_MIN_ROWS = 2048
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
 
 
@@ -478,25 +479,32 @@ def gram_polar_express(
 # ---------------------------------------------------------------------- accuracy
 
 
-def polar_error(update: Tensor, grad: Tensor, rtol: float | None = None) -> float:
-    """Relative Frobenius distance ``||update - U V^T|| / ||U V^T||``, computed in float64.
-
-    ``U V^T`` is the polar factor of ``grad`` from its thin SVD, restricted to the
-    singular values above ``rtol * sigma_max`` (default ``max(m, n) * eps`` of
-    ``grad``'s dtype, as ``torch.linalg.matrix_rank`` does): for a rank-deficient
-    ``grad`` the target is the partial isometry on its range, which is what the
-    polynomial iterations converge to (they map zero singular values to zero).
-    ``||U V^T||_F = sqrt(rank)``. Used by tests and benchmarks to compare methods.
-    """
+def polar_factor(grad: Tensor, rtol: float | None = None) -> Tensor:
+    """``U V^T`` of ``grad`` in float64 over the singular values above ``rtol * sigma_max``
+    (default ``max(m, n) * eps`` of ``grad``'s dtype, as ``torch.linalg.matrix_rank``)."""
     _check_matrix(grad)
-    if update.shape != grad.shape:
-        raise ValueError(f"update shape {tuple(update.shape)} != grad shape {tuple(grad.shape)}")
     if rtol is None:
         dtype = grad.dtype if grad.is_floating_point() else torch.float64
         rtol = max(grad.shape) * torch.finfo(dtype).eps
     u, s, vh = torch.linalg.svd(grad.detach().to(torch.float64), full_matrices=False)
     keep = s > rtol * s.max() if s.numel() and s.max() > 0 else torch.zeros_like(s, dtype=torch.bool)
-    polar = u[:, keep] @ vh[keep, :]
+    return u[:, keep] @ vh[keep, :]
+
+
+def polar_error(update: Tensor, grad: Tensor, rtol: float | None = None, polar: Tensor | None = None) -> float:
+    """Relative Frobenius distance ``||update - U V^T|| / ||U V^T||``, computed in float64.
+
+    ``U V^T`` is :func:`polar_factor` of ``grad`` (pass it as ``polar`` to reuse one
+    SVD for several updates): for a rank-deficient ``grad`` the target is the partial
+    isometry on its range, which is what the polynomial iterations converge to (they
+    map zero singular values to zero). ``||U V^T||_F = sqrt(rank)``. Used by tests and
+    benchmarks to compare methods.
+    """
+    _check_matrix(grad)
+    if update.shape != grad.shape:
+        raise ValueError(f"update shape {tuple(update.shape)} != grad shape {tuple(grad.shape)}")
+    if polar is None:
+        polar = polar_factor(grad, rtol)
     diff = update.detach().to(torch.float64) - polar
     reference = torch.linalg.matrix_norm(polar)
     if reference == 0:  # zero matrix: measure the update itself

@@ -6,6 +6,7 @@ entries of Newton-Schulz's Gram matrices that is slow enough to cancel most of w
 computing only half of a symmetric product saves (measured on an H200, see
 docs/benchmarks.md). The Triton kernel here moves one square tile per program through
 registers (``tl.trans``), so both sides are contiguous. It is exact: a copy.
+Its tile size is autotuned per shape on first use.
 
 Without Triton (CPU builds of torch) or for CPU tensors, :func:`transpose_copy_` falls
 back to ``dst.copy_(src.T)``. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors,
@@ -14,7 +15,6 @@ which is how the tests check it without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -29,7 +29,6 @@ except ImportError:  # pragma: no cover - depends on the install
 __all__ = ["HAS_TRITON", "transpose_copy_"]
 
 HAS_TRITON = triton is not None
-_TILE = 64
 
 if HAS_TRITON:
 
@@ -44,11 +43,23 @@ if HAS_TRITON:
         tl.store(dst + r[:, None] * dst_stride + c[None, :], tl.trans(tile),
                  mask=(r[:, None] < rows) & (c[None, :] < cols))
 
+    # On GPUs the tile is autotuned per (rows, cols) on first use (a copy, so the
+    # autotuner's repeated trial launches are harmless); the interpreter cannot tune.
+    _tuned_transpose_copy_kernel = triton.autotune(
+        configs=[triton.Config({"TILE": tile}, num_warps=warps) for tile in (32, 64, 128) for warps in (4, 8)],
+        key=["rows", "cols"],
+    )(_transpose_copy_kernel)
+
 
 def _use_kernel(dst: Tensor) -> bool:
     if not HAS_TRITON:
         return False
     return dst.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _int32_view(t: Tensor) -> bool:
+    """Row-major (unit column stride) with every element offset addressable in int32."""
+    return t.stride(1) == 1 and (t.size(0) - 1) * t.stride(0) + t.size(1) < 2**31
 
 
 def transpose_copy_(dst: Tensor, src: Tensor) -> Tensor:
@@ -58,11 +69,18 @@ def transpose_copy_(dst: Tensor, src: Tensor) -> Tensor:
                          f"and device {dst.device}; got {tuple(src.shape)}, {src.dtype}, {src.device}")
     if dst.numel() == 0:
         return dst
-    if not _use_kernel(dst) or dst.stride(1) != 1 or src.stride(1) != 1:
+    if not _use_kernel(dst) or not (_int32_view(dst) and _int32_view(src)):
         return dst.copy_(src.T)
     rows, cols = dst.shape
-    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
-    with torch.cuda.device(dst.device) if dst.is_cuda else contextlib.nullcontext():
-        _transpose_copy_kernel[grid](src, dst, rows, cols, src.stride(0), dst.stride(0), TILE=_TILE)
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return triton.cdiv(rows, meta["TILE"]), triton.cdiv(cols, meta["TILE"])
+
+    args = (src, dst, rows, cols, src.stride(0), dst.stride(0))
+    if not dst.is_cuda:  # TRITON_INTERPRET=1 on CPU tensors
+        _transpose_copy_kernel[grid](*args, TILE=64)
+        return dst
+    with torch.cuda.device(dst.device):
+        _tuned_transpose_copy_kernel[grid](*args)
     return dst
 
