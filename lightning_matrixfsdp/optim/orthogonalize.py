@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .transpose import transpose_copy_
+from .transpose import mirror_lower_blocks_
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
@@ -54,7 +54,7 @@ _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100
 #: by measurement on an H200 (docs/benchmarks.md, "Symmetric products").
 CUDA_SYMMETRIC_BLOCKS = 3
 #: Smallest ``min(m, n)`` for which the symmetric products are used automatically.
-SYMMETRIC_MIN_ROWS = 2048
+SYMMETRIC_MIN_ROWS = 4096
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
 
 
@@ -125,12 +125,12 @@ def symmetric_addmm(
     Only the upper block triangle is multiplied, one row block per GEMM
     (``out[r0:r1, r0:] = left[r0:r1] @ right[:, r0:]``); the strict lower blocks are
     then copied from their mirror images. With ``b`` equal blocks that is
-    ``(b + 1) / (2 b)`` of the GEMM work; the mirror copies use a coalesced
-    transpose (:func:`~lightning_matrixfsdp.optim.transpose.transpose_copy_`). Every computed entry is the same dot
+    ``(b + 1) / (2 b)`` of the GEMM work; the mirror is one coalesced launch
+    (:func:`~lightning_matrixfsdp.optim.transpose.mirror_lower_blocks_`). Every computed entry is the same dot
     product over the same ``k`` as in the full GEMM, so with a kernel that does not
     split ``k`` it is the same number; ``blocks=1`` is the plain (add)mm. Used for
     ``X X^T`` and ``A A`` in the Newton-Schulz family, where the symmetry is exact
-    in exact arithmetic; the mirrored result is exactly symmetric.
+    in exact arithmetic; the off-diagonal blocks of the result are exact mirrors.
     """
     m = left.size(0)
     if blocks <= 1:
@@ -145,9 +145,7 @@ def symmetric_addmm(
         else:
             torch.addmm(input[r0:r1, r0:], left[r0:r1], right[:, r0:], beta=beta, alpha=alpha,
                         out=out[r0:r1, r0:])
-    for r0, r1 in zip(edges[:-2], edges[1:-1]):
-        transpose_copy_(out[r1:, r0:r1], out[r0:r1, r1:])
-    return out
+    return mirror_lower_blocks_(out, edges)
 
 
 def _iterate(x: Tensor, schedule: Sequence[Coefficients], blocks: int = 1) -> Tensor:
@@ -463,7 +461,7 @@ def gram_polar_express(
         z.diagonal().add_(a)
         q = z if q is None else symmetric_addmm(z, q, nblocks)
         if nblocks > 1:
-            r = symmetric_addmm(symmetric_addmm(z, r, nblocks), z, nblocks)  # exactly symmetric
+            r = symmetric_addmm(symmetric_addmm(z, r, nblocks), z, nblocks)  # mirrored: stays symmetric
         else:
             r = z @ r @ z
             r = 0.5 * (r + r.T)  # keep R symmetric despite rounding

@@ -1,21 +1,25 @@
-"""A coalesced transposed copy for CUDA, used to mirror the symmetric block products.
+"""Mirror the upper block triangle of a square matrix into its lower blocks, coalesced.
 
-``dst.copy_(src.T)`` on CUDA goes through PyTorch's generic strided kernel, which can
-coalesce either the reads or the writes of a transpose but not both; for the 2-byte
-entries of Newton-Schulz's Gram matrices that is slow enough to cancel most of what
-computing only half of a symmetric product saves (measured on an H200, see
+The symmetric products of Newton-Schulz (:func:`~.orthogonalize.symmetric_addmm`)
+compute only the upper block triangle and then need ``out[lower block] = out[upper
+block].T``. On CUDA ``dst.copy_(src.T)`` goes through PyTorch's generic strided kernel,
+which coalesces either the reads or the writes of a transpose, not both; for 2-byte
+entries that cancelled most of what halving the GEMM work saves (measured on an H200,
 docs/benchmarks.md). The Triton kernel here moves one square tile per program through
-registers (``tl.trans``), so both sides are contiguous. It is exact: a copy.
-Its tile size is autotuned per shape on first use.
+registers (``tl.trans``), so both sides are contiguous, and does every lower block of
+the matrix in one launch: Triton launches cost tens of microseconds of CPU time, and
+Newton-Schulz issues two mirrors per iteration. It is exact: a copy.
 
-Without Triton (CPU builds of torch) or for CPU tensors, :func:`transpose_copy_` falls
-back to ``dst.copy_(src.T)``. ``TRITON_INTERPRET=1`` runs the kernel on CPU tensors,
-which is how the tests check it without a GPU.
+Without Triton (CPU builds of torch), for CPU tensors, or beyond what the kernel takes
+(more than :data:`MAX_BLOCKS` blocks, int32 offsets), :func:`mirror_lower_blocks_`
+falls back to one ``copy_`` per block. ``TRITON_INTERPRET=1`` runs the kernel on CPU
+tensors, which is how the tests check it without a GPU.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -26,61 +30,66 @@ try:  # Triton ships with CUDA builds of torch; CPU builds have none.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["HAS_TRITON", "transpose_copy_"]
+__all__ = ["HAS_TRITON", "MAX_BLOCKS", "mirror_lower_blocks_"]
 
 HAS_TRITON = triton is not None
+#: Most row blocks the one-launch kernel handles (it takes the interior edges as scalars).
+MAX_BLOCKS = 8
+_TILE = 64
 
 if HAS_TRITON:
 
     @triton.jit
-    def _transpose_copy_kernel(src, dst, rows, cols, src_stride, dst_stride, TILE: tl.constexpr):
-        """``dst[r, c] = src[c, r]`` for one ``TILE x TILE`` tile; dst is ``rows x cols``."""
+    def _block_of(x, e1, e2, e3, e4, e5, e6, e7):
+        """Index of the row block that offset ``x`` falls in (edges ascending, padded with m)."""
+        return ((x >= e1).to(tl.int32) + (x >= e2).to(tl.int32) + (x >= e3).to(tl.int32)
+                + (x >= e4).to(tl.int32) + (x >= e5).to(tl.int32) + (x >= e6).to(tl.int32)
+                + (x >= e7).to(tl.int32))
+
+    @triton.jit
+    def _mirror_kernel(a, m, stride, e1, e2, e3, e4, e5, e6, e7, TILE: tl.constexpr):
+        """One tile: ``a[r, c] = a[c, r]`` wherever block(r) > block(c) (other entries untouched)."""
         r = tl.program_id(0) * TILE + tl.arange(0, TILE)
         c = tl.program_id(1) * TILE + tl.arange(0, TILE)
-        # Read the tile as it lies in src (contiguous along r), transpose in registers.
-        tile = tl.load(src + c[:, None] * src_stride + r[None, :],
-                       mask=(c[:, None] < cols) & (r[None, :] < rows))
-        tl.store(dst + r[:, None] * dst_stride + c[None, :], tl.trans(tile),
-                 mask=(r[:, None] < rows) & (c[None, :] < cols))
-
-    # On GPUs the tile is autotuned per (rows, cols) on first use (a copy, so the
-    # autotuner's repeated trial launches are harmless); the interpreter cannot tune.
-    _tuned_transpose_copy_kernel = triton.autotune(
-        configs=[triton.Config({"TILE": tile}, num_warps=warps) for tile in (32, 64, 128) for warps in (4, 8)],
-        key=["rows", "cols"],
-    )(_transpose_copy_kernel)
+        lower = (_block_of(r, e1, e2, e3, e4, e5, e6, e7)[:, None]
+                 > _block_of(c, e1, e2, e3, e4, e5, e6, e7)[None, :])  # [r, c]
+        inside = (r[:, None] < m) & (c[None, :] < m) & lower
+        # Read the mirror tile as it lies (contiguous along r), transpose in registers.
+        tile = tl.load(a + c[:, None] * stride + r[None, :], mask=tl.trans(inside))
+        tl.store(a + r[:, None] * stride + c[None, :], tl.trans(tile), mask=inside)
 
 
-def _use_kernel(dst: Tensor) -> bool:
-    if not HAS_TRITON:
+def _kernel_ok(a: Tensor, edges: Sequence[int]) -> bool:
+    if not HAS_TRITON or not (a.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    return dst.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if len(edges) - 1 > MAX_BLOCKS:
+        return False
+    m = a.size(0)
+    return a.stride(1) == 1 and (m - 1) * a.stride(0) + m < 2**31
 
 
-def _int32_view(t: Tensor) -> bool:
-    """Row-major (unit column stride) with every element offset addressable in int32."""
-    return t.stride(1) == 1 and (t.size(0) - 1) * t.stride(0) + t.size(1) < 2**31
+def mirror_lower_blocks_(a: Tensor, edges: Sequence[int]) -> Tensor:
+    """Fill each strictly-lower block of square ``a`` from its upper mirror; returns ``a``.
 
-
-def transpose_copy_(dst: Tensor, src: Tensor) -> Tensor:
-    """``dst.copy_(src.T)`` for 2D row-major views (unit column stride); returns ``dst``."""
-    if src.shape != dst.shape[::-1] or src.dtype != dst.dtype or src.device != dst.device:
-        raise ValueError(f"transpose_copy_ needs src of shape {tuple(dst.shape[::-1])}, dtype {dst.dtype} "
-                         f"and device {dst.device}; got {tuple(src.shape)}, {src.dtype}, {src.device}")
-    if dst.numel() == 0:
-        return dst
-    if not _use_kernel(dst) or not (_int32_view(dst) and _int32_view(src)):
-        return dst.copy_(src.T)
-    rows, cols = dst.shape
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return triton.cdiv(rows, meta["TILE"]), triton.cdiv(cols, meta["TILE"])
-
-    args = (src, dst, rows, cols, src.stride(0), dst.stride(0))
-    if not dst.is_cuda:  # TRITON_INTERPRET=1 on CPU tensors
-        _transpose_copy_kernel[grid](*args, TILE=64)
-        return dst
-    with torch.cuda.device(dst.device):
-        _tuned_transpose_copy_kernel[grid](*args)
-    return dst
-
+    ``edges`` are the block boundaries ``0 = e_0 < e_1 < ... < e_b = m``: afterwards
+    ``a[e_j:e_{j+1}, e_i:e_{i+1}] = a[e_i:e_{i+1}, e_j:e_{j+1}].T`` for every ``j > i``.
+    Diagonal blocks and the upper blocks are not touched.
+    """
+    m = a.size(0)
+    if a.ndim != 2 or a.size(1) != m or list(edges[:1]) != [0] or edges[-1] != m:
+        raise ValueError(f"mirror_lower_blocks_ needs a square matrix and edges from 0 to its size; got "
+                         f"{tuple(a.shape)} and {list(edges)}")
+    if len(edges) <= 2:
+        return a
+    if not _kernel_ok(a, edges):
+        for r0, r1 in zip(edges[:-2], edges[1:-1]):
+            a[r1:, r0:r1].copy_(a[r0:r1, r1:].T)
+        return a
+    interior = list(edges[1:-1]) + [m] * (MAX_BLOCKS - 1 - (len(edges) - 2))  # 7 scalars
+    grid = (triton.cdiv(m, _TILE), triton.cdiv(m, _TILE))
+    if a.is_cuda and a.device.index != torch.cuda.current_device():
+        with torch.cuda.device(a.device):
+            _mirror_kernel[grid](a, m, a.stride(0), *interior, TILE=_TILE)
+    else:
+        _mirror_kernel[grid](a, m, a.stride(0), *interior, TILE=_TILE)
+    return a
