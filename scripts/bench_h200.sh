@@ -21,6 +21,7 @@ case "${1:-full}" in
       --out "$OUT/quick" --no-plot --timeout 120 2>&1 | tail -25 ;;
   full)
     timeout 200 python3 -m lightning_matrixfsdp.bench.orthogonalizers --out "$OUT" 2>&1 | tail -20
+    timeout 240 python3 scripts/profile_owner_step.py "$OUT" > "$OUT/profile.log" 2>&1
     torchrun --nproc-per-node "$N" -m lightning_matrixfsdp.bench --preset onenode --modes all --out "$OUT" \
       --timeout 120 --no-plot 2>&1 | grep -v Warning | tail -40 ;;
 esac
