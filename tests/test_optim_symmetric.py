@@ -21,7 +21,7 @@ import torch
 
 from lightning_matrixfsdp.optim import orthogonalize as ortho
 from lightning_matrixfsdp.optim.muon import Muon
-from lightning_matrixfsdp.optim.transpose import MAX_BLOCKS, mirror_lower_blocks_
+from lightning_matrixfsdp.optim.transpose import MAX_BLOCKS, mirror_lower_blocks_, transposed
 
 try:
     from torch.optim._muon import _zeropower_via_newtonschulz as torch_newton_schulz
@@ -147,6 +147,14 @@ def test_mirror_fallback(edges):
     assert torch.equal(mirror_lower_blocks_(a, edges), expected)
 
 
+def test_transposed_fallback():
+    src = torch.randn(70, 300)
+    out = transposed(src)
+    assert out.is_contiguous() and torch.equal(out, src.T)
+    with pytest.raises(ValueError, match="2D"):
+        transposed(torch.randn(3))
+
+
 def test_mirror_rejects_bad_edges():
     with pytest.raises(ValueError, match="square"):
         mirror_lower_blocks_(torch.randn(4, 5), [0, 4])
@@ -171,6 +179,10 @@ def test_mirror_kernel_under_the_triton_interpreter(tmp_path):
                 for r0, r1 in zip(edges[:-2], edges[1:-1]):
                     expected[r1:, r0:r1] = expected[r0:r1, r1:].T.clone()
                 assert torch.equal(transpose.mirror_lower_blocks_(a, edges), expected), (m, edges, dtype)
+        for shape in [(1000, 300), (64, 64), (130, 7), (1, 5)]:
+            src = torch.randn(shape).bfloat16()
+            out = transpose.transposed(src)
+            assert out.is_contiguous() and torch.equal(out, src.T), shape
         x = torch.randn(768, 1024).bfloat16()
         gram = ortho.symmetric_addmm(x, x.T, 3)
         assert torch.equal(gram, gram.T)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .transpose import mirror_lower_blocks_
+from .transpose import mirror_lower_blocks_, transposed
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
@@ -182,11 +182,15 @@ def _orthogonalize(
     # In place, as torch.optim.Muon does (it then also scales a bf16 input tensor).
     x.div_(x.norm().clamp(min=eps))
     nblocks = symmetric_blocks(x, blocks)
-    if nblocks > 1 and tall and x.is_cuda:
+    row_major = nblocks > 1 and tall and x.is_cuda and x.T.is_contiguous()
+    if row_major:
         # Row blocks of a row-major X: measured faster on an H200 and bitwise the same
-        # there; on CPU torch's column-major view is kept (bitwise only that way).
-        x = x.contiguous()
+        # there (copies are exact); on CPU torch's column-major view is kept (bitwise
+        # only that way). Both transposes use the coalesced kernel.
+        x = transposed(x.T)
     x = _iterate(x, schedule, nblocks)
+    if row_major:
+        return transposed(x)  # the parameter's layout, so the update add is coalesced
     return x.T if tall else x
 
 
@@ -447,10 +451,9 @@ def gram_polar_express(
         x = x.T
     x = x / x.norm().clamp(min=eps)
     nblocks = symmetric_blocks(x, blocks)
-    if nblocks > 1 and tall and x.is_cuda:
-        # Row blocks of a row-major X: measured faster on an H200 and bitwise the same
-        # there; on CPU torch's column-major view is kept (bitwise only that way).
-        x = x.contiguous()
+    row_major = nblocks > 1 and tall and x.is_cuda and x.T.is_contiguous()
+    if row_major:  # as in _orthogonalize
+        x = transposed(x.T)
     # R, Z and Q are polynomials in the first R, so every product of two of them is
     # symmetric: all m x m products go through symmetric_addmm.
     r = symmetric_addmm(x, x.T, nblocks)
@@ -471,6 +474,8 @@ def gram_polar_express(
             q = None
     if q is not None:
         x = q @ x
+    if row_major:
+        return transposed(x)
     return x.T if tall else x
 
 
