@@ -310,3 +310,24 @@ def test_scaling_cli_single_process(tmp_path: Path) -> None:
     study = json.loads((tmp_path / "scaling.json").read_text())
     (row,) = study["rows"]
     assert row["status"] == "ok" and row["measured"]["forward"] == 0  # nothing to gather alone
+
+
+def test_floor_section_arithmetic() -> None:
+    """Owner modes' step over the busiest owner's FLOPs / the measured matmul rate."""
+    from lightning_matrixfsdp.bench.report import floor_section
+
+    ok = {"status": "ok", "time_ms": {"optimizer_step": 3000.0}, "balance": {"ns_flops": [2e14, 1e14]}}
+    results = {
+        "meta": {"matmul_bf16_tflops": 100.0},
+        "modes": {
+            "owner": ok,
+            "sharded": {"status": "ok", "time_ms": {"optimizer_step": 5.0}, "balance": {"ns_flops": [0, 0]}},
+            "broken": {"status": "failed", "error": "x"},
+        },
+    }
+    lines = floor_section(results)
+    rows = [line for line in lines if line.startswith("| owner")]
+    # 2e14 FLOP at 100 TFLOP/s = 2000 ms; 3000 / 2000 = 1.5
+    assert rows == ["| owner | 200,000 | 2000.0 | 3000.0 | 1.500 |"]
+    assert not any(line.startswith(("| sharded", "| broken")) for line in lines)
+    assert floor_section({"meta": {}, "modes": {"owner": ok}}) == []  # CPU runs: no rate measured
