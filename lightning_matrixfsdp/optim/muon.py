@@ -236,7 +236,6 @@ class Muon(torch.optim.Optimizer):
             "orthogonalizer": orthogonalizer,
             "symmetric_blocks": symmetric_blocks,
         }
-
         # Validate the defaults even if every group overrides them: a bad default
         # is a bug the user wants to hear about at construction.
         self._validate_group(defaults)

@@ -50,10 +50,11 @@ DEFAULT_NS_COEFFICIENTS: Coefficients = (3.4445, -4.775, 2.0315)
 DEFAULT_NS_STEPS = 5
 _MAX_STEPS = 100  # torch.optim.Muon refuses ns_steps >= 100
 
-#: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`); chosen
-#: by measurement on an H200 (docs/benchmarks.md, "Symmetric products").
+#: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`): the most
+#: that stayed bitwise equal to torch.optim.Muon on an H200 (docs/benchmarks.md).
 CUDA_SYMMETRIC_BLOCKS = 3
-#: Smallest ``min(m, n)`` for which the symmetric products are used automatically.
+#: Smallest ``min(m, n)`` for which the symmetric products are used automatically (the
+#: size measured to gain; smaller products are closer to launch-bound).
 SYMMETRIC_MIN_ROWS = 4096
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
 
@@ -89,7 +90,7 @@ def symmetric_blocks(x: Tensor, blocks: int | None) -> int:
     """Row blocks for the symmetric products of ``x`` (``m x n``, ``m <= n``).
 
     ``None`` picks automatically: :data:`CUDA_SYMMETRIC_BLOCKS` on CUDA when ``m`` is at
-    least :data:`SYMMETRIC_MIN_ROWS` (where halving GEMM work beats the extra launches),
+    least :data:`SYMMETRIC_MIN_ROWS` (where the saved GEMM work beats the extra launches),
     else 1, which is torch.optim.Muon's exact op sequence. CPU stays at 1 so that our
     Muon is bitwise the stock one where the tests compare them.
     """
@@ -236,8 +237,9 @@ def newton_schulz(
     ``torch.optim._muon._zeropower_via_newtonschulz`` (same ops in the same order).
     With more blocks (automatic on CUDA, see :func:`symmetric_blocks`) it is the same
     iteration in the same precision with the symmetric products ``X X^T`` and ``A A``
-    computed as their upper block triangle (:func:`symmetric_addmm`): up to 37% fewer
-    FLOPs; how close that is to the stock result is measured in docs/benchmarks.md.
+    computed as their upper block triangle (:func:`symmetric_addmm`; with 3 blocks about
+    20% fewer FLOPs). With 1-3 blocks it was bitwise the stock result on an H200
+    (docs/benchmarks.md); in general it is equal up to bf16 rounding.
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
@@ -437,10 +439,10 @@ def gram_polar_express(
     it. Measured in bf16: without a restart ill-conditioned inputs blow up (errors
     far above 1); with one restart after iteration 2 the result stays within a few
     hundredths of :func:`polar_express` (tests use :func:`polar_error`). Measured
-    on an H200 (bf16, 5 steps): 1024x16384 0.59 ms vs 0.77 ms for
-    :func:`polar_express`, 2048x8192 about equal, square 4096 1.9x slower; so it
-    is worth it only for aspect ratios of about 8 or more. ``blocks``: as
-    :func:`newton_schulz` (here every ``m x m`` product is symmetric).
+    on an H200 (bf16, 5 steps, 3 symmetric blocks): 4096x16384 6.0 ms vs 8.5 ms for
+    :func:`polar_express`, square 4096 1.5x slower; so the ``fast`` orthogonalizer
+    uses it from an aspect ratio of 4. ``blocks``: as :func:`newton_schulz` (here
+    every ``m x m`` product is symmetric).
     """
     _check_matrix(grad)
     schedule = polar_express_coefficients(steps, lower)

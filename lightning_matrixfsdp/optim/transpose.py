@@ -1,4 +1,4 @@
-"""Mirror the upper block triangle of a square matrix into its lower blocks, coalesced.
+"""Coalesced transposed copies for Newton-Schulz on CUDA: block mirrors and transposes.
 
 The symmetric products of Newton-Schulz (:func:`~.orthogonalize.symmetric_addmm`)
 compute only the upper block triangle and then need ``out[lower block] = out[upper
@@ -13,7 +13,8 @@ Newton-Schulz issues two mirrors per iteration. It is exact: a copy.
 Without Triton (CPU builds of torch), for CPU tensors, or beyond what the kernel takes
 (more than :data:`MAX_BLOCKS` blocks, int32 offsets), :func:`mirror_lower_blocks_`
 falls back to one ``copy_`` per block. ``TRITON_INTERPRET=1`` runs the kernel on CPU
-tensors, which is how the tests check it without a GPU.
+tensors, which is how the tests check it without a GPU. :func:`transposed` does the
+same for a whole matrix (tall matrices are iterated in their wide orientation).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ if HAS_TRITON:
         # Read the mirror tile as it lies (contiguous along r), transpose in registers.
         tile = tl.load(a + c[:, None] * stride + r[None, :], mask=tl.trans(inside))
         tl.store(a + r[:, None] * stride + c[None, :], tl.trans(tile), mask=inside)
-
 
     @triton.jit
     def _transpose_kernel(src, dst, rows, cols, TILE: tl.constexpr):
@@ -109,8 +109,8 @@ def mirror_lower_blocks_(a: Tensor, edges: Sequence[int]) -> Tensor:
     ``a[e_j:e_{j+1}, e_i:e_{i+1}] = a[e_i:e_{i+1}, e_j:e_{j+1}].T`` for every ``j > i``.
     Diagonal blocks and the upper blocks are not touched.
     """
-    m = a.size(0)
-    if a.ndim != 2 or a.size(1) != m or list(edges[:1]) != [0] or edges[-1] != m:
+    m = a.size(0) if a.ndim == 2 else -1
+    if m < 0 or a.size(1) != m or list(edges[:1]) != [0] or edges[-1] != m:
         raise ValueError(f"mirror_lower_blocks_ needs a square matrix and edges from 0 to its size; got "
                          f"{tuple(a.shape)} and {list(edges)}")
     if len(edges) <= 2:
