@@ -502,3 +502,24 @@ def test_input_validation():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         Muon(emb.parameters()).step()
+
+
+def test_warns_when_adamw_eps_vanishes_in_float16():
+    from lightning_matrixfsdp.optim import muon as muon_mod
+
+    muon_mod._EPS_WARNED.clear()
+    norm = nn.Parameter(torch.ones(8, dtype=torch.float16))
+    norm.grad = torch.full_like(norm, 1e-3)
+    with pytest.warns(RuntimeWarning, match="rounds to 0 in torch.float16"):
+        Muon([norm], lr=0.02).step()
+    # the reason it matters: the second moment underflows and 0 / 0 follows, as in torch's AdamW
+    assert not torch.isfinite(norm).all()
+    ok = nn.Parameter(torch.ones(8, dtype=torch.float16))
+    ok.grad = torch.full_like(ok, 1e-3)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([ok], lr=0.02, adamw_eps=1e-4).step()  # representable: no warning
+        Muon([nn.Parameter(torch.ones(3))], lr=0.02).step()  # float32: no warning (no grad is fine too)
+    assert torch.isfinite(ok).all()

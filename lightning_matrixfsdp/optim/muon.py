@@ -25,6 +25,7 @@ unscaled.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -121,6 +122,7 @@ def adamw_update(state_of: Any, group: dict[str, Any], params: list[Tensor], lr:
     weight_decay = group["adamw_weight_decay"]
     if weight_decay is None:
         weight_decay = group["weight_decay"]
+    _warn_if_eps_vanishes(params, eps)
     for p in params:
         grad = p.grad
         state = state_of[p]
@@ -143,6 +145,30 @@ def adamw_update(state_of: Any, group: dict[str, Any], params: list[Tensor], lr:
         step_size = lr / bias_correction1
         denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
         p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+_EPS_WARNED: set[tuple[torch.dtype, float]] = set()
+
+
+def _warn_if_eps_vanishes(params: list[Tensor], eps: float) -> None:
+    """Warn once per (dtype, eps) when AdamW's eps rounds to 0 in a parameter's dtype.
+
+    With ``precision="16-true"`` the default 1e-8 is below float16's smallest
+    subnormal: the denominator can then be exactly 0 and the tail turns to NaN after
+    one step (torch.optim.AdamW behaves the same). The user should hear why.
+    """
+    for dtype in {p.dtype for p in params}:
+        if (dtype, eps) in _EPS_WARNED or not dtype.is_floating_point:
+            continue
+        if eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0:
+            _EPS_WARNED.add((dtype, eps))
+            warnings.warn(
+                f"AdamW eps={eps:g} rounds to 0 in {dtype}: parameters trained by the AdamW tail can become "
+                f"NaN once their squared-gradient average underflows. Pass a larger adamw_eps (e.g. 1e-4 for "
+                f"float16) or keep those parameters in bfloat16/float32 (precision='bf16-true' or mixed).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
