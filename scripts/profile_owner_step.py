@@ -6,8 +6,9 @@ Builds the matrices one owner holds in the 2-GPU one-node benchmark (32 of 4096x
 16 of 16384x4096, 8 of 4096x16384, bf16, plus one 32000x4096 AdamW tensor) and measures:
 
 * per shape, Newton-Schulz as ``torch.optim.Muon`` runs it and ours with 1-4 symmetric
-  row blocks (and row-major tall layout, and cuBLASLt): time, whether the result is
+  row blocks, Polar Express and the Gram-space iteration: time, whether the result is
   bitwise the stock one, the largest difference, the distance to the exact polar factor;
+* the one-launch Triton mirror against per-block ``copy_``;
 * the whole owner step, rounds interleaved: ``torch.optim.Muon`` + ``AdamW`` against our
   ``Muon`` with 1-4 symmetric row blocks, and the opt-in ``fast`` path;
 * after one step from the same state, how many parameter entries differ from the stock
