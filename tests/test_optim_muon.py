@@ -523,3 +523,56 @@ def test_warns_when_adamw_eps_vanishes_in_float16():
         Muon([ok], lr=0.02, adamw_eps=1e-4).step()  # representable: no warning
         Muon([nn.Parameter(torch.ones(3))], lr=0.02).step()  # float32: no warning (no grad is fine too)
     assert torch.isfinite(ok).all()
+
+
+# ------------------------------------------------------------- batch_shapes stacks
+
+
+def _params(shapes, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in shapes:
+        p = nn.Parameter(torch.randn(s, generator=gen).to(dtype))
+        p.grad = torch.randn(s, generator=gen).to(dtype)
+        out.append(p)
+    return out
+
+
+def test_batch_shapes_stacks_same_shapes_within_the_element_cap(monkeypatch):
+    from lightning_matrixfsdp.optim import muon as muon_mod
+
+    monkeypatch.setattr(muon_mod, "BATCH_MAX_ELEMENTS", 2 * 64 * 32)
+    ps = _params([(64, 32)] * 3 + [(32, 64)] * 2 + [(48, 48)])
+    opt = Muon(ps, batch_shapes=True)
+    buckets = Muon._buckets(opt.param_groups[0], ps)
+    index = {id(p): i for i, p in enumerate(ps)}
+    as_ids = sorted(sorted(index[id(p)] for p in b) for b in buckets)
+    assert as_ids == [[0, 1], [2], [3, 4], [5]]  # (64, 32) split by the cap; shapes never mixed
+    assert [len(b) for b in Muon._buckets(Muon(ps).param_groups[0], ps)] == [1] * 6  # CPU default: off
+    # torch normalizes a bf16 momentum buffer in place when it is the update (no Nesterov):
+    # those stay single so that quirk is reproduced
+    bf = _params([(64, 32)] * 3, torch.bfloat16)
+    group = Muon(bf, batch_shapes=True, nesterov=False).param_groups[0]
+    assert [len(b) for b in Muon._buckets(group, bf)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="batch_shapes"):
+        Muon(ps, batch_shapes="yes")
+
+
+@pytest.mark.parametrize("nesterov, dtype", [(True, torch.float32), (False, torch.bfloat16), (True, torch.bfloat16)])
+def test_batch_shapes_step_matches_torch_muon(nesterov, dtype):
+    shapes = [(64, 32)] * 3 + [(32, 64)] * 2 + [(48, 48)]
+    ours, ref = _params(shapes, dtype), _params(shapes, dtype)
+    opt = Muon(ours, lr=0.02, nesterov=nesterov, batch_shapes=True)
+    ref_opt = torch.optim.Muon(ref, lr=0.02, nesterov=nesterov)
+    for step in range(3):
+        opt.step()
+        ref_opt.step()
+        gen = torch.Generator().manual_seed(100 + step)
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            q.grad = p.grad.clone()
+    for p, q in zip(ours, ref):
+        if not nesterov:  # singletons: torch's exact ops, quirk included
+            assert torch.equal(p, q)
+        else:  # batched GEMMs: bitwise on the CPU and GPU measured, promised to bf16 rounding
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-4 if dtype == torch.float32 else 1e-2)

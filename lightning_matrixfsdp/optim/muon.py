@@ -36,6 +36,7 @@ from torch import Tensor
 from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    SYMMETRIC_MIN_ROWS,
     gram_polar_express,
     newton_schulz,
     newton_schulz_batched,
@@ -55,6 +56,10 @@ ORTHOGONALIZERS = ("newton_schulz", "batched", "polar_express", "gram_polar_expr
 #: "fast" picks per matrix: the Gram-space iteration where the aspect ratio is at
 #: least this (it saves FLOPs there), Polar Express otherwise.
 FAST_GRAM_MIN_ASPECT = 4
+
+#: Most elements stacked into one batched Newton-Schulz (bounds the transient copies:
+#: 256 MiB of bfloat16 per stack).
+BATCH_MAX_ELEMENTS = 2**27
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -226,6 +231,12 @@ class Muon(torch.optim.Optimizer):
             multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
             CPU and for small matrices, several on CUDA. See
             :func:`~lightning_matrixfsdp.optim.orthogonalize.symmetric_addmm`.
+        batch_shapes: stack same-shape matrices whose smaller side is below 4096
+            into one batched Newton-Schulz (``bmm``), in stacks of at most
+            :data:`BATCH_MAX_ELEMENTS`; ``None`` = automatic: on CUDA (measured
+            bitwise equal to the per-matrix iteration on an H200, and 3.6x faster
+            for a step over 1024-wide matrices), off on CPU. Only with
+            ``orthogonalizer="newton_schulz"``.
     """
 
     def __init__(
@@ -245,6 +256,7 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float | None = None,
         orthogonalizer: str = "newton_schulz",
         symmetric_blocks: int | None = None,
+        batch_shapes: bool | None = None,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -261,6 +273,7 @@ class Muon(torch.optim.Optimizer):
             "adamw_weight_decay": adamw_weight_decay,
             "orthogonalizer": orthogonalizer,
             "symmetric_blocks": symmetric_blocks,
+            "batch_shapes": batch_shapes,
         }
         # Validate the defaults even if every group overrides them: a bad default
         # is a bug the user wants to hear about at construction.
@@ -299,6 +312,8 @@ class Muon(torch.optim.Optimizer):
         blocks = group["symmetric_blocks"]
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
             raise ValueError(f"symmetric_blocks must be a positive int or None, got {blocks!r}")
+        if group["batch_shapes"] not in (None, True, False):
+            raise ValueError(f"batch_shapes must be True, False or None, got {group['batch_shapes']!r}")
         if group["orthogonalizer"] not in ORTHOGONALIZERS:
             raise ValueError(
                 f"Unknown orthogonalizer {group['orthogonalizer']!r}; valid: {', '.join(ORTHOGONALIZERS)}"
@@ -346,8 +361,8 @@ class Muon(torch.optim.Optimizer):
     def _muon_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """torch.optim.Muon's update for every matrix of one group.
 
-        Works bucket by bucket (one matrix per bucket, or one shape per bucket for
-        "batched") so the transient copies never exceed one bucket's size. (Spreading
+        Works bucket by bucket (one matrix, or a stack of same-shape matrices: see
+        :meth:`_buckets`) so the transient copies never exceed one bucket's size. (Spreading
         buckets over two CUDA streams was measured on an H200 and gained nothing:
         docs/decisions.md.)
         """
@@ -375,13 +390,33 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
-        """Matrices processed together: same (shape, device) for "batched", else one each."""
-        if group["orthogonalizer"] != "batched":
+        """Matrices orthogonalized together: stacks of one (shape, device) or singletons.
+
+        "batched" stacks every shape; "newton_schulz" with ``batch_shapes`` stacks those
+        below :data:`SYMMETRIC_MIN_ROWS` (larger ones fill the GPU alone and use the
+        symmetric products). A bf16 momentum buffer without Nesterov is its own update,
+        which torch normalizes in place; those stay singletons so that stays bitwise.
+        """
+        name = group["orthogonalizer"]
+        batch = group.get("batch_shapes")
+        if name == "newton_schulz" and batch is None:
+            batch = bool(params) and params[0].device.type == "cuda"
+        if name != "batched" and not (name == "newton_schulz" and batch):
             return [[p] for p in params]
-        buckets: dict[tuple[torch.Size, torch.device], list[Tensor]] = defaultdict(list)
+        aliased = not group["nesterov"]
+        stacks: dict[tuple[torch.Size, torch.device], list[Tensor]] = defaultdict(list)
+        single: list[list[Tensor]] = []
         for p in params:
-            buckets[(p.shape, p.device)].append(p)
-        return list(buckets.values())
+            small = min(p.shape) < SYMMETRIC_MIN_ROWS or name == "batched"
+            if not small or (aliased and p.grad.dtype == torch.bfloat16):
+                single.append([p])
+            else:
+                stacks[(p.shape, p.device)].append(p)
+        buckets = list(single)
+        for (shape, _), members in stacks.items():
+            per_stack = max(1, BATCH_MAX_ELEMENTS // max(1, shape.numel()))
+            buckets += [members[i:i + per_stack] for i in range(0, len(members), per_stack)]
+        return buckets
 
     @staticmethod
     def _orthogonalize(group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
@@ -391,6 +426,8 @@ class Muon(torch.optim.Optimizer):
         steps, eps = group["ns_steps"], group["eps"]
         blocks = group.get("symmetric_blocks")
         if name == "newton_schulz":
+            if len(updates) > 1:  # a stack from _buckets (batch_shapes)
+                return newton_schulz_batched(updates, coefficients, steps, eps)
             return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
         if name == "batched":
             return newton_schulz_batched(updates, coefficients, steps, eps)
