@@ -28,6 +28,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 import lightning_matrixfsdp.optim.orthogonalize as ortho
 from lightning_matrixfsdp.bench.orthogonalizers import gradient_like
+from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
 
@@ -35,26 +36,11 @@ COEFFS = (3.4445, -4.775, 2.0315)
 OWNER_SHAPES = [(4096, 4096)] * 32 + [(16384, 4096)] * 16 + [(4096, 16384)] * 8
 
 
+CUDA = torch.device("cuda")
+
+
 def timed(fn: Callable[[], object], reps: int = 5, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn`` between CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
-
-
-def matmul_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n ** 3 / (timed(lambda: a @ b, reps=10) * 1e-3) / 1e12
+    return median_ms(fn, CUDA, reps, warmup)
 
 
 def per_shape(rate: float) -> list[dict]:
@@ -172,14 +158,14 @@ def step_agreement() -> dict:
 def main(out: str) -> None:
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "matmul_tflops_start": matmul_tflops()}
+           "cuda": torch.version.cuda, "matmul_tflops_start": matmul_tflops(CUDA)}
     rate = res["matmul_tflops_start"]
     res["mirror"] = mirror_check()
     print(res["mirror"], flush=True)
     res["per_shape"] = per_shape(rate)
     res["whole_step"] = whole_step(rate)
     res["step_agreement"] = step_agreement()
-    res["matmul_tflops_end"] = matmul_tflops()
+    res["matmul_tflops_end"] = matmul_tflops(CUDA)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "owner_step_profile.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from lightning_matrixfsdp.bench.timing import median_ms
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.optim.orthogonalize import newton_schulz, newton_schulz_batched
 
@@ -24,17 +25,7 @@ OWNER = [(1024, 1024)] * 48 + [(4096, 1024)] * 24 + [(1024, 4096)] * 24
 
 
 def timed(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return sorted(out)[len(out) // 2]
+    return median_ms(fn, torch.device("cuda"), reps, warmup=1)
 
 
 def owner_set(seed: int):

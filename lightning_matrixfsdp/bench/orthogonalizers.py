@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from typing import Callable
 
 import torch
@@ -30,34 +29,9 @@ from lightning_matrixfsdp.optim.orthogonalize import (
 )
 from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
 
+from .timing import matmul_tflops, median_ms
+
 COEFFS = (3.4445, -4.775, 2.0315)
-
-
-def _time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize(device)
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return sorted(out)[len(out) // 2]
-
-
-def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = _time(lambda: a @ b, device, reps)
-    return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
 def gradient_like(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -94,7 +68,7 @@ def run(shapes: list[tuple[int, int]], device: torch.device, reps: int, batch: i
         stock = newton_schulz(x, COEFFS, 5, 1e-7, blocks=1)
         polar = polar_factor(x)  # one SVD per shape
         for name, (timed, result) in methods.items():
-            ms = _time(timed, device, reps)
+            ms = median_ms(timed, device, reps)
             if name.startswith("batched"):
                 ms /= batch
             out = result()

@@ -34,7 +34,7 @@ from .launch import control_group, init_distributed, resolve_device
 from .model import count_parameters, is_matrix, make_batch, unit_of
 from .modes import BUILDERS, ModeContext, ModeUnavailable, TrainStep
 from .report import write_outputs
-from .timing import PHASES, MemoryProbe, PhaseTimer, median_rows, synchronize
+from .timing import PHASES, MemoryProbe, PhaseTimer, matmul_tflops, median_rows, synchronize
 
 COUNT_PHASES: tuple[str, ...] = PHASES
 
@@ -303,23 +303,6 @@ def _git_revision() -> str | None:
     except OSError:
         return None
     return None
-
-
-def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
-    """bf16 rate of one ``n^3`` matmul on ``device`` (median of ``reps``, CUDA events)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    times = []
-    for i in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
-    return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
 def metadata(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,34 @@ def synchronize(device: torch.device) -> None:
     """Wait for all queued device work (no-op on CPU, where ops are synchronous)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn`` after ``warmup`` calls (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize(device)
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return sorted(out)[len(out) // 2]
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """bf16 rate of one ``n^3`` matmul on ``device``: the ceiling behind the Newton-Schulz FLOP floor."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / (median_ms(lambda: a @ b, device, reps) * 1e-3) / 1e12
 
 
 def rss_bytes() -> int | None:

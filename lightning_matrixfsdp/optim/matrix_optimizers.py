@@ -65,7 +65,17 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .muon import _as_float, _check_nonneg, _scalar_dtype, adamw_lr, adamw_update, split_by_role, uses_muon
+from .muon import (
+    TailOptimizer,
+    _as_float,
+    _check_nonneg,
+    _scalar_dtype,
+    adamw_lr,
+    adamw_update,
+    check_adamw_group,
+    split_by_role,
+    uses_muon,
+)
 
 __all__ = ["LIBRARY_REQUIREMENT", "SOAP", "Shampoo", "is_matrix_role"]
 
@@ -149,7 +159,7 @@ def _bind_object(obj: Any, flat: dict[str, Tensor], name: str) -> None:
         raise ValueError(f"optimizer state of {name!r} has unexpected entries {sorted(flat)}")
 
 
-class _MatrixLibraryOptimizer(torch.optim.Optimizer):
+class _MatrixLibraryOptimizer(TailOptimizer):
     """A library matrix optimizer (per parameter) on matrix roles, AdamW on the rest."""
 
     _library_name: ClassVar[str]
@@ -168,38 +178,9 @@ class _MatrixLibraryOptimizer(torch.optim.Optimizer):
     def _validate_group(self, group: dict[str, Any]) -> None:
         """AdamW checks as Muon does; the library constructor checks its own values."""
         _check_nonneg("Learning rate", group["lr"])
-        _check_nonneg("adamw_lr", group["adamw_lr"], allow_none=True)
-        _check_nonneg("adamw_eps", group["adamw_eps"])
-        _check_nonneg("adamw_weight_decay", group["adamw_weight_decay"], allow_none=True)
+        check_adamw_group(group)
         _check_nonneg("weight_decay", group["weight_decay"])
-        betas = group["adamw_betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"adamw_betas must be a pair, got {betas!r}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= _as_float(beta) < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
         self._inner(self._library_kwargs(group))
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Fill defaults, validate, reject complex params, record ``lr_at_init``."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._validate_group(group)
-            if any(torch.is_complex(p) for p in group["params"]):
-                raise ValueError(f"{type(self).__name__} does not support complex parameters")
-        except ValueError:
-            self.param_groups.pop()  # leave the optimizer as it was
-            raise
-        group.setdefault("lr_at_init", _as_float(group["lr"]))
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle / load: give every group the keys ``step()`` reads."""
-        super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-            group.setdefault("lr_at_init", _as_float(group["lr"]))
 
     def _library_kwargs(self, group: dict[str, Any]) -> dict[str, Any]:
         """The library constructor's arguments for one of our groups."""
@@ -325,7 +306,7 @@ class _MatrixLibraryOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        routed = split_by_role(self.param_groups, type(self).__name__)
+        routed = split_by_role(self.param_groups, self._name())
 
         self._prune_object_cache()
         for group, matrices, others in routed:

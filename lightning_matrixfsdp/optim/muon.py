@@ -28,7 +28,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ from .orthogonalize import (
     polar_express,
 )
 
-__all__ = ["MATRIX_ROLE", "Muon", "ORTHOGONALIZERS", "adjust_lr", "uses_muon"]
+__all__ = ["MATRIX_ROLE", "Muon", "ORTHOGONALIZERS", "TailOptimizer", "adjust_lr", "uses_muon"]
 
 #: Value of ``p._mfsdp_role`` that selects Muon; every other tag selects AdamW.
 MATRIX_ROLE = "matrix"
@@ -153,6 +153,7 @@ def adamw_update(state_of: Any, group: dict[str, Any], params: list[Tensor], lr:
 
 
 _EPS_WARNED: set[tuple[torch.dtype, float]] = set()
+_EPS_FINE: set[tuple[torch.dtype, float]] = set()  # checked once, so steps skip the check
 
 
 def _warn_if_eps_vanishes(params: list[Tensor], eps: float) -> None:
@@ -163,10 +164,13 @@ def _warn_if_eps_vanishes(params: list[Tensor], eps: float) -> None:
     one step (torch.optim.AdamW behaves the same). The user should hear why.
     """
     for dtype in {p.dtype for p in params}:
-        if (dtype, eps) in _EPS_WARNED or not dtype.is_floating_point:
+        key = (dtype, eps)
+        if key in _EPS_FINE or key in _EPS_WARNED or not dtype.is_floating_point:
             continue
-        if eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0:
-            _EPS_WARNED.add((dtype, eps))
+        if not (eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0):
+            _EPS_FINE.add(key)
+        else:
+            _EPS_WARNED.add(key)
             warnings.warn(
                 f"AdamW eps={eps:g} rounds to 0 in {dtype}: parameters trained by the AdamW tail can become "
                 f"NaN once their squared-gradient average underflows. Pass a larger adamw_eps (e.g. 1e-4 for "
@@ -210,7 +214,59 @@ def _check_nonneg(name: str, value: Any, allow_none: bool = False) -> None:
         raise ValueError(f"{name} should be >= 0 but is: {value}")
 
 
-class Muon(torch.optim.Optimizer):
+def check_adamw_group(group: dict[str, Any]) -> None:
+    """Raise ValueError for an AdamW-tail hyper-parameter torch's AdamW would reject."""
+    _check_nonneg("adamw_lr", group["adamw_lr"], allow_none=True)
+    _check_nonneg("adamw_eps", group["adamw_eps"])
+    _check_nonneg("adamw_weight_decay", group["adamw_weight_decay"], allow_none=True)
+    betas = group["adamw_betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"adamw_betas must be a pair, got {betas!r}")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= _as_float(beta) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+
+
+class TailOptimizer(torch.optim.Optimizer):
+    """Group bookkeeping shared by every optimizer here with an AdamW tail.
+
+    Subclasses define ``_validate_group(group)`` and :attr:`who`; groups added later
+    are validated the same way, and every group records ``lr_at_init`` (see
+    :func:`adamw_lr`).
+    """
+
+    #: how errors name the optimizer; the class name unless overridden
+    who: ClassVar[str | None] = None
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _name(self) -> str:
+        return self.who or type(self).__name__
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Fill defaults, validate, reject complex params, record ``lr_at_init``."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._validate_group(group)
+            if any(torch.is_complex(p) for p in group["params"]):
+                raise ValueError(f"{self._name()} does not support complex parameters")
+        except ValueError:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+        group.setdefault("lr_at_init", _as_float(group["lr"]))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle / load older objects: give every group the keys ``step()`` reads."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            group.setdefault("lr_at_init", _as_float(group["lr"]))
+
+
+class Muon(TailOptimizer):
     """Muon on matrix parameters, AdamW on the rest; no communication in ``step()``.
 
     Args:
@@ -238,6 +294,8 @@ class Muon(torch.optim.Optimizer):
             for a step over 1024-wide matrices), off on CPU. Only with
             ``orthogonalizer="newton_schulz"``.
     """
+
+    who = "Muon (with its AdamW tail)"
 
     def __init__(
         self,
@@ -300,15 +358,7 @@ class Muon(torch.optim.Optimizer):
         steps = group["ns_steps"]
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
             raise ValueError(f"ns_steps must be an int in [0, 100), got {steps!r}")
-        _check_nonneg("adamw_lr", group["adamw_lr"], allow_none=True)
-        _check_nonneg("adamw_eps", group["adamw_eps"])
-        _check_nonneg("adamw_weight_decay", group["adamw_weight_decay"], allow_none=True)
-        betas = group["adamw_betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"adamw_betas must be a pair, got {betas!r}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= _as_float(beta) < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+        check_adamw_group(group)
         blocks = group["symmetric_blocks"]
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
             raise ValueError(f"symmetric_blocks must be a positive int or None, got {blocks!r}")
@@ -318,27 +368,6 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(
                 f"Unknown orthogonalizer {group['orthogonalizer']!r}; valid: {', '.join(ORTHOGONALIZERS)}"
             )
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Fill defaults, validate, reject complex params, record ``lr_at_init``."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            self._validate_group(group)
-            if any(torch.is_complex(p) for p in group["params"]):
-                raise ValueError("Muon (with its AdamW tail) does not support complex parameters")
-        except ValueError:
-            self.param_groups.pop()  # leave the optimizer as it was
-            raise
-        group.setdefault("lr_at_init", _as_float(group["lr"]))
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle older objects: give every group the keys step() reads."""
-        super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
-            group.setdefault("lr_at_init", _as_float(group["lr"]))
 
     # -------------------------------------------------------------------- step
 
@@ -350,7 +379,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        routed = split_by_role(self.param_groups, "Muon (with its AdamW tail)")
+        routed = split_by_role(self.param_groups, self._name())
         for group, matrices, others in routed:
             if matrices:
                 self._muon_group(group, matrices)

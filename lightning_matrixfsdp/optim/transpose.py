@@ -69,6 +69,20 @@ if HAS_TRITON:
         tl.store(dst + r[:, None] * cols + c[None, :], tl.trans(tile), mask=inside)
 
 
+def _triton_usable(t: Tensor) -> bool:
+    """Triton is installed and ``t`` lives where it runs (CUDA, or CPU under the interpreter)."""
+    return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _launch(kernel, grid: tuple[int, int], t: Tensor, *args: object, **meta: object) -> None:
+    """Launch on ``t``'s device (Triton launches on the current CUDA device)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        with torch.cuda.device(t.device):
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
 def transposed(src: Tensor) -> Tensor:
     """``src.T.contiguous()`` for a contiguous 2D ``src``, with the coalesced kernel on CUDA.
 
@@ -79,24 +93,16 @@ def transposed(src: Tensor) -> Tensor:
     if src.ndim != 2:
         raise ValueError(f"transposed needs a 2D tensor, got shape {tuple(src.shape)}")
     cols, rows = src.shape
-    if not (HAS_TRITON and (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")) or (
-        not src.is_contiguous() or src.numel() >= 2**31 or src.numel() == 0
-    ):
+    if not _triton_usable(src) or not src.is_contiguous() or src.numel() >= 2**31 or src.numel() == 0:
         return src.T.contiguous()
     dst = torch.empty(rows, cols, dtype=src.dtype, device=src.device)
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
-    if src.is_cuda and src.device.index != torch.cuda.current_device():
-        with torch.cuda.device(src.device):
-            _transpose_kernel[grid](src, dst, rows, cols, TILE=_TILE)
-    else:
-        _transpose_kernel[grid](src, dst, rows, cols, TILE=_TILE)
+    _launch(_transpose_kernel, grid, src, src, dst, rows, cols, TILE=_TILE)
     return dst
 
 
 def _kernel_ok(a: Tensor, edges: Sequence[int]) -> bool:
-    if not HAS_TRITON or not (a.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    if len(edges) - 1 > MAX_BLOCKS:
+    if not _triton_usable(a) or len(edges) - 1 > MAX_BLOCKS:
         return False
     m = a.size(0)
     return a.stride(1) == 1 and (m - 1) * a.stride(0) + m < 2**31
@@ -121,9 +127,5 @@ def mirror_lower_blocks_(a: Tensor, edges: Sequence[int]) -> Tensor:
         return a
     interior = list(edges[1:-1]) + [m] * (MAX_BLOCKS - 1 - (len(edges) - 2))  # 7 scalars
     grid = (triton.cdiv(m, _TILE), triton.cdiv(m, _TILE))
-    if a.is_cuda and a.device.index != torch.cuda.current_device():
-        with torch.cuda.device(a.device):
-            _mirror_kernel[grid](a, m, a.stride(0), *interior, TILE=_TILE)
-    else:
-        _mirror_kernel[grid](a, m, a.stride(0), *interior, TILE=_TILE)
+    _launch(_mirror_kernel, grid, a, a, m, a.stride(0), *interior, TILE=_TILE)
     return a
