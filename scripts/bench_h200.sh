@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU batch behind docs/benchmarks.md: run on 2 x H200 (device tool) from the repo root.
-#   OUT=<dir> BENCH_GIT_REVISION=<rev> bash scripts/bench_h200.sh [quick|full]
+#   OUT=<dir> BENCH_GIT_REVISION=<rev> bash scripts/bench_h200.sh [quick|tune|full]
 # Carried wheels in .whl/ (muon-fsdp2) are installed to /tmp/site when present.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -19,6 +19,8 @@ case "${1:-full}" in
   quick)
     torchrun --nproc-per-node "$N" -m lightning_matrixfsdp.bench --preset small --modes matrix_fsdp ddp_muon fsdp2_muon \
       --out "$OUT/quick" --no-plot --timeout 120 2>&1 | tail -25 ;;
+  tune)
+    timeout 500 python3 scripts/tune_owner_step.py "$OUT" ${2:-momentum,blocks,trace,step} 2>&1 | tail -80 ;;
   full)
     timeout 200 python3 -m lightning_matrixfsdp.bench.orthogonalizers --out "$OUT" 2>&1 | tail -20
     timeout 240 python3 scripts/profile_owner_step.py "$OUT" > "$OUT/profile.log" 2>&1

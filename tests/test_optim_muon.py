@@ -260,10 +260,11 @@ def test_polar_express_schedule():
 # -------------------------------------------------------- optimizer vs. torch
 
 
+@pytest.mark.parametrize("weight_decay", [0.05, 0.0])  # 0: we skip torch's multiply by 1
 @pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_matches_torch_muon_and_adamw(adjust_lr_fn, nesterov):
-    kw = dict(lr=0.02, weight_decay=0.05, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+def test_matches_torch_muon_and_adamw(adjust_lr_fn, nesterov, weight_decay):
+    kw = dict(lr=0.02, weight_decay=weight_decay, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
     ours, ref = make_model(), make_model()
     opt = Muon(ours.parameters(), **kw)
     run_steps(ours, [opt], 4)

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from .fused import momentum_update
 from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
@@ -60,6 +61,10 @@ FAST_GRAM_MIN_ASPECT = 4
 #: Most elements stacked into one batched Newton-Schulz (bounds the transient copies:
 #: 256 MiB of bfloat16 per stack).
 BATCH_MAX_ELEMENTS = 2**27
+
+#: Momentum and Nesterov update in one Triton pass on CUDA (:mod:`.fused`); measured
+#: bitwise equal to torch's two lerps on an H200 (docs/benchmarks.md).
+FUSED_MOMENTUM = True
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -410,11 +415,11 @@ class Muon(TailOptimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)
-            updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+            updates.append(momentum_update(grad, state["momentum_buffer"], momentum, nesterov, FUSED_MOMENTUM))
+        decay = 1 - lr * weight_decay
         for p, update in zip(bucket, self._orthogonalize(group, updates)):
-            p.mul_(1 - lr * weight_decay)
+            if decay != 1:  # multiplying by 1 is the identity: skip a read and write of p
+                p.mul_(decay)
             p.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
     @staticmethod

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .fused import divide_
 from .transpose import mirror_lower_blocks_, transposed
 
 __all__ = [
@@ -181,7 +182,7 @@ def _orthogonalize(
         x = x.T
     # Frobenius norm >= spectral norm: afterwards every singular value is <= 1.
     # In place, as torch.optim.Muon does (it then also scales a bf16 input tensor).
-    x.div_(x.norm().clamp(min=eps))
+    divide_(x, x.norm().clamp(min=eps))
     nblocks = symmetric_blocks(x, blocks)
     row_major = nblocks > 1 and tall and x.is_cuda and x.T.is_contiguous()
     if row_major:

@@ -36,7 +36,11 @@ __all__ = ["HAS_TRITON", "MAX_BLOCKS", "mirror_lower_blocks_", "transposed"]
 HAS_TRITON = triton is not None
 #: Most row blocks the one-launch kernel handles (it takes the interior edges as scalars).
 MAX_BLOCKS = 8
-_TILE = 64
+# 128 x 128 tiles with 4 warps: within 1.2 us of the fastest of 32/64/128 x 2/4/8 for the
+# mirror at 4096 and 8192 rows on an H200 (28 and 48 us; 64 x 64 with 4 warps: 50 and 53);
+# the transpose was indifferent (scripts/tune_owner_step.py, docs/results/2026-11-30-tune).
+_TILE = 128
+_WARPS = 4
 
 if HAS_TRITON:
 
@@ -50,8 +54,13 @@ if HAS_TRITON:
     @triton.jit
     def _mirror_kernel(a, m, stride, e1, e2, e3, e4, e5, e6, e7, TILE: tl.constexpr):
         """One tile: ``a[r, c] = a[c, r]`` wherever block(r) > block(c) (other entries untouched)."""
-        r = tl.program_id(0) * TILE + tl.arange(0, TILE)
-        c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        r0 = tl.program_id(0) * TILE
+        c0 = tl.program_id(1) * TILE
+        # Tiles with no strictly-lower entry (two thirds of them for 3 blocks) stop here.
+        if _block_of(r0 + TILE - 1, e1, e2, e3, e4, e5, e6, e7) <= _block_of(c0, e1, e2, e3, e4, e5, e6, e7):
+            return
+        r = r0 + tl.arange(0, TILE)
+        c = c0 + tl.arange(0, TILE)
         lower = (_block_of(r, e1, e2, e3, e4, e5, e6, e7)[:, None]
                  > _block_of(c, e1, e2, e3, e4, e5, e6, e7)[None, :])  # [r, c]
         inside = (r[:, None] < m) & (c[None, :] < m) & lower
@@ -74,7 +83,7 @@ def _triton_usable(t: Tensor) -> bool:
     return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _launch(kernel, grid: tuple[int, int], t: Tensor, *args: object, **meta: object) -> None:
+def _launch(kernel, grid: tuple[int, ...], t: Tensor, *args: object, **meta: object) -> None:
     """Launch on ``t``'s device (Triton launches on the current CUDA device)."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():
         with torch.cuda.device(t.device):
@@ -97,7 +106,7 @@ def transposed(src: Tensor) -> Tensor:
         return src.T.contiguous()
     dst = torch.empty(rows, cols, dtype=src.dtype, device=src.device)
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
-    _launch(_transpose_kernel, grid, src, src, dst, rows, cols, TILE=_TILE)
+    _launch(_transpose_kernel, grid, src, src, dst, rows, cols, TILE=_TILE, num_warps=_WARPS)
     return dst
 
 
@@ -127,5 +136,5 @@ def mirror_lower_blocks_(a: Tensor, edges: Sequence[int]) -> Tensor:
         return a
     interior = list(edges[1:-1]) + [m] * (MAX_BLOCKS - 1 - (len(edges) - 2))  # 7 scalars
     grid = (triton.cdiv(m, _TILE), triton.cdiv(m, _TILE))
-    _launch(_mirror_kernel, grid, a, a, m, a.stride(0), *interior, TILE=_TILE)
+    _launch(_mirror_kernel, grid, a, a, m, a.stride(0), *interior, TILE=_TILE, num_warps=_WARPS)
     return a
