@@ -41,6 +41,11 @@ from lightning_matrixfsdp.runtime.state import STATE_ATTR
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+#: Optimizer-step timings kept between two metric logs (older ones are dropped).
+_MAX_TIMED_STEPS = 1000
+
+
 def _as_classes(policy: Any, name: str) -> Any:
     """Accept class objects or dotted import paths (handy in YAML configs)."""
     if policy is None or callable(policy) and not isinstance(policy, (set, list, tuple, frozenset)):
@@ -157,7 +162,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.log_plan = log_plan
         self._shard_mesh: Any = None
         self._last_stats: dict[str, dict[str, int]] = {}
-        self._opt_ms: list[float] = []
+        self._opt_marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
 
     # ------------------------------------------------------------------ precision
     @property
@@ -331,24 +336,35 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
-        marks: dict[str, float] = {}
+        marks: dict[str, Any] = {}
 
         def timed_closure() -> Any:
             out = closure()
-            self._sync()
-            marks["t"] = time.perf_counter()
+            marks["start"] = self._clock()
             return out
 
         out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
-        if "t" in marks:
-            self._sync()
-            self._opt_ms.append((time.perf_counter() - marks["t"]) * 1e3)
+        if "start" in marks:
+            self._opt_marks.append((marks["start"], self._clock()))
+            del self._opt_marks[:-_MAX_TIMED_STEPS]  # bounded when nothing logs them
         self._log_metrics()
         return out
 
-    def _sync(self) -> None:
+    def _clock(self) -> Any:
+        """A timestamp: a CUDA event on the current stream (no device-wide synchronization; it
+        is read when metrics are logged), or the host clock on CPU, where ops are synchronous."""
         if self.root_device.type == "cuda":
-            torch.cuda.synchronize(self.root_device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    @staticmethod
+    def _elapsed_ms(start: Any, end: Any) -> float:
+        if isinstance(start, torch.cuda.Event):
+            end.synchronize()  # waits for this step's optimizer kernels only
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
 
     def _log_metrics(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -358,9 +374,10 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if trainer.log_every_n_steps <= 0 or (step + 1) % trainer.log_every_n_steps:
             return
         metrics: dict[str, float] = {}
-        if self._opt_ms:
-            metrics["matrix_fsdp/optimizer_step_ms"] = sum(self._opt_ms) / len(self._opt_ms)
-            self._opt_ms = []
+        if self._opt_marks:
+            times = [self._elapsed_ms(a, b) for a, b in self._opt_marks]
+            metrics["matrix_fsdp/optimizer_step_ms"] = sum(times) / len(times)
+            self._opt_marks = []
         for root in self._sharded_roots():
             now = get_comm_stats(root)
             for phase, d in now.items():

@@ -4,10 +4,12 @@
 
 Trains the demo GPT with ``MatrixFSDPStrategy`` on every visible GPU in bf16-mixed,
 saves a distributed checkpoint, resumes from it in a second Trainer, validates, and
-writes a JSON verdict (losses, owner bytes, optimizer class) to OUT_DIR/gpu_smoke.json.
+writes a JSON verdict (losses, owner bytes, optimizer class, the optimizer-step times the
+strategy logged from CUDA events) to OUT_DIR/gpu_smoke.json.
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -15,6 +17,7 @@ import sys
 
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
 
 import lightning_matrixfsdp as mf
 from lightning_matrixfsdp.demos import GPT, ByteTextDataModule
@@ -28,8 +31,14 @@ def main(out: str) -> None:
                   default_root_dir="/tmp/gpu_smoke_root")
     data = ByteTextDataModule(seq_len=256, batch_size=8)
     model = GPT(d_model=256, n_layers=4, n_heads=8, max_seq_len=256)
-    t1 = Trainer(strategy=mf.MatrixFSDPStrategy(), max_steps=20, enable_checkpointing=False, **common)
+    first = dict(common, logger=CSVLogger("/tmp/gpu_smoke_root", name="csv"), log_every_n_steps=5)
+    t1 = Trainer(strategy=mf.MatrixFSDPStrategy(), max_steps=20, enable_checkpointing=False, **first)
     t1.fit(model, datamodule=data)
+    opt_ms = []  # the strategy's optimizer-step timing (CUDA events), logged every 5 steps
+    if t1.is_global_zero:
+        with open(os.path.join(t1.logger.log_dir, "metrics.csv")) as f:
+            opt_ms = [float(r["matrix_fsdp/optimizer_step_ms"]) for r in csv.DictReader(f)
+                      if r.get("matrix_fsdp/optimizer_step_ms")]
     ckpt = "/tmp/gpu_smoke_root/step20"
     t1.save_checkpoint(ckpt)
     loss1 = float(t1.callback_metrics.get("train_loss", float("nan")))
@@ -45,7 +54,9 @@ def main(out: str) -> None:
         "loss_after_20": loss1, "loss_after_30_resumed": loss2, "val": val,
         "resumed_global_step": t2.global_step, "optimizer": type(t2.optimizers[0]).__name__,
         "optimizer_step_bytes": stats["optimizer_step"], "materialize_bytes": stats["materialize"],
-        "ok": math.isfinite(loss1) and math.isfinite(loss2) and t2.global_step == 30,
+        "logged_optimizer_step_ms": opt_ms,
+        "ok": math.isfinite(loss1) and math.isfinite(loss2) and t2.global_step == 30
+        and len(opt_ms) == 4 and all(0 < t < 1e4 for t in opt_ms),
     }
     if t2.is_global_zero:
         with open(os.path.join(out, "gpu_smoke.json"), "w") as f:
