@@ -232,7 +232,7 @@ def _category(name: str) -> str:
     low = name.lower()
     if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
         return "gemm"
-    if "triton" in low or low.startswith(("_momentum", "_mirror", "_transpose")):
+    if "triton" in low or low.startswith(("_momentum", "_divide", "_mirror", "_transpose")):
         return "triton"
     if "reduce" in low or "norm" in low:
         return "reduction"
