@@ -177,3 +177,53 @@ def test_plan_is_logged_and_a_second_import_is_harmless(caplog):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert "MatrixFSDP plan" in caplog.text and "imbalance" in caplog.text
+
+
+_THREADS_SCRIPT = '''
+import json, os, sys, torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+import lightning_matrixfsdp  # registers "matrix_fsdp"
+
+class Tiny(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(8, 8)
+    def training_step(self, batch, _):
+        return self.w(batch).pow(2).mean()
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(16, 8), batch_size=4)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class Record(Callback):
+    def on_train_start(self, trainer, module):
+        with open(os.path.join(sys.argv[1], f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+
+Trainer(accelerator="cpu", devices=2, strategy="matrix_fsdp", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Record()]).fit(Tiny())
+'''
+
+
+def test_every_launched_rank_gets_lightnings_thread_count(tmp_path):
+    """Children of the strategy's own launch set OMP threads as DDP's do (they used to keep
+    one thread per core and oversubscribe the CPU)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+    from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+
+    script = tmp_path / "threads.py"
+    script.write_text(_THREADS_SCRIPT)
+    env = clean_env()
+    env.pop("OMP_NUM_THREADS", None)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = _suggested_max_num_threads(2)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"threads": expected, "omp": str(expected)}, (rank, got)
