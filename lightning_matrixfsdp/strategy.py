@@ -83,7 +83,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
     Args:
         wrap_policy: which modules become units (a set of module classes, their
             import paths, or ``callable(name, module) -> bool``); default: the
-            children of every ``nn.ModuleList``.
+            children of every outermost ``nn.ModuleList``.
         planner: ``"role_greedy"``, ``"scope_greedy"`` or ``"cost_aware"``.
         collective: ``"p2p"``, ``"broadcast"`` or ``"padded_all_gather"``.
         matrix_filter: ``callable(fqn, param) -> bool``; 2D parameters it rejects
@@ -102,6 +102,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             groups (default: shard over the whole world).
         prefetch: materialize the next unit while the current one computes
             (forward and backward); ``False`` saves one unit of memory.
+        zero_missing_grads: for models whose ranks leave different parameters without
+            a gradient in a step (mixture-of-experts routing); see ``matrix_shard``.
         save_distributed_checkpoint: directory of per-rank files (default) or one
             consolidated file.
         log_plan: log the owner plan at fit start (rank 0).
@@ -123,6 +125,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         accumulation_no_sync: bool = False,
         shard_size: Optional[int] = None,
         prefetch: bool = True,
+        zero_missing_grads: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -160,6 +163,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.accumulation_no_sync = accumulation_no_sync
         self.shard_size = int(shard_size) if shard_size is not None else None
         self.prefetch = prefetch
+        self.zero_missing_grads = zero_missing_grads
         self.log_plan = log_plan
         self._shard_mesh: Any = None
         self._last_stats: dict[str, dict[str, int]] = {}
@@ -235,7 +239,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 module, mesh=self._shard_mesh, wrap_policy=self.wrap_policy, planner=self.planner,
                 collective=self.collective, matrix_filter=self.matrix_filter, param_dtype=self.param_dtype,
                 reduce_dtype=self.reduce_dtype, reshard_after_forward=self.reshard_after_forward,
-                device=self.root_device, prefetch=self.prefetch,
+                device=self.root_device, prefetch=self.prefetch, zero_missing_grads=self.zero_missing_grads,
             )
         self.model_to_device()  # buffers and anything outside the shard
         self._install_clip_group()

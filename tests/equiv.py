@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,7 +91,8 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             p.requires_grad_(False)
     mf.matrix_shard(sharded, planner=cfg.get("planner", "role_greedy"), collective=cfg.get("collective", "p2p"),
                     matrix_filter=cfg.get("matrix_filter"), shard_size=cfg.get("shard_size"),
-                    reshard_after_forward=cfg.get("reshard_after_forward", True), prefetch=cfg.get("prefetch", True))
+                    reshard_after_forward=cfg.get("reshard_after_forward", True), prefetch=cfg.get("prefetch", True),
+                    zero_missing_grads=cfg.get("zero_missing_grads", False))
     if cfg.get("meta"):
         oracle = TinyLM(**model_kw)
         full = full_params(sharded)
@@ -119,6 +120,12 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
         unused = cfg.get("unused_every") and step % cfg["unused_every"] == 1
         for m in (oracle, sharded):
             m.use_branch = not unused
+            if cfg.get("branch_on_rank") is not None:  # the root's branch, used on one rank only
+                m.use_branch = rank == (step + cfg["branch_on_rank"]) % world
+            if cfg.get("route") is not None:  # per rank and step: which expert each block runs
+                for i, blk in enumerate(m.blocks):
+                    blk.route = cfg["route"](step, rank, i)
+        zero_missing = cfg.get("zero_missing_grads", False)
         acc: dict = {}
         for micro in range(accumulate):
             idx = batch_for(step * accumulate + micro, rank)
@@ -130,7 +137,7 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             lo.backward()
             ls.backward()
             if not no_sync:  # the oracle reduces every micro-batch too and sums the averages
-                allreduce_mean_grads(oracle)
+                allreduce_mean_grads(oracle, zero_missing)
                 for n, p in oracle.named_parameters():
                     if p.grad is not None:
                         acc[n] = acc[n] + p.grad if n in acc else p.grad
@@ -140,7 +147,7 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             assert close(lo.detach(), ls.detach(), tol), f"step {step}: loss {ls.item()} vs oracle {lo.item()}"
             losses.append(ls.item())
         if no_sync:
-            allreduce_mean_grads(oracle)
+            allreduce_mean_grads(oracle, zero_missing)
         else:
             for n, p in oracle.named_parameters():
                 p.grad = acc.get(n)
@@ -246,3 +253,12 @@ def check_memory_shape(model: torch.nn.Module) -> None:
     if st.sg.size > 1:
         dist.all_reduce(sizes, group=st.sg.group)  # once per replica
     assert torch.equal(sizes, full), "resident tensors do not hold each parameter exactly once"
+
+
+def route_by_rank(step: int, rank: int, block: int) -> Optional[int]:
+    """Data-dependent unused parameters: rank 0's blocks run every expert, the others one
+    expert each, changing with step and block; every third step all ranks run expert 0
+    only, so expert 1 is unused on every rank."""
+    if step % 3 == 2:
+        return 0
+    return None if rank == 0 else (rank + step + block) % 2

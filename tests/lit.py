@@ -34,10 +34,14 @@ class LitTiny(LightningModule):  # noqa: D101
         self.optimizer_name = optimizer
         self.scheduler = scheduler
         self.seen: list[torch.Tensor] = []
+        self.route: Any = None
         self.losses: list[float] = []
         self.lrs: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:  # noqa: D102
+        if self.route is not None:  # data-dependent experts: per rank and step
+            for i, blk in enumerate(self.model.blocks):
+                blk.route = self.route(len(self.seen), self.global_rank, i)
         loss = lm_loss(self.model(batch), batch)
         self.seen.append(batch.detach().clone())
         self.losses.append(loss.item())
@@ -105,6 +109,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     cls = SelfShardingLitTiny if cfg.get("self_shard") else LitTiny
     lit = cls(optimizer=cfg.get("module_optimizer", "muon"), scheduler=cfg.get("scheduler", False),
               **cfg.get("model", {}))
+    lit.route = cfg.get("route")
     initial = copy.deepcopy(lit.model)
     strategy = cfg.get("strategy", "matrix_fsdp")
     if isinstance(strategy, dict):
@@ -131,6 +136,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     acc = tk.get("accumulate_grad_batches", 1)
     clip = tk.get("gradient_clip_val")
     no_sync = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.accumulation_no_sync
+    zero_missing = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.zero_missing_grads
     oracle = initial
     opts = oracle_optimizers(oracle)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts] if cfg.get("scheduler") else []
@@ -140,18 +146,21 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
         accg: dict = {}
         for micro in range(acc):
             batch = seen[step * acc + micro]
+            if lit.route is not None:
+                for i, blk in enumerate(oracle.blocks):
+                    blk.route = lit.route(step * acc + micro, rank, i)
             loss = lm_loss(oracle(batch), batch)
             oracle_losses.append(loss.item())
             (loss / acc).backward()
             if no_sync:  # local accumulation, one reduction per optimizer step
                 continue
-            allreduce_mean_grads(oracle)
+            allreduce_mean_grads(oracle, zero_missing)
             for n, p in oracle.named_parameters():
                 if p.grad is not None:
                     accg[n] = accg[n] + p.grad if n in accg else p.grad
                 p.grad = None
         if no_sync:
-            allreduce_mean_grads(oracle)
+            allreduce_mean_grads(oracle, zero_missing)
         else:
             for n, p in oracle.named_parameters():
                 p.grad = accg.get(n)

@@ -8,8 +8,13 @@ from torch.utils.checkpoint import checkpoint
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, experts: int = 0) -> None:
         super().__init__()
+        # Mixture-of-experts stand-in: ``route`` picks the one expert this block runs, or
+        # None for all (set per step and per rank by the tests: data-dependent unused
+        # parameters).
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts)) if experts else None
+        self.route = 0
         self.heads = heads
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
@@ -24,6 +29,10 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        if self.experts is not None:
+            chosen = self.experts if self.route is None else [self.experts[self.route]]
+            for expert in chosen:
+                x = x + expert(x)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -32,11 +41,11 @@ class TinyLM(nn.Module):
 
     def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, seq: int = 16, *,
                  tied: bool = False, checkpointing: bool = False, call_twice: bool = False,
-                 extra_branch: bool = False) -> None:
+                 extra_branch: bool = False, experts: int = 0) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, experts) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         if tied:

@@ -29,10 +29,12 @@ def oracle_optimizers(model: nn.Module, is_matrix: Optional[Callable[[str, nn.Pa
     return opts
 
 
-def allreduce_mean_grads(model: nn.Module) -> None:
+def allreduce_mean_grads(model: nn.Module, zero_missing: bool = False) -> None:
+    """``zero_missing``: every parameter counts as used (zeros where a rank has no
+    gradient), the semantics of ``matrix_shard(zero_missing_grads=True)`` and FSDP2."""
     world = dist.get_world_size()
     params = [p for p in model.parameters() if p.requires_grad]
-    used = torch.tensor([int(p.grad is not None) for p in params], dtype=torch.int32)
+    used = torch.tensor([int(p.grad is not None or zero_missing) for p in params], dtype=torch.int32)
     dist.all_reduce(used, op=dist.ReduceOp.MAX)
     for p, u in zip(params, used.tolist()):
         if not u:

@@ -56,6 +56,12 @@ EDGE = {
     "any_torch_optimizer_routed": (3, {"optimizer": "torch"}),
     "no_reshard_after_forward": (3, {"reshard_after_forward": False, "model": {"checkpointing": True}}),
     "no_prefetch": (2, {"prefetch": False, "model": {"call_twice": True}}),
+    # ranks leave different parameters without gradients (zero_missing_grads)
+    "experts_routed_differently_per_rank": (3, {"model": {"experts": 2}, "route": equiv.route_by_rank,
+                                                "zero_missing_grads": True}),
+    "root_branch_used_on_one_rank": (3, {"model": {"extra_branch": True}, "branch_on_rank": 1,
+                                         "zero_missing_grads": True}),
+    "zero_missing_grads_all_used": (2, {"zero_missing_grads": True, "model": {"checkpointing": True}}),
 }
 
 
@@ -65,6 +71,8 @@ def test_edge_case_matches_ddp_muon(case, dist_pools):
     res = dist_pools(world).run(equivalence_worker, {"steps": STEPS, **cfg})
     if case == "rank_owns_nothing":
         assert res[0]["plan_dict"]["loads_bytes"][3] == 0, res[0]["plan"]
+    if case == "experts_routed_differently_per_rank":  # the experts' list stays in its block's unit
+        assert [u["fqn"] for u in res[0]["plan_dict"]["units"]] == ["blocks.0", "blocks.1", ""]
 
 
 def _mixed_precision_worker(rank, world):

@@ -31,6 +31,16 @@ def test_instance_with_options_three_processes():
     _exact(run_distributed(trainer_worker, 3, {"steps": 5, "strategy": strategy}))
 
 
+def test_zero_missing_grads_with_experts_routed_per_rank():
+    """MoE-style routing that differs between ranks trains under the strategy (it hangs
+    without the option) and equals DDP with zeros for missing gradients."""
+    import equiv
+
+    res = run_distributed(trainer_worker, 2, {"steps": 4, "model": {"experts": 2}, "route": equiv.route_by_rank,
+                                              "strategy": {"zero_missing_grads": True}})
+    _exact(res)
+
+
 def test_gradient_clipping_by_global_norm():
     _exact(run_distributed(trainer_worker, 2, {"steps": 5, "trainer": {"gradient_clip_val": 0.3}}))
 

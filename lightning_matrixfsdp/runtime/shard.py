@@ -68,12 +68,22 @@ def _check_not_wrapped(module: nn.Module) -> None:
         )
 
 
+def _mark_outermost_list_children(module: nn.Module, marked: set[int]) -> None:
+    """Children of ``nn.ModuleList``s not inside another list's child. A list nested in a
+    block (a mixture-of-experts layer's experts) stays part of that block's unit: a unit
+    is materialized collectively, so one that runs on some ranks only (a routed expert)
+    cannot be a unit of its own."""
+    for child in module.children():
+        if isinstance(child, nn.ModuleList):
+            marked.update(id(c) for c in child.children())
+        else:
+            _mark_outermost_list_children(child, marked)
+
+
 def _select_units(root: nn.Module, wrap_policy: WrapPolicy) -> list[tuple[str, nn.Module]]:
-    if wrap_policy is None:  # the children of every nn.ModuleList: the repeated blocks
+    if wrap_policy is None:  # the children of the outermost nn.ModuleLists: the repeated blocks
         marked = set()
-        for m in root.modules():
-            if isinstance(m, nn.ModuleList):
-                marked.update(id(c) for c in m.children())
+        _mark_outermost_list_children(root, marked)
         pick = lambda name, m: id(m) in marked  # noqa: E731
     elif isinstance(wrap_policy, (set, frozenset, list, tuple)):
         classes = tuple(wrap_policy)
@@ -164,6 +174,7 @@ def matrix_shard(
     device: Optional[torch.device] = None,
     shard_size: Optional[int] = None,
     prefetch: bool = True,
+    zero_missing_grads: bool = False,
 ) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
 
@@ -175,6 +186,15 @@ def matrix_shard(
     parameters are, or the current accelerator for a meta-device model), so a
     CPU-built model never needs to fit on one accelerator whole.  ``shard_size=W``
     (without ``mesh``) builds the HSDP mesh ``(world // W, W)`` itself.
+
+    ``zero_missing_grads=True`` is for models whose ranks leave *different* parameters
+    without a gradient in one step (mixture-of-experts routing, input-dependent
+    branches): every unit then reduces when its backward is done (units whose inputs
+    need no gradient: at the end of backward), a parameter without a local gradient
+    contributes zeros, and the owner gets the sum, zeros included, as FSDP2 does. A
+    parameter unused on every rank then gets a zero gradient instead of ``None``. By
+    default (DDP's semantics: ``None`` when unused everywhere) the ranks must leave the
+    same parameters unused, or their communication disagrees.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
@@ -245,6 +265,7 @@ def matrix_shard(
         "reshard_after_forward": reshard_after_forward,
         "replicate": replicate_size,
         "prefetch": prefetch,
+        "zero_missing_grads": bool(zero_missing_grads),
     }
     validate_schedule(plan, schedule, sg)
     if replicate_pg is not None:  # HSDP: every replica must hold the same layout too

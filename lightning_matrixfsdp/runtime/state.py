@@ -39,6 +39,7 @@ class MatrixFSDPState:
         self.units: list[Unit] = []
         self.in_backward = False
         self.prefetch = bool(options.get("prefetch", True))
+        self.zero_missing_grads = bool(options.get("zero_missing_grads", False))
         self._forward_order: list[Unit] = []  # last iteration's, used for prefetching
         self._order_now: list[Unit] = []
         self._pending_reduces: list[Callable[[], None]] = []

@@ -234,6 +234,11 @@ class Unit:
         def hook(_: torch.Tensor) -> None:
             unit = unit_ref()
             if unit is not None:
+                if unit._reduced and unit.state.zero_missing_grads and unit.state.in_backward:
+                    raise RuntimeError(
+                        f"a gradient of {unit.params[index].shard.fqn!r} arrived after its unit reduced; "
+                        "zero_missing_grads reduces a unit when the gradients of its inputs are done "
+                        "and cannot take later ones (please report the model)")
                 unit._ready.add(index)
                 unit._maybe_post_backward()
 
@@ -245,6 +250,13 @@ class Unit:
 
     def _maybe_post_backward(self) -> None:
         if self._reduced or self._pending_input_grads > 0 or self._forward_calls == 0:
+            return
+        if self.state.zero_missing_grads:
+            # Reduce when this unit's backward is done, whatever parameters got gradients
+            # here (other ranks may have used others); without a backward trigger (no input
+            # needs a gradient) the end-of-backward flush does it, in unit order everywhere.
+            if self._calls_without_grad_inputs == 0:
+                self.post_backward()
             return
         if any(i not in self._ready for i in self.trainable):
             return
@@ -268,9 +280,12 @@ class Unit:
             return
         params = [self.params[i] for i in idx]
         local = [p.local_grad() for p in params]
-        used = [g is not None for g in local]
-        if flush:
-            used = self.state.globally_used(used)
+        if self.state.zero_missing_grads:
+            used = [True] * len(local)  # zeros stand in for missing gradients, on every rank
+        else:
+            used = [g is not None for g in local]
+            if flush:
+                used = self.state.globally_used(used)
         grads = [
             g if g is not None else torch.zeros(p.shape, dtype=p.reduce_dtype, device=p.device)
             for g, p in zip(local, params)
