@@ -30,7 +30,8 @@ import lightning_matrixfsdp as mf  # noqa: E402
 
 def main(out: str) -> None:
     cuda = torch.cuda.is_available()  # without CUDA (a local try-out): CPU and gloo
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # gloo next to NCCL: the tests' oracle all-reduces its "used" flags as CPU tensors
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
