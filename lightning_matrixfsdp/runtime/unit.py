@@ -236,9 +236,9 @@ class Unit:
             if unit is not None:
                 if unit._reduced and unit.state.zero_missing_grads and unit.state.in_backward:
                     raise RuntimeError(
-                        f"a gradient of {unit.params[index].shard.fqn!r} arrived after its unit reduced; "
-                        "zero_missing_grads reduces a unit when the gradients of its inputs are done "
-                        "and cannot take later ones (please report the model)")
+                        f"a gradient of {unit.params[index].shard.fqn!r} arrived after its unit reduced "
+                        "(is the parameter used outside its unit's forward?); zero_missing_grads reduces "
+                        "a unit as soon as the gradients of its inputs are done and cannot take later ones")
                 unit._ready.add(index)
                 unit._maybe_post_backward()
 
