@@ -19,7 +19,6 @@ Writes OUT_DIR/owner_step_profile.json.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 
@@ -28,6 +27,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 import lightning_matrixfsdp.optim.orthogonalize as ortho
 from lightning_matrixfsdp.bench.orthogonalizers import gradient_like
+from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
@@ -166,10 +166,7 @@ def main(out: str) -> None:
     res["whole_step"] = whole_step(rate)
     res["step_agreement"] = step_agreement()
     res["matmul_tflops_end"] = matmul_tflops(CUDA)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "owner_step_profile.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps({k: v for k, v in res.items() if k != "per_shape"}, indent=1))
+    save_json(out, "owner_step_profile.json", res, omit=("per_shape",))
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ one step. Writes OUT_DIR/small_matrices.json.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 
 import torch
 
+from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.bench.timing import median_ms
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.optim.orthogonalize import newton_schulz, newton_schulz_batched
@@ -61,10 +60,7 @@ def main(out: str) -> None:
     t = torch.optim.Muon(ps, lr=0.02)
     steps["torch.optim.Muon"] = timed(t.step)
     res["owner_step_ms"], res["entries_differing_from_stock"] = steps, agree
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "small_matrices.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps({k: v for k, v in res.items() if k != "batched_vs_loop"}, indent=1))
+    save_json(out, "small_matrices.json", res, omit=("batched_vs_loop",))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Writes OUT_DIR/tune_owner_step.json.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ from profile_owner_step import OWNER_SHAPES, owner_set, timed
 
 import lightning_matrixfsdp.optim.muon as muon_module
 from lightning_matrixfsdp.bench.orthogonalizers import gradient_like
+from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.bench.timing import matmul_tflops
 from lightning_matrixfsdp.optim import fused
 from lightning_matrixfsdp.optim.muon import Muon
@@ -69,22 +69,12 @@ def _torch_momentum(g: torch.Tensor, b: torch.Tensor, mom: float) -> torch.Tenso
     return g.lerp(b, mom)
 
 
-def _kernel(g: torch.Tensor, b: torch.Tensor, mom: float, **compile_options: object) -> torch.Tensor:
-    """``fused._fused_momentum`` with compile options."""
-    w1, w2 = fused._float32(1 - mom), fused._float32(mom)
-    u = torch.empty_like(g)
-    grid = ((g.numel() + fused._BLOCK - 1) // fused._BLOCK,)
-    fused._momentum_kernel[grid](g, b, u, g.numel(), w1, w2, SMALL_BUF=abs(w1) < 0.5,
-                                 SMALL_UPDATE=abs(w2) < 0.5, BLOCK=fused._BLOCK, **compile_options)
-    return u
-
-
 def momentum_check() -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     variants: dict[str, Callable[..., torch.Tensor]] = {
         "shipped": lambda g, b, m: fused.momentum_update(g, b, m, True),
-        "no_contraction": lambda g, b, m: _kernel(g, b, m, enable_fp_fusion=False)}
+        "no_contraction": lambda g, b, m: fused._fused_momentum(g, b, m, enable_fp_fusion=False)}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for mom in (0.95, 0.9, 0.99, 0.5, 0.3, 0.0):
             g = torch.randn(4096, 4097, device="cuda", generator=gen).to(dtype)
@@ -307,10 +297,7 @@ def main(out: str, parts: set[str]) -> None:
     if "step" in parts:
         res["whole_step"] = whole_step(rate, per_shape)
     res["matmul_tflops_end"] = matmul_tflops(CUDA)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "tune_owner_step.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps({k: v for k, v in res.items() if k not in ("blocks_sweep", "momentum")}, indent=1))
+    save_json(out, "tune_owner_step.json", res, omit=("blocks_sweep", "momentum"))
 
 
 if __name__ == "__main__":

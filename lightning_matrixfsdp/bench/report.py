@@ -16,6 +16,16 @@ MiB = 1024**2
 GiB = 1024**3
 
 
+def save_json(out_dir: str | Path, name: str, result: dict[str, Any], omit: tuple[str, ...] = ()) -> Path:
+    """Write ``result`` to ``out_dir/name`` and print it without the (long) ``omit`` keys;
+    the GPU scripts' common ending."""
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k not in omit}, indent=1, default=str), flush=True)
+    return path
+
+
 def output_paths(results: dict[str, Any], cfg: BenchConfig) -> dict[str, Path]:
     out = Path(cfg.run.out_dir)
     stem = f"bench_{cfg.preset}_w{results['meta']['world_size']}_{results['meta']['device']}"

@@ -91,13 +91,14 @@ def _float32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _fused_momentum(grad: Tensor, buf: Tensor, momentum: float) -> Tensor:
-    """The kernel: updates ``buf`` in place and returns the Nesterov update."""
+def _fused_momentum(grad: Tensor, buf: Tensor, momentum: float, **compile_options: object) -> Tensor:
+    """The kernel: updates ``buf`` in place and returns the Nesterov update
+    (``compile_options`` such as ``enable_fp_fusion`` are for the tuning script)."""
     w_buf, w_update = _float32(1 - momentum), _float32(momentum)
     update = torch.empty_like(grad)
     n = grad.numel()
     _launch(_momentum_kernel, (triton.cdiv(n, _BLOCK),), grad, grad, buf, update, n, w_buf, w_update,
-            SMALL_BUF=abs(w_buf) < 0.5, SMALL_UPDATE=abs(w_update) < 0.5, BLOCK=_BLOCK)
+            SMALL_BUF=abs(w_buf) < 0.5, SMALL_UPDATE=abs(w_update) < 0.5, BLOCK=_BLOCK, **compile_options)
     return update
 
 
