@@ -10,7 +10,6 @@ strategy logged from CUDA events) to OUT_DIR/gpu_smoke.json.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import sys
@@ -20,6 +19,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_matrixfsdp as mf
+from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.demos import GPT, ByteTextDataModule
 
 
@@ -59,9 +59,7 @@ def main(out: str) -> None:
         and len(opt_ms) == 4 and all(0 < t < 1e4 for t in opt_ms),
     }
     if t2.is_global_zero:
-        with open(os.path.join(out, "gpu_smoke.json"), "w") as f:
-            json.dump(verdict, f, indent=1, default=str)
-        print(json.dumps(verdict, default=str))
+        save_json(out, "gpu_smoke.json", verdict)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ would raise).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 
@@ -26,6 +25,7 @@ from models import TinyLM, batch_for, lm_loss  # noqa: E402
 from oracle import allreduce_mean_grads, oracle_optimizers  # noqa: E402
 
 import lightning_matrixfsdp as mf  # noqa: E402
+from lightning_matrixfsdp.bench.report import save_json  # noqa: E402
 
 
 def main(out: str) -> None:
@@ -68,10 +68,7 @@ def main(out: str) -> None:
                "losses_oracle_ours_rank0": losses, "max_loss_diff": result[0].item(),
                "max_param_diff": result[1].item(), "ok": bool(result.max().item() < 1e-9)}
     if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "gpu_zero_missing.json"), "w") as f:
-            json.dump(verdict, f, indent=1)
-        print(json.dumps(verdict))
+        save_json(out, "gpu_zero_missing.json", verdict)
     dist.destroy_process_group()
 
 
