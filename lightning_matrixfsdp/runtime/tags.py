@@ -1,0 +1,84 @@
+"""The marks ``matrix_shard`` leaves on user objects, and the one place that reads them.
+
+A sharded model keeps the user's own ``nn.Parameter`` objects, so optimizers built
+afterwards over ``module.parameters()`` see ordinary parameters.  What they need to
+know about each one (its role, whether this rank owns it, its global shape) travels
+as attributes on the parameter; the root module carries the runtime state the same
+way.  Optimizers, the strategy, checkpointing and the summary read these marks only
+through the functions below, so the attribute names are a detail of this file.
+
+An *untagged* tensor (a plain model, or a test that builds an optimizer by hand)
+reads as owned, with its local shape, and with no role: callers fall back to their
+own rule (Muon: ``ndim == 2``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import nn
+
+from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
+
+if TYPE_CHECKING:  # the state imports the runtime; the tags must not
+    from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+
+_SHARD = "_mfsdp_shard"
+_ROLE = "_mfsdp_role"  # a string, so tests and scripts can tag a plain tensor by hand
+_OWNED = "_mfsdp_owned"
+_STATE = "_mfsdp_state"
+
+
+# ---------------------------------------------------------------------- parameters
+def tag_param(p: Any, shard: MatrixShard, owned: bool) -> None:
+    """Mark a resident parameter with its placement (called once, by ``ShardedParam``)."""
+    setattr(p, _SHARD, shard)
+    setattr(p, _ROLE, shard.role.value)
+    setattr(p, _OWNED, bool(owned))
+
+
+def shard_of(p: Any) -> Optional[MatrixShard]:
+    """The placement record of a sharded parameter, or None for a plain tensor."""
+    return getattr(p, _SHARD, None)
+
+
+def role_of(p: Any) -> Optional[RoleKind]:
+    """The parameter's role (matrix or tail), or None when untagged."""
+    role = getattr(p, _ROLE, None)
+    return None if role is None else RoleKind(role)
+
+
+def is_owned(p: Any) -> bool:
+    """True where this rank holds the full tensor (every untagged tensor)."""
+    return bool(getattr(p, _OWNED, True))
+
+
+def global_numel(p: Any) -> int:
+    """Elements of the whole parameter, not of this rank's (possibly empty) tensor."""
+    shard = shard_of(p)
+    return shard.numel if shard is not None else p.numel()
+
+
+# ---------------------------------------------------------------------- modules
+def attach_state(module: nn.Module, state: "MatrixFSDPState") -> None:
+    # object.__setattr__: the state is not an nn.Module attribute (no registration).
+    object.__setattr__(module, _STATE, state)
+
+
+def state_of(module: nn.Module) -> Optional["MatrixFSDPState"]:
+    """The runtime state attached to exactly this module, if any."""
+    return getattr(module, _STATE, None)
+
+
+def find_state(module: nn.Module) -> Optional["MatrixFSDPState"]:
+    """The state of ``module`` or of the first sharded module inside it."""
+    for m in module.modules():
+        st = state_of(m)
+        if st is not None:
+            return st
+    return None
+
+
+def sharded_roots(module: nn.Module) -> list[nn.Module]:
+    """Every module under ``module`` (itself included) that ``matrix_shard`` sharded."""
+    return [m for m in module.modules() if state_of(m) is not None]
