@@ -77,6 +77,14 @@ class ShardGroup:
         return self.global_ranks[r]
 
 
+def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a collective on ``group`` wants its tensors: the current GPU under NCCL, else
+    the CPU. The one place that decides it, for the runtime, clipping and checkpoints."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
