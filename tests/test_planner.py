@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, RoleKind, UnitSpec, newton_schulz_flops
+from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, RoleKind, UnitSpec
+from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
 from lightning_matrixfsdp.runtime.planner import make_plan, role_cost
 
 

@@ -40,18 +40,6 @@ def numel_of(shape: Sequence[int]) -> int:
     return n
 
 
-def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
-    """FLOPs of ``steps`` Newton-Schulz iterations on an m x n matrix (m <= n).
-
-    Each iteration forms ``A = X X^T`` (2 m^2 n), ``B = b A + c A A`` (2 m^3) and
-    ``X' = a X + B X`` (2 m^2 n).
-    """
-    if len(shape) != 2:
-        return 0
-    m, n = sorted(int(s) for s in shape)
-    return steps * (4 * m * m * n + 2 * m ** 3)
-
-
 class _Sized:
     """``numel`` / ``nbytes`` of anything with a ``shape`` and a ``dtype`` name."""
 

@@ -19,8 +19,20 @@ from lightning_matrixfsdp.runtime.placement import (
     RoleKind,
     UnitLayout,
     UnitSpec,
-    newton_schulz_flops,
 )
+
+
+def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
+    """FLOPs of ``steps`` Newton-Schulz iterations on an m x n matrix (m <= n).
+
+    Each iteration forms ``A = X X^T`` (2 m^2 n), ``B = b A + c A A`` (2 m^3) and
+    ``X' = a X + B X`` (2 m^2 n).
+    """
+    if len(shape) != 2:
+        return 0
+    m, n = sorted(int(s) for s in shape)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
 
 PLANNERS = ("role_greedy", "scope_greedy", "cost_aware")
 
