@@ -506,7 +506,7 @@ def test_input_validation():
 
 
 def test_warns_when_adamw_eps_vanishes_in_float16():
-    from lightning_matrixfsdp.optim import muon as muon_mod
+    from lightning_matrixfsdp.optim import tail as muon_mod
 
     muon_mod._EPS_WARNED.clear()
     norm = nn.Parameter(torch.ones(8, dtype=torch.float16))

@@ -26,10 +26,11 @@ placement makes unnecessary); ``torch-optimizer`` (unmaintained since 2021).
 
 How the library is driven
 -------------------------
-Routing is the same as :class:`~lightning_matrixfsdp.optim.muon.Muon`: a parameter tagged
-``_mfsdp_role == "matrix"`` (untagged: ``ndim == 2``) goes to the library optimizer, applied
-to that one parameter, whole; everything else gets ``torch.optim.AdamW``'s math and state
-keys. Parameters without a gradient and empty non-owner placeholders are skipped.
+Routing, the AdamW part and ``step()`` are the shared :class:`~.tail.TailOptimizer`'s, as
+for Muon: a parameter with the matrix role (untagged: ``ndim == 2``) goes to the library
+optimizer, applied to that one parameter, whole; everything else gets
+``torch.optim.AdamW``'s math and state keys. Parameters without a gradient and empty
+non-owner placeholders are skipped.
 
 The library keeps its step counter in the *param group* and, for ScalableShampoo, Python
 objects (``PreConditioner``, ``Graft``) in the state. A group counter breaks when routing
@@ -58,24 +59,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 from collections import defaultdict
-from collections.abc import Iterator
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from .muon import (
-    TailOptimizer,
-    _as_float,
-    _check_nonneg,
-    _scalar_dtype,
-    adamw_lr,
-    adamw_update,
-    check_adamw_group,
-    split_by_role,
-    uses_muon,
-)
+from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, is_matrix_role, scalar_dtype
 
 __all__ = ["LIBRARY_REQUIREMENT", "SOAP", "Shampoo", "is_matrix_role"]
 
@@ -86,10 +76,6 @@ _LIBRARY = "pytorch_optimizer"
 _GRAFT_TYPES = ("none", "sgd", "adagrad", "rmsprop", "sqrtn")  # LayerWiseGrafting order
 _PRECONDITIONER_TYPES = ("all", "input", "output")  # PreConditionerType order
 _SCALARS = (int, float, bool, str, type(None))
-
-#: Same dispatch as Muon: the ``_mfsdp_role`` tag if present, else ``ndim == 2``.
-is_matrix_role = uses_muon
-
 
 def _library_class(name: str) -> type[torch.optim.Optimizer]:
     """The library's optimizer class, imported on first use (an optional dependency)."""
@@ -169,23 +155,19 @@ class _MatrixLibraryOptimizer(TailOptimizer):
     #: the library draws random numbers in step(): give it a private, per-matrix seeded stream
     _uses_rng: ClassVar[bool] = False
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
-        self._validate_group(defaults)  # a bad default is a bug even if every group overrides it
-        super().__init__(params, defaults)
-
     # ------------------------------------------------------------------ groups
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         """AdamW checks as Muon does; the library constructor checks its own values."""
-        _check_nonneg("Learning rate", group["lr"])
+        check_nonneg("Learning rate", group["lr"])
         check_adamw_group(group)
-        _check_nonneg("weight_decay", group["weight_decay"])
+        check_nonneg("weight_decay", group["weight_decay"])
         self._inner(self._library_kwargs(group))
 
     def _library_kwargs(self, group: dict[str, Any]) -> dict[str, Any]:
         """The library constructor's arguments for one of our groups."""
         kwargs = {key: group[key] for key in self._matrix_keys}
-        kwargs["lr"] = _as_float(kwargs["lr"])
+        kwargs["lr"] = as_float(kwargs["lr"])
         return kwargs
 
     # ----------------------------------------------------------- inner library
@@ -259,7 +241,7 @@ class _MatrixLibraryOptimizer(TailOptimizer):
 
     def _pack(self, p: Tensor, lib: dict[str, Any], step: int) -> dict[str, Any]:
         """The library's state for ``p`` -> our flat state (tensors and plain scalars only)."""
-        flat: dict[str, Any] = {"step": torch.tensor(float(step), dtype=_scalar_dtype())}
+        flat: dict[str, Any] = {"step": torch.tensor(float(step), dtype=scalar_dtype())}
         objects: dict[str, Any] = {}
         for name, value in lib.items():
             if "." in name or name == "step":
@@ -298,25 +280,7 @@ class _MatrixLibraryOptimizer(TailOptimizer):
 
     # -------------------------------------------------------------------- step
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One local optimization step (never communicates)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        routed = split_by_role(self.param_groups, self._name())
-
-        self._prune_object_cache()
-        for group, matrices, others in routed:
-            if matrices:
-                self._matrix_group(group, matrices)
-            if others:
-                self._adamw_group(group, others)
-        return loss
-
-    def _prune_object_cache(self) -> None:
+    def _begin_step(self) -> None:
         """Forget objects of parameters no longer optimized here (e.g. dropped by routing)."""
         cache = self.__dict__.get("_object_cache")
         if cache:
@@ -349,10 +313,6 @@ class _MatrixLibraryOptimizer(TailOptimizer):
             inner_group["params"] = placeholder
             inner_group.pop("step", None)
             inner.state.clear()
-
-    def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        """torch.optim.AdamW's single-tensor update (amsgrad=False, maximize=False)."""
-        adamw_update(self.state, group, params, adamw_lr(group))
 
 
 class SOAP(_MatrixLibraryOptimizer):
