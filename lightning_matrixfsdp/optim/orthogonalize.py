@@ -238,9 +238,10 @@ def newton_schulz(
     ``torch.optim._muon._zeropower_via_newtonschulz`` (same ops in the same order).
     With more blocks (automatic on CUDA, see :func:`symmetric_blocks`) it is the same
     iteration in the same precision with the symmetric products ``X X^T`` and ``A A``
-    computed as their upper block triangle (:func:`symmetric_addmm`; with 3 blocks about
-    20% fewer FLOPs). With 1-3 blocks it was bitwise the stock result on an H200
-    (docs/benchmarks.md); in general it is equal up to bf16 rounding.
+    computed as their upper block triangle (:func:`symmetric_addmm`; with ``b`` blocks
+    those two products cost ``(b + 1) / (2 b)`` of the full GEMMs). With 1-3 blocks it was
+    bitwise the stock result on an H200 (docs/benchmarks.md); in general it is equal up
+    to bf16 rounding.
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
@@ -255,10 +256,10 @@ def newton_schulz_batched(
 ) -> list[Tensor]:
     """:func:`newton_schulz` for many matrices of one shape, one batched GEMM per product.
 
-    Same math as the per-matrix call. Measured bitwise equal to the loop on CPU
-    (oneDNN, AVX512, torch 2.13) and on an H200 (torch 2.11, CUDA 13), where 64
-    matrices of 128x512 took 1.0 ms instead of 20.8 ms; other backends' batched
-    kernels may round differently, so only equality to bf16 rounding is promised.
+    Same math as the per-matrix call, without a launch per matrix (the gain for many
+    small matrices: docs/benchmarks.md). Measured bitwise equal to the loop on CPU
+    (oneDNN, AVX512, torch 2.13) and on an H200 (torch 2.11, CUDA 13); other backends'
+    batched kernels may round differently, so only equality to bf16 rounding is promised.
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
@@ -439,11 +440,11 @@ def gram_polar_express(
     recomputed from ``X``, ``Q = I``) after the iterations in ``restart_at`` resets
     it. Measured in bf16: without a restart ill-conditioned inputs blow up (errors
     far above 1); with one restart after iteration 2 the result stays within a few
-    hundredths of :func:`polar_express` (tests use :func:`polar_error`). Measured
-    on an H200 (bf16, 5 steps, 3 symmetric blocks): 4096x16384 6.0 ms vs 8.5 ms for
-    :func:`polar_express`, square 4096 1.5x slower; so the ``fast`` orthogonalizer
-    uses it from an aspect ratio of 4. ``blocks``: as :func:`newton_schulz` (here
-    every ``m x m`` product is symmetric).
+    hundredths of :func:`polar_express` (tests use :func:`polar_error`). On an H200
+    it was faster than :func:`polar_express` for wide matrices and slower for square
+    ones (docs/benchmarks.md), so the ``fast`` orthogonalizer uses it from an aspect
+    ratio of 4. ``blocks``: as :func:`newton_schulz` (here every ``m x m`` product is
+    symmetric).
     """
     _check_matrix(grad)
     schedule = polar_express_coefficients(steps, lower)

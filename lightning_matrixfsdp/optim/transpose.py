@@ -12,33 +12,31 @@ Newton-Schulz issues two mirrors per iteration. It is exact: a copy.
 
 Without Triton (CPU builds of torch), for CPU tensors, or beyond what the kernel takes
 (more than :data:`MAX_BLOCKS` blocks, int32 offsets), :func:`mirror_lower_blocks_`
-falls back to one ``copy_`` per block. ``TRITON_INTERPRET=1`` runs the kernel on CPU
-tensors, which is how the tests check it without a GPU. :func:`transposed` does the
-same for a whole matrix (tall matrices are iterated in their wide orientation).
+falls back to one ``copy_`` per block (see :mod:`._triton` for the interpreter the
+tests use). :func:`transposed` does the same for a whole matrix (tall matrices are
+iterated in their wide orientation).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-try:  # Triton ships with CUDA builds of torch; CPU builds have none.
+from ._triton import HAS_TRITON, launch, triton_usable
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
 
 __all__ = ["HAS_TRITON", "MAX_BLOCKS", "mirror_lower_blocks_", "transposed"]
 
-HAS_TRITON = triton is not None
 #: Most row blocks the one-launch kernel handles (it takes the interior edges as scalars).
 MAX_BLOCKS = 8
-# 128 x 128 tiles with 4 warps: within 1.2 us of the fastest of 32/64/128 x 2/4/8 for the
-# mirror at 4096 and 8192 rows on an H200 (28 and 48 us; 64 x 64 with 4 warps: 50 and 53);
-# the transpose was indifferent (scripts/tune_owner_step.py, docs/results/2026-11-30-tune).
+# 128 x 128 tiles with 4 warps: the mirror was fastest with them, within noise, among
+# 32/64/128-wide tiles with 2/4/8 warps on an H200, and the transpose was indifferent
+# (scripts/tune_owner_step.py; figures in docs/decisions.md).
 _TILE = 128
 _WARPS = 4
 
@@ -78,20 +76,6 @@ if HAS_TRITON:
         tl.store(dst + r[:, None] * cols + c[None, :], tl.trans(tile), mask=inside)
 
 
-def _triton_usable(t: Tensor) -> bool:
-    """Triton is installed and ``t`` lives where it runs (CUDA, or CPU under the interpreter)."""
-    return HAS_TRITON and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def _launch(kernel, grid: tuple[int, ...], t: Tensor, *args: object, **meta: object) -> None:
-    """Launch on ``t``'s device (Triton launches on the current CUDA device)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        with torch.cuda.device(t.device):
-            kernel[grid](*args, **meta)
-    else:
-        kernel[grid](*args, **meta)
-
-
 def transposed(src: Tensor) -> Tensor:
     """``src.T.contiguous()`` for a contiguous 2D ``src``, with the coalesced kernel on CUDA.
 
@@ -102,16 +86,16 @@ def transposed(src: Tensor) -> Tensor:
     if src.ndim != 2:
         raise ValueError(f"transposed needs a 2D tensor, got shape {tuple(src.shape)}")
     cols, rows = src.shape
-    if not _triton_usable(src) or not src.is_contiguous() or src.numel() >= 2**31 or src.numel() == 0:
+    if not triton_usable(src) or not src.is_contiguous() or src.numel() >= 2**31 or src.numel() == 0:
         return src.T.contiguous()
     dst = torch.empty(rows, cols, dtype=src.dtype, device=src.device)
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
-    _launch(_transpose_kernel, grid, src, src, dst, rows, cols, TILE=_TILE, num_warps=_WARPS)
+    launch(_transpose_kernel, grid, src, src, dst, rows, cols, TILE=_TILE, num_warps=_WARPS)
     return dst
 
 
 def _kernel_ok(a: Tensor, edges: Sequence[int]) -> bool:
-    if not _triton_usable(a) or len(edges) - 1 > MAX_BLOCKS:
+    if not triton_usable(a) or len(edges) - 1 > MAX_BLOCKS:
         return False
     m = a.size(0)
     return a.stride(1) == 1 and (m - 1) * a.stride(0) + m < 2**31
@@ -136,5 +120,5 @@ def mirror_lower_blocks_(a: Tensor, edges: Sequence[int]) -> Tensor:
         return a
     interior = list(edges[1:-1]) + [m] * (MAX_BLOCKS - 1 - (len(edges) - 2))  # 7 scalars
     grid = (triton.cdiv(m, _TILE), triton.cdiv(m, _TILE))
-    _launch(_mirror_kernel, grid, a, a, m, a.stride(0), *interior, TILE=_TILE, num_warps=_WARPS)
+    launch(_mirror_kernel, grid, a, a, m, a.stride(0), *interior, TILE=_TILE, num_warps=_WARPS)
     return a
