@@ -30,9 +30,9 @@ from lightning_matrixfsdp.bench.orthogonalizers import gradient_like
 from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms
 from lightning_matrixfsdp.optim.muon import Muon
-from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
+from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
 
-COEFFS = (3.4445, -4.775, 2.0315)
+COEFFS = ortho.DEFAULT_NS_COEFFICIENTS  # torch.optim.Muon's
 OWNER_SHAPES = [(4096, 4096)] * 32 + [(16384, 4096)] * 16 + [(4096, 16384)] * 8
 
 

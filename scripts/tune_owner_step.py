@@ -35,7 +35,7 @@ from lightning_matrixfsdp.bench.timing import matmul_tflops
 from lightning_matrixfsdp.optim import fused
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.optim.orthogonalize import newton_schulz
-from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
+from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
 
 CUDA = torch.device("cuda")
 SHAPES = [(4096, 4096), (4096, 16384), (16384, 4096), (4096, 11008), (5120, 5120), (5120, 13824),

@@ -20,9 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_matrixfsdp.bench.baselines import adjusted_lr, assign_owners, newton_schulz, ns_flops
+from lightning_matrixfsdp.bench.baselines import assign_owners
 from lightning_matrixfsdp.bench.config import ALL_MODES, expand_modes, preset
 from lightning_matrixfsdp.bench.model import Decoder, count_parameters, is_matrix
+from lightning_matrixfsdp.optim.muon import adjust_lr as adjusted_lr
+from lightning_matrixfsdp.optim.orthogonalize import newton_schulz
+from lightning_matrixfsdp.runtime.planner import newton_schulz_flops as ns_flops
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2

@@ -5,14 +5,14 @@
 - `OwnerStep`: ZeRO-1 owner placement: full parameters everywhere, each matrix
   updated by one owner (with `torch.optim.Muon`), then broadcast from it.
 
-The orthogonalization below follows `torch.optim.Muon`'s published update rule
-(momentum lerp, Nesterov, quintic Newton-Schulz in bfloat16, shape-based LR
-adjustment); tests compare it against `torch.optim.Muon` itself.
+`GatherOnceMuon` follows `torch.optim.Muon`'s update rule (momentum lerp, Nesterov,
+quintic Newton-Schulz in bfloat16, shape-based LR adjustment) with the library's own
+functions for it: `newton_schulz` with one block (torch.optim.Muon's exact op sequence)
+and `adjust_lr`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -20,36 +20,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-
-def newton_schulz(grad: Tensor, coefficients: Sequence[float], steps: int, eps: float) -> Tensor:
-    """Approximate orthogonal polar factor of a 2D matrix (bfloat16 result)."""
-    a, b, c = coefficients
-    x = grad.bfloat16()
-    transposed = grad.size(0) > grad.size(1)
-    if transposed:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if transposed else x
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """Muon's per-shape learning-rate scale (None/"original" or "match_rms_adamw")."""
-    rows, cols = shape[0], shape[1]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    return lr
-
-
-def ns_flops(shape: Sequence[int], steps: int) -> int:
-    """Newton-Schulz FLOPs of one m x n matrix (m <= n): steps * (4 m^2 n + 2 m^3)."""
-    m, n = sorted((int(shape[0]), int(shape[1])))
-    return steps * (4 * m * m * n + 2 * m**3)
+from lightning_matrixfsdp.optim.muon import adjust_lr
+from lightning_matrixfsdp.optim.orthogonalize import newton_schulz
 
 
 class GatherOnceMuon(torch.optim.Optimizer):
@@ -105,13 +77,16 @@ class GatherOnceMuon(torch.optim.Optimizer):
                 upd = DTensor.from_local(
                     upd_local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
                 )
-                ortho = newton_schulz(upd.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"])
+                # blocks=1: torch.optim.Muon's op sequence (the gathered tensor is a fresh copy,
+                # so the in-place normalization touches nothing else)
+                ortho = newton_schulz(upd.full_tensor(), group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                      blocks=1)
                 local = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None).to_local()
                 p_local = p.to_local()
                 if local.shape != p_local.shape:
                     raise RuntimeError(f"local slice {tuple(local.shape)} does not match shard {tuple(p_local.shape)}")
                 p_local.mul_(1 - group["lr"] * group["weight_decay"])
-                p_local.add_(local, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+                p_local.add_(local, alpha=-adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
 
 
 def assign_owners(sizes: Sequence[int], world: int, how: str = "greedy") -> list[int]:

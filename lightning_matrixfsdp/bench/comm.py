@@ -9,8 +9,9 @@ independently of which Python wrapper a given torch version uses, without
 monkey-patching. DTensor ops are passed through (`NotImplemented`) so DTensor
 desugars them first and we see the collectives it issues.
 
-Per-rank byte convention (the one the analytic model of DESIGN.md uses; `T` is
-the byte size of the tensor argument, `W` the group size):
+Per-rank byte convention (the one of the analytic model in `scaling.py` and of
+docs/how-it-works.md#bandwidth; `T` is the byte size of the tensor argument, `W` the
+group size):
 
 | collective | sent by a rank | received by a rank |
 | --- | --- | --- |

@@ -178,7 +178,7 @@ def _preset_small() -> BenchConfig:
 
 
 def _preset_onenode() -> BenchConfig:
-    # The measured 4.56B-parameter shape of issue 5 (2 x H200, bf16, AC, batch 1/rank).
+    # The 4.56B-parameter model of docs/benchmarks.md (2 x H200, bf16, AC, batch 1/rank).
     return BenchConfig(
         preset="onenode",
         model=ModelConfig(

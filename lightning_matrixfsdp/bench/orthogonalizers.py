@@ -20,6 +20,7 @@ import torch
 
 from lightning_matrixfsdp.optim.muon import FAST_GRAM_MIN_ASPECT
 from lightning_matrixfsdp.optim.orthogonalize import (
+    DEFAULT_NS_COEFFICIENTS,
     gram_polar_express,
     newton_schulz,
     newton_schulz_batched,
@@ -27,11 +28,11 @@ from lightning_matrixfsdp.optim.orthogonalize import (
     polar_factor,
     polar_express,
 )
-from lightning_matrixfsdp.runtime.placement import newton_schulz_flops
+from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
 
 from .timing import matmul_tflops, median_ms
 
-COEFFS = (3.4445, -4.775, 2.0315)
+COEFFS = DEFAULT_NS_COEFFICIENTS  # torch.optim.Muon's
 
 
 def gradient_like(shape: tuple[int, int], device: torch.device) -> torch.Tensor:

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .baselines import ns_flops
+from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
+
 from .comm import CommCounter
 from .config import BenchConfig
 from .launch import control_group, init_distributed, resolve_device
@@ -75,12 +76,12 @@ def ownership(step: TrainStep, ctx: ModeContext) -> dict[str, Any]:
             owned = step.owners.get(name) == me
             size = local.numel() * local.element_size() if owned else 0
             if owned and is_matrix(name, p, scope):
-                flops += ns_flops(p.shape, ns)
+                flops += newton_schulz_flops(p.shape, ns)
         else:
             size = local.numel() * local.element_size()
             # A whole, non-empty local matrix is one this rank orthogonalizes alone.
             if local.ndim == 2 and local.numel() > 0 and tuple(local.shape) == tuple(p.shape) and is_matrix(name, p, scope):
-                flops += ns_flops(p.shape, ns)
+                flops += newton_schulz_flops(p.shape, ns)
         units[unit_of(name)] = units.get(unit_of(name), 0) + size
     return {"unit_bytes": units, "ns_flops": flops}
 

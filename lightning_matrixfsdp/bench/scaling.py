@@ -5,7 +5,8 @@
 For every world size W, W CPU gloo workers run the benchmark modes (one timed
 step and one counted step) on a small model whose dimensions divide by 2, 3, 4,
 6 and 8 (so FSDP2's shards carry no padding), and the measured bytes *sent* per
-rank (max over ranks) are put next to the model of DESIGN.md:
+rank (max over ranks) are put next to this analytic model (docs/how-it-works.md#bandwidth
+derives it):
 
 - FSDP2 (any fsdp2_* mode): forward all-gathers every unit, `P (W-1)/W`;
   backward all-gathers them again and reduce-scatters the gradients,
