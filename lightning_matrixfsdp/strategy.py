@@ -37,7 +37,7 @@ from lightning_matrixfsdp.runtime.shard import (
     matrix_shard,
     set_requires_gradient_sync,
 )
-from lightning_matrixfsdp.runtime.state import STATE_ATTR
+from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 log = logging.getLogger(__name__)
 
@@ -265,11 +265,11 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 "configure_model applied FSDP2/tensor parallelism (DTensor parameters); MatrixFSDPStrategy shards "
                 "the model itself: remove fully_shard/parallelize_module, or call lightning_matrixfsdp.matrix_shard"
             )
-        return any(hasattr(m, STATE_ATTR) for m in module.modules())
+        return bool(sharded_roots(module))
 
     def _sharded_roots(self) -> list[nn.Module]:
         assert self.lightning_module is not None
-        return [m for m in self.lightning_module.modules() if hasattr(m, STATE_ATTR)]
+        return sharded_roots(self.lightning_module)
 
     def _plans(self) -> list:
         return [get_plan(m) for m in self._sharded_roots()]
@@ -295,7 +295,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         roots = self._sharded_roots()
         plugin = self.precision_plugin
         if roots and isinstance(plugin, _GlobalNormClip):
-            plugin._mfsdp_clip_group = getattr(roots[0], STATE_ATTR).sg.group
+            plugin._mfsdp_clip_group = state_of(roots[0]).sg.group
 
     def _install_summary(self, trainer: Any) -> None:
         from lightning.pytorch.callbacks import ModelSummary
@@ -426,7 +426,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         directly, which would bypass module hooks)."""
         module = self.lightning_module
         assert module is not None
-        if not hasattr(module, STATE_ATTR):
+        if state_of(module) is None:
             return getattr(module, name)(*args, **kwargs)
         had_own = "forward" in module.__dict__
         original = module.__dict__.get("forward")

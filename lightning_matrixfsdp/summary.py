@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
-from torch import nn
 
-
-def global_numel(p: nn.Parameter) -> int:
-    shard = getattr(p, "_mfsdp_shard", None)
-    return shard.numel if shard is not None else p.numel()
+from lightning_matrixfsdp.runtime.tags import global_numel
 
 
 class MatrixFSDPLayerSummary(LayerSummary):

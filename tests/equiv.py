@@ -29,9 +29,9 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     With HSDP, owners are shard-group ranks; this gathers within the caller's shard
     group, so every replica checks its own copy.
     """
-    from lightning_matrixfsdp.runtime.state import STATE_ATTR
+    from lightning_matrixfsdp.runtime.tags import state_of
 
-    sg = getattr(model, STATE_ATTR).sg
+    sg = state_of(model).sg
     out = {}
     for name, p in model.named_parameters():
         shard = p._mfsdp_shard
@@ -240,9 +240,9 @@ class count_collectives:
 
 def check_memory_shape(model: torch.nn.Module) -> None:
     """Between steps: every parameter is held whole exactly once across ranks; no unsharded buffer."""
-    from lightning_matrixfsdp.runtime.state import STATE_ATTR
+    from lightning_matrixfsdp.runtime.tags import state_of
 
-    st = getattr(model, STATE_ATTR)
+    st = state_of(model)
     for p in st.params:
         assert p.unsharded.untyped_storage().size() == 0, f"{p.shard.fqn}: unsharded buffer still allocated"
         assert p.unsharded.grad is None, f"{p.shard.fqn}: unsharded gradient still held"

@@ -15,12 +15,11 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_matrixfsdp.runtime.tags import is_owned
+
+__all__ = ["clip_grad_norm_", "is_owned", "is_routed", "route_optimizer"]
+
 _ROUTED = "_mfsdp_routed"
-
-
-def is_owned(p: torch.Tensor) -> bool:
-    """True for parameters this rank owns, and for parameters that are not sharded at all."""
-    return bool(getattr(p, "_mfsdp_owned", True))
 
 
 def route_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
+from lightning_matrixfsdp.runtime.tags import tag_param
 
 
 def placeholder_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -45,9 +46,7 @@ class ShardedParam:
         self.compute_dtype = compute_dtype or resident.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self._make_resident()
-        self.resident._mfsdp_shard = shard  # type: ignore[attr-defined]
-        self.resident._mfsdp_role = shard.role.value  # type: ignore[attr-defined]
-        self.resident._mfsdp_owned = self.owned  # type: ignore[attr-defined]
+        tag_param(self.resident, shard, self.owned)
         # Created trainable so the unit can hook it once; frozen-ness follows the resident.
         self.unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.compute_dtype, device=device))
         # A plain alias of the same storage with its own version counter: writes

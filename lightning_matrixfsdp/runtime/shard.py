@@ -19,7 +19,8 @@ from lightning_matrixfsdp.runtime.collectives import (
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
 from lightning_matrixfsdp.runtime.planner import PLANNERS, make_plan
-from lightning_matrixfsdp.runtime.state import STATE_ATTR, MatrixFSDPState
+from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+from lightning_matrixfsdp.runtime.tags import attach_state, find_state, state_of
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
@@ -33,7 +34,7 @@ class MatrixShardError(ValueError):
 # ---------------------------------------------------------------------- input checks
 def _check_not_wrapped(module: nn.Module) -> None:
     for name, m in module.named_modules():
-        if hasattr(m, STATE_ATTR):
+        if state_of(m) is not None:
             raise MatrixShardError(
                 f"module {name or '<root>'!r} is already sharded by matrix_shard; shard a model once"
             )
@@ -286,7 +287,7 @@ def matrix_shard(
         is_root = umod is module
         state.units.append(Unit(umod, layout, sparams, coll, state, reshard_after_forward and not is_root))
     _materialize_meta(module, meta_modules, device)
-    object.__setattr__(module, STATE_ATTR, state)
+    attach_state(module, state)
     return module
 
 
@@ -308,12 +309,7 @@ def _materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: to
 
 # ---------------------------------------------------------------------- queries
 def _state(module: nn.Module) -> MatrixFSDPState:
-    st = getattr(module, STATE_ATTR, None)
-    if st is None:
-        for m in module.modules():
-            st = getattr(m, STATE_ATTR, None)
-            if st is not None:
-                break
+    st = find_state(module)
     if st is None:
         raise ValueError("this module was not sharded with matrix_shard")
     return st

@@ -13,6 +13,7 @@ from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.unit import Unit
 
+#: Transitional: only the old ``runtime/checkpoint.py`` still reads it; marks go through ``tags``.
 STATE_ATTR = "_mfsdp_state"
 
 

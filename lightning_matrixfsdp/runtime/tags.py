@@ -14,14 +14,11 @@ own rule (Muon: ``ndim == 2``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
-
-if TYPE_CHECKING:  # the state imports the runtime; the tags must not
-    from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 
 _SHARD = "_mfsdp_shard"
 _ROLE = "_mfsdp_role"  # a string, so tests and scripts can tag a plain tensor by hand
@@ -60,17 +57,20 @@ def global_numel(p: Any) -> int:
 
 
 # ---------------------------------------------------------------------- modules
-def attach_state(module: nn.Module, state: "MatrixFSDPState") -> None:
+# The state is typed ``Any`` here: its module imports (through the units and parameters)
+# this one, and the tags stay at the bottom of the import graph.
+def attach_state(module: nn.Module, state: Any) -> None:
+    """Attach the runtime state (a ``MatrixFSDPState``) to the root ``matrix_shard`` sharded."""
     # object.__setattr__: the state is not an nn.Module attribute (no registration).
     object.__setattr__(module, _STATE, state)
 
 
-def state_of(module: nn.Module) -> Optional["MatrixFSDPState"]:
+def state_of(module: nn.Module) -> Optional[Any]:
     """The runtime state attached to exactly this module, if any."""
     return getattr(module, _STATE, None)
 
 
-def find_state(module: nn.Module) -> Optional["MatrixFSDPState"]:
+def find_state(module: nn.Module) -> Optional[Any]:
     """The state of ``module`` or of the first sharded module inside it."""
     for m in module.modules():
         st = state_of(m)
