@@ -1,0 +1,370 @@
+"""Option checks for ``matrix_shard`` and ``MatrixFSDPStrategy``: normalize, or refuse clearly.
+
+Pure functions, no communication: the strategy runs them at construction and
+``matrix_shard`` before it touches the model, so a wrong option fails where it was
+written, not at setup in a frame of PyTorch's (``'int' object is not iterable``, a
+module class called as a policy). Every error names the option, the value given and
+what is accepted.
+
+Accepted forms of the two module policies (YAML configs give strings):
+
+- ``wrap_policy``: ``None``, an ``nn.Module`` class, a dotted import path of one
+  (``"pkg.module.Block"``), a set/frozenset/list/tuple of classes or paths, or a
+  callable ``(name, module) -> bool``;
+- ``activation_checkpointing_policy``: the same, with a callable ``(module) -> bool``.
+
+Both normalize to ``None``, a ``set`` of classes, or the callable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import operator
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES
+from lightning_matrixfsdp.runtime.planner import PLANNERS
+
+__all__ = [
+    "DTYPE_NAMES",
+    "MatrixShardError",
+    "check_backend",
+    "check_bool",
+    "check_checkpointing_policy",
+    "check_collective",
+    "check_device",
+    "check_dtype",
+    "check_matrix_filter",
+    "check_mesh",
+    "check_optimizer_factory",
+    "check_planner",
+    "check_positive_int",
+    "check_shard_options",
+    "check_strategy_options",
+    "check_timeout",
+    "check_wrap_policy",
+]
+
+
+class MatrixShardError(ValueError):
+    """A model or option that matrix_shard (or the strategy) cannot handle."""
+
+
+#: Names accepted for ``param_dtype`` / ``reduce_dtype`` (YAML and CLI configs).
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+_FLOATING = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+_CLASSES = ("an nn.Module class, a dotted import path of one ('pkg.module.Block'), "
+            "a set/list/tuple of those")
+_POLICY_FORMS = {
+    "wrap_policy": f"None, {_CLASSES}, or a callable (name, module) -> bool",
+    "activation_checkpointing_policy": f"None, {_CLASSES}, or a callable (module) -> bool",
+}
+
+
+def _refuse(name: str, value: Any, accepted: str, why: str = "") -> MatrixShardError:
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    reason = f": {why}" if why else ""
+    return MatrixShardError(f"{name}={shown} ({type(value).__name__}) is not accepted{reason}; "
+                            f"expected {accepted}")
+
+
+# ---------------------------------------------------------------------- module policies
+def _import_class(path: str, name: str, accepted: str) -> type:
+    """``"pkg.module.Outer.Inner"`` -> the class: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise _refuse(name, path, accepted, "a class is named by its dotted import path, e.g. 'pkg.module.Block'")
+    error: Optional[BaseException] = None  # from the longest prefix tried: the likeliest cause
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError as e:
+            error = error or e
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError as e:
+            raise _refuse(name, path, accepted, f"cannot import it ({error or e})") from None
+        return obj
+    raise _refuse(name, path, accepted, f"cannot import it ({error})") from None
+
+
+def _module_class(item: Any, name: str, accepted: str, whole: Any) -> type:
+    obj = _import_class(item, name, accepted) if isinstance(item, str) else item
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        return obj
+    if isinstance(item, str):
+        why = f"{item!r} names {obj!r}, not an nn.Module class"
+    elif isinstance(obj, nn.Module):
+        why = f"{type(obj).__name__}(...) is an nn.Module instance; give its class"
+    else:
+        why = f"{obj!r} ({type(obj).__name__}) is not an nn.Module class"
+    raise _refuse(name, whole, accepted, why)
+
+
+def _takes(fn: Callable[..., Any], n: int) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments (True where Python cannot tell)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature
+        return True
+    try:
+        sig.bind(*([None] * n))
+    except TypeError:
+        return False
+    return True
+
+
+def _module_policy(value: Any, name: str, nargs: int) -> Union[None, set[type], Callable[..., bool]]:
+    accepted = _POLICY_FORMS[name]
+    if value is None:
+        return None
+    if isinstance(value, (str, type)):  # one class (a class is callable, but not a policy)
+        return {_module_class(value, name, accepted, value)}
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return {_module_class(item, name, accepted, value) for item in value}
+    if isinstance(value, nn.Module):
+        raise _refuse(name, value, accepted, f"an nn.Module instance; give its class, {type(value).__name__}")
+    if callable(value):
+        if not _takes(value, nargs):
+            args = "(name, module)" if nargs == 2 else "(module)"
+            raise _refuse(name, value, accepted, f"the callable cannot be called as {args}")
+        return value
+    raise _refuse(name, value, accepted)
+
+
+def check_wrap_policy(value: Any) -> Union[None, set[type], Callable[[str, nn.Module], bool]]:
+    """``wrap_policy`` as ``None``, a set of ``nn.Module`` classes, or a ``(name, module)`` callable."""
+    return _module_policy(value, "wrap_policy", 2)
+
+
+def check_checkpointing_policy(value: Any) -> Union[None, set[type], Callable[[nn.Module], bool]]:
+    """``activation_checkpointing_policy`` as ``None``, a set of classes, or a ``(module)`` callable."""
+    return _module_policy(value, "activation_checkpointing_policy", 1)
+
+
+# ---------------------------------------------------------------------- callables and names
+def check_matrix_filter(value: Any) -> Optional[Callable[[str, nn.Parameter], bool]]:
+    accepted = "None or a callable (fqn, param) -> bool"
+    if value is None:
+        return None
+    if isinstance(value, type):
+        raise _refuse("matrix_filter", value, accepted, "a class, not a filter function")
+    if isinstance(value, nn.Module) or not callable(value):
+        raise _refuse("matrix_filter", value, accepted)
+    if not _takes(value, 2):
+        raise _refuse("matrix_filter", value, accepted, "the callable cannot be called as (fqn, param)")
+    return value
+
+
+def check_planner(value: Any) -> Union[str, Callable[..., Any]]:
+    accepted = f"one of {', '.join(map(repr, PLANNERS))} or a callable (units, world) -> Plan"
+    if isinstance(value, str):
+        if value not in PLANNERS:
+            raise MatrixShardError(f"unknown planner {value!r}; choose one of {', '.join(PLANNERS)} "
+                                   "or pass a callable (units, world) -> Plan")
+        return value
+    if isinstance(value, (type, nn.Module)) or not callable(value):
+        raise _refuse("planner", value, accepted)
+    if not _takes(value, 2):
+        raise _refuse("planner", value, accepted, "the callable cannot be called as (units, world)")
+    return value
+
+
+def check_collective(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _refuse("collective", value, f"one of {', '.join(map(repr, COLLECTIVE_NAMES))}")
+    if value not in COLLECTIVE_NAMES:
+        raise MatrixShardError(f"unknown collective {value!r}; choose one of {', '.join(COLLECTIVE_NAMES)}")
+    return value
+
+
+def check_optimizer_factory(value: Any) -> Optional[Callable[..., Any]]:
+    accepted = ("None or a callable params -> Optimizer, e.g. functools.partial(lightning_matrixfsdp.Muon, "
+                "lr=0.02) or an optimizer class")
+    if value is None:
+        return None
+    if isinstance(value, torch.optim.Optimizer):
+        raise _refuse("optimizer", value, accepted, "an optimizer instance; the strategy builds the optimizer "
+                      "over the sharded parameters itself")
+    if not callable(value):
+        raise _refuse("optimizer", value, accepted)
+    return value
+
+
+# ---------------------------------------------------------------------- values
+def check_dtype(value: Any, name: str) -> Optional[torch.dtype]:
+    """``param_dtype`` / ``reduce_dtype``: ``None``, a floating ``torch.dtype`` or its name."""
+    accepted = (f"None, torch.bfloat16/float16/float32/float64, or one of the names "
+                f"{', '.join(map(repr, DTYPE_NAMES))}")
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        if value not in _FLOATING:
+            raise _refuse(name, value, accepted, "not a floating dtype the runtime computes and reduces in")
+        return value
+    if isinstance(value, str):
+        key = value.replace("torch.", "", 1)
+        if key not in DTYPE_NAMES:
+            raise _refuse(name, value, accepted, "not a dtype name")
+        return DTYPE_NAMES[key]
+    raise _refuse(name, value, accepted)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _refuse(name, value, "True or False")
+    return value
+
+
+def check_positive_int(value: Any, name: str, *, optional: bool = False) -> Optional[int]:
+    accepted = ("None or " if optional else "") + "a positive int"
+    if value is None and optional:
+        return None
+    if isinstance(value, bool):
+        raise _refuse(name, value, accepted)
+    try:
+        n = operator.index(value)  # ints and integer-like scalars (numpy), not floats or strings
+    except TypeError:
+        raise _refuse(name, value, accepted) from None
+    if n < 1:
+        raise _refuse(name, value, accepted, "must be at least 1")
+    return n
+
+
+def check_timeout(value: Any) -> Optional[timedelta]:
+    accepted = "None or a positive datetime.timedelta, e.g. timedelta(minutes=30)"
+    if value is None:
+        return None
+    if not isinstance(value, timedelta):
+        raise _refuse("timeout", value, accepted)
+    if value <= timedelta(0):
+        raise _refuse("timeout", value, accepted, "must be positive")
+    return value
+
+
+def check_device(value: Any) -> Optional[torch.device]:
+    accepted = "None, a torch.device, or a device string such as 'cpu' or 'cuda:0'"
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise _refuse("device", value, accepted)
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise _refuse("device", value, accepted, str(e).splitlines()[0]) from None
+
+
+def check_backend(value: Any) -> Optional[str]:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise _refuse("process_group_backend", value, "None or a torch.distributed backend name such as 'nccl' or 'gloo'")
+
+
+def check_mesh(value: Any) -> Any:
+    accepted = "None or a 1-D (shard) or 2-D (replicate, shard) torch.distributed DeviceMesh"
+    if value is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(value, DeviceMesh):
+        raise _refuse("mesh", value, accepted)
+    return value
+
+
+# ---------------------------------------------------------------------- all of matrix_shard's
+def check_shard_options(
+    *,
+    wrap_policy: Any = None,
+    planner: Any = "role_greedy",
+    collective: Any = "p2p",
+    matrix_filter: Any = None,
+    param_dtype: Any = None,
+    reduce_dtype: Any = None,
+    reshard_after_forward: Any = True,
+    ns_steps: Any = 5,
+    shard_size: Any = None,
+    prefetch: Any = True,
+    zero_missing_grads: Any = False,
+    device: Any = None,
+    mesh: Any = None,
+) -> dict[str, Any]:
+    """Every option of ``matrix_shard`` but the module, checked and normalized (same keys)."""
+    if mesh is not None and shard_size is not None:
+        raise MatrixShardError(f"pass either mesh or shard_size, not both (got mesh={mesh!r}, "
+                               f"shard_size={shard_size!r})")
+    return {
+        "wrap_policy": check_wrap_policy(wrap_policy),
+        "planner": check_planner(planner),
+        "collective": check_collective(collective),
+        "matrix_filter": check_matrix_filter(matrix_filter),
+        "param_dtype": check_dtype(param_dtype, "param_dtype"),
+        "reduce_dtype": check_dtype(reduce_dtype, "reduce_dtype"),
+        "reshard_after_forward": check_bool(reshard_after_forward, "reshard_after_forward"),
+        "ns_steps": check_positive_int(ns_steps, "ns_steps"),
+        "shard_size": check_positive_int(shard_size, "shard_size", optional=True),
+        "prefetch": check_bool(prefetch, "prefetch"),
+        "zero_missing_grads": check_bool(zero_missing_grads, "zero_missing_grads"),
+        "device": check_device(device),
+        "mesh": check_mesh(mesh),
+    }
+
+
+# ---------------------------------------------------------------------- all of the strategy's
+def check_strategy_options(
+    *,
+    wrap_policy: Any,
+    planner: Any,
+    collective: Any,
+    matrix_filter: Any,
+    param_dtype: Any,
+    reduce_dtype: Any,
+    activation_checkpointing_policy: Any,
+    optimizer: Any,
+    reshard_after_forward: Any,
+    accumulation_no_sync: Any,
+    shard_size: Any,
+    prefetch: Any,
+    zero_missing_grads: Any,
+    save_distributed_checkpoint: Any,
+    process_group_backend: Any,
+    timeout: Any,
+    tensor_parallel_size: Any,
+    log_plan: Any,
+) -> dict[str, Any]:
+    """Every option of ``MatrixFSDPStrategy``, checked and normalized (same keys)."""
+    if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
+        raise MatrixShardError(
+            f"tensor_parallel_size={tensor_parallel_size!r}: MatrixFSDP keeps every matrix whole on one rank and "
+            "does not compose with tensor parallelism; use tensor_parallel_size=1 (data parallel over all ranks)")
+    shard = check_shard_options(
+        wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+        shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads)
+    for key in ("ns_steps", "device", "mesh"):  # matrix_shard's own; the strategy sets them
+        del shard[key]
+    return dict(
+        shard,
+        activation_checkpointing_policy=check_checkpointing_policy(activation_checkpointing_policy),
+        optimizer=check_optimizer_factory(optimizer),
+        accumulation_no_sync=check_bool(accumulation_no_sync, "accumulation_no_sync"),
+        save_distributed_checkpoint=check_bool(save_distributed_checkpoint, "save_distributed_checkpoint"),
+        process_group_backend=check_backend(process_group_backend),
+        timeout=check_timeout(timeout),
+        tensor_parallel_size=1,
+        log_plan=check_bool(log_plan, "log_plan"),
+    )
