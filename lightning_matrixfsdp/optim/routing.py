@@ -4,7 +4,7 @@
 to the optimizer object, so it must not be replaced): non-owned placeholders are
 dropped, group order and hyper-parameters are kept, so a scheduler's per-group
 values still line up.  Nothing here communicates except the global-norm clip,
-which all-reduces one scalar.
+whose one scalar all-reduce is ``collectives.all_reduce_norm``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from lightning_matrixfsdp.runtime.collectives import all_reduce_norm, comm_device
 from lightning_matrixfsdp.runtime.tags import is_owned
 
 __all__ = ["clip_grad_norm_", "is_owned", "is_routed", "route_optimizer"]
@@ -61,20 +62,16 @@ def clip_grad_norm_(
         parameters = list(parameters.parameters())
     grads = _owned_grads(list(parameters))
     norm_type = float(norm_type)
-    device = grads[0].device if grads else _group_device(group)
+    device = grads[0].device if grads else comm_device(group)
     # Partial sums in float64: the owners' pieces are added in another order than a
     # single-device norm would use, and float64 keeps that from showing in float32.
     if norm_type == math.inf:
         local = (torch.stack([g.detach().abs().max().double() for g in grads]).max() if grads
                  else torch.zeros((), dtype=torch.float64, device=device))
-        op = dist.ReduceOp.MAX
     else:
         local = (torch.stack([g.detach().double().abs().pow(norm_type).sum() for g in grads]).sum() if grads
                  else torch.zeros((), dtype=torch.float64, device=device))
-        op = dist.ReduceOp.SUM
-    total = local.to(device).reshape(1).clone()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, op=op, group=group)
+    total = all_reduce_norm(local, maximum=norm_type == math.inf, group=group)
     total = (total[0] if norm_type == math.inf else total[0] ** (1.0 / norm_type)).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
@@ -82,9 +79,3 @@ def clip_grad_norm_(
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
     return total
-
-
-def _group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -1,9 +1,15 @@
-"""Owner collectives: materialize (owners -> everyone) and reduce-to-owner (everyone -> owner).
+"""All runtime communication: owner collectives, gradient reduction, and the small all-reduces.
 
-Three implementations behind one interface, each counting the bytes it moves per
-phase.  Byte accounting is *logical payload per rank*: what a rank contributes
-or obtains, not the relay traffic of a tree or ring algorithm, except for the
-padded collectives, which count the ring's (W-1) segments each way like FSDP.
+Materialize (owners -> everyone) and reduce-to-owner (everyone -> owner) have three
+implementations behind one interface; :class:`GradientReducer` adds what a gradient
+needs after it reached its owner (the data-parallel mean, the HSDP replica sum) and
+the "which parameters got a gradient" agreement; :func:`all_reduce_norm` is the
+global-norm clip's scalar.  Everything counts its bytes in :class:`CommStats`, and
+:func:`comm_device` is the one place that says where communication tensors live.
+
+Byte accounting is *logical payload per rank*: what a rank contributes or obtains,
+not the relay traffic of a tree or ring algorithm, except for the padded
+collectives, which count the ring's (W-1) segments each way like FSDP.
 
 Every operation is split into ``start`` (issue the communication, return a
 :class:`PendingOp`) and ``PendingOp.wait`` (finish and copy out), so the unit
@@ -393,6 +399,73 @@ class PaddedAllGatherCollective(OwnerCollective):
             return res
 
         return PendingOp(works, finish)
+
+
+class GradientReducer:
+    """Gradients of a unit, from every rank's local copy to the data-parallel mean on its owner.
+
+    The shard group's owner collective sums them onto the owners; the owner then divides
+    by the data-parallel size and, under HSDP, sums across the replicas of its shard.
+    """
+
+    def __init__(self, collective: OwnerCollective, replicate_group: Optional[dist.ProcessGroup]) -> None:
+        self.collective = collective
+        self.sg = collective.sg
+        self.stats = collective.stats
+        self.replicate_group = replicate_group
+        self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.dp_size = self.sg.size * self.replicate_size
+
+    def globally_used(self, used: list[bool]) -> list[bool]:
+        """Which parameters got a gradient on at least one rank (DDP leaves the rest None)."""
+        if self.dp_size == 1:
+            return used
+        t = torch.tensor([int(u) for u in used], dtype=torch.int32, device=comm_device(self.sg.group))
+        if self.sg.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sg.group)
+        if self.replicate_group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.replicate_group)
+        return [bool(x) for x in t.tolist()]
+
+    def start(self, shards: Sequence[MatrixShard], grads: Sequence[torch.Tensor],
+              keep: Sequence[bool]) -> PendingOp:
+        """Issue the reduction to owners; ``wait()`` returns, per gradient, the mean on its
+        owner where ``keep`` is set and None elsewhere.  ``keep`` must agree across ranks
+        (it decides the replica all-reduces)."""
+        pending = self.collective.start_reduce(shards, grads)
+
+        def finish() -> list[Optional[torch.Tensor]]:
+            out: list[Optional[torch.Tensor]] = []
+            for g, k in zip(pending.wait(), keep):
+                if g is None or not k:
+                    out.append(None)
+                    continue
+                g.div_(self.dp_size)
+                self._replicate_sum(g)
+                out.append(g)
+            return out
+
+        return PendingOp(finish=finish)
+
+    def _replicate_sum(self, grad: torch.Tensor) -> None:
+        """HSDP: sum an owner's (already divided) gradient across replicas."""
+        if self.replicate_group is None or self.replicate_size == 1:
+            return
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.replicate_group)
+        b = _nbytes(grad)
+        self.stats.add("replicate", b, b)
+
+
+def all_reduce_norm(local: torch.Tensor, maximum: bool, group: Optional[dist.ProcessGroup] = None,
+                    stats: Optional[CommStats] = None) -> torch.Tensor:
+    """Combine the owners' partial norms of a global-norm clip over ``group``: the sum
+    (``maximum=False``) or the maximum.  Returns a 1-element tensor on :func:`comm_device`."""
+    total = local.to(comm_device(group)).reshape(1).clone()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group)
+        if stats is not None:
+            stats.add("clip", _nbytes(total), _nbytes(total))
+    return total
 
 
 COLLECTIVES: dict[str, type[OwnerCollective]] = {

@@ -12,7 +12,9 @@ from lightning_matrixfsdp.runtime.collectives import (
     DEFAULT_COLLECTIVE,
     COLLECTIVE_NAMES,
     CommStats,
+    GradientReducer,
     ShardGroup,
+    comm_device,
     make_collective,
     validate_schedule,
 )
@@ -123,13 +125,6 @@ def _unit_of(module_name: str, unit_names: list[str]) -> str:
     return best
 
 
-def _default_device(group_device_type: Optional[str]) -> torch.device:
-    if group_device_type == "cuda" or (group_device_type is None and torch.cuda.is_available() and dist.is_initialized()
-                                        and dist.get_backend() == "nccl"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None) -> Any:
     """A ``(replicate, shard)`` DeviceMesh with shard groups of ``shard_size`` consecutive ranks."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -139,23 +134,23 @@ def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None) -> Any:
     world = dist.get_world_size()
     if shard_size < 1 or world % shard_size:
         raise MatrixShardError(f"shard_size={shard_size} must be a positive divisor of the world size {world}")
-    device_type = torch.device(device).type if device is not None else _default_device(None).type
+    device_type = torch.device(device).type if device is not None else comm_device().type
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
-def _resolve_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup], Optional[str]]:
-    """(shard group, replicate group, device type) from a DeviceMesh or None."""
+def _resolve_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """(shard group, replicate group) from a DeviceMesh or None."""
     if mesh is None:
-        return (dist.group.WORLD if dist.is_initialized() else None), None, None
+        return (dist.group.WORLD if dist.is_initialized() else None), None
     names = tuple(mesh.mesh_dim_names or ())
     if "tensor_parallel" in names:  # Lightning's (data_parallel, tensor_parallel) mesh
         if mesh["tensor_parallel"].size() > 1:
             raise MatrixShardError("tensor parallelism is out of scope for MatrixFSDP: use tensor_parallel_size=1")
         mesh = mesh["data_parallel"]
     if mesh.ndim == 1:
-        return mesh.get_group(0), None, mesh.device_type
+        return mesh.get_group(0), None
     if mesh.ndim == 2:
-        return mesh.get_group(1), mesh.get_group(0), mesh.device_type
+        return mesh.get_group(1), mesh.get_group(0)
     raise MatrixShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
 
 
@@ -210,11 +205,11 @@ def matrix_shard(
         if mesh is not None:
             raise MatrixShardError("pass either mesh or shard_size, not both")
         mesh = hsdp_mesh(int(shard_size), device)
-    shard_pg, replicate_pg, device_type = _resolve_groups(mesh)
+    shard_pg, replicate_pg = _resolve_groups(mesh)
     sg = ShardGroup(shard_pg)
     real = [p for p in module.parameters() if not p.is_meta]
     if device is None:
-        device = real[0].device if real else _default_device(device_type)
+        device = real[0].device if real else comm_device(shard_pg)
     device = torch.device(device)
 
     # -- units and the parameters each one holds
@@ -275,8 +270,9 @@ def matrix_shard(
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     stats = CommStats()
     coll = make_collective(collective, sg, stats)
+    reducer = GradientReducer(coll, replicate_pg)
     options = dict(schedule, planner=plan.planner, ns_steps=ns_steps, prefetch=prefetch)
-    state = MatrixFSDPState(module, plan, sg, replicate_pg, stats, options)
+    state = MatrixFSDPState(module, plan, reducer, options)
     fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
     for layout, (_, umod) in zip(plan.units, units):
@@ -285,7 +281,7 @@ def matrix_shard(
             pid = fqn_to_pid[shard.fqn]
             sparams.append(ShardedParam(shard, param_objs[pid], regs[pid], sg.rank, device, param_dtype, reduce_dtype))
         is_root = umod is module
-        state.units.append(Unit(umod, layout, sparams, coll, state, reshard_after_forward and not is_root))
+        state.units.append(Unit(umod, layout, sparams, coll, reducer, state, reshard_after_forward and not is_root))
     _materialize_meta(module, meta_modules, device)
     attach_state(module, state)
     return module

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import CommStats, ShardGroup
+from lightning_matrixfsdp.runtime.collectives import CommStats, GradientReducer, ShardGroup
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.unit import Unit
@@ -24,18 +24,17 @@ class MatrixFSDPState:
         self,
         root: nn.Module,
         plan: Plan,
-        shard_group: ShardGroup,
-        replicate_group: Optional[dist.ProcessGroup],
-        stats: CommStats,
+        reducer: GradientReducer,
         options: dict[str, Any],
     ) -> None:
         self.root = root
         self.plan = plan
-        self.sg = shard_group
-        self.replicate_group = replicate_group
-        self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        self.dp_size = self.sg.size * self.replicate_size
-        self.stats = stats
+        self.reducer = reducer
+        self.sg: ShardGroup = reducer.sg
+        self.replicate_group: Optional[dist.ProcessGroup] = reducer.replicate_group
+        self.replicate_size = reducer.replicate_size
+        self.dp_size = reducer.dp_size
+        self.stats: CommStats = reducer.stats
         self.options = options
         self.units: list[Unit] = []
         self.in_backward = False
@@ -113,27 +112,6 @@ class MatrixFSDPState:
                 self._forward_order, self._order_now = self._order_now, []
         finally:
             self.in_backward = False
-
-    # ------------------------------------------------------------------ gradient helpers
-    def globally_used(self, used: list[bool]) -> list[bool]:
-        """Which parameters got a gradient on at least one rank (DDP leaves the rest None)."""
-        if self.dp_size == 1:
-            return used
-        device = self.units[0].params[0].device if self.units and self.units[0].params else torch.device("cpu")
-        t = torch.tensor([int(u) for u in used], dtype=torch.int32, device=device)
-        if self.sg.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sg.group)
-        if self.replicate_group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.replicate_group)
-        return [bool(x) for x in t.tolist()]
-
-    def replicate_reduce(self, grad: torch.Tensor) -> None:
-        """HSDP: sum an owner's (already divided) gradient across replicas."""
-        if self.replicate_group is None or self.replicate_size == 1:
-            return
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.replicate_group)
-        b = grad.numel() * grad.element_size()
-        self.stats.add("replicate", b, b)
 
     def set_requires_gradient_sync(self, value: bool) -> None:
         for u in self.units:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import OwnerCollective
+from lightning_matrixfsdp.runtime.collectives import GradientReducer, OwnerCollective
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import UnitLayout
 
@@ -79,6 +79,7 @@ class Unit:
         layout: UnitLayout,
         params: list[ShardedParam],
         collective: OwnerCollective,
+        reducer: GradientReducer,
         state: "MatrixFSDPState",
         reshard_after_forward: bool,
     ) -> None:
@@ -87,6 +88,7 @@ class Unit:
         self.fqn = layout.fqn
         self.params = params
         self.collective = collective
+        self.reducer = reducer
         self.state = state
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
@@ -285,7 +287,7 @@ class Unit:
         else:
             used = [g is not None for g in local]
             if flush:
-                used = self.state.globally_used(used)
+                used = self.reducer.globally_used(used)
         grads = [
             g if g is not None else torch.zeros(p.shape, dtype=p.reduce_dtype, device=p.device)
             for g, p in zip(local, params)
@@ -293,16 +295,13 @@ class Unit:
         for p in params:
             p.unsharded.grad = None
         with torch.no_grad():
-            pending = self.collective.start_reduce([p.shard for p in params], grads)
+            pending = self.reducer.start([p.shard for p in params], grads, used)
 
         @torch.no_grad()
         def finish() -> None:
-            for p, g, u in zip(params, pending.wait(), used):
-                if g is None or not u:
-                    continue
-                g.div_(self.state.dp_size)
-                self.state.replicate_reduce(g)
-                p.accumulate_grad(g)
+            for p, g in zip(params, pending.wait()):
+                if g is not None:
+                    p.accumulate_grad(g)
 
         # In flight while backward goes on; finished before the next unit's reduction
         # starts, or at the end of backward.
