@@ -281,7 +281,8 @@ def matrix_shard(
             pid = fqn_to_pid[shard.fqn]
             sparams.append(ShardedParam(shard, param_objs[pid], regs[pid], sg.rank, device, param_dtype, reduce_dtype))
         is_root = umod is module
-        state.units.append(Unit(umod, layout, sparams, coll, reducer, state, reshard_after_forward and not is_root))
+        state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
+                            reshard_after_forward and not is_root, zero_missing_grads=bool(zero_missing_grads)))
     _materialize_meta(module, meta_modules, device)
     attach_state(module, state)
     return module

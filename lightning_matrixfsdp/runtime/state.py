@@ -1,16 +1,16 @@
-"""Root state of a sharded model: units, plan, groups, counters, end-of-backward callback."""
+"""Root state of a sharded model: plan, groups, stats, units, and the end-of-backward flush."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.collectives import CommStats, GradientReducer, ShardGroup
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import Plan
+from lightning_matrixfsdp.runtime.schedule import Schedule
 from lightning_matrixfsdp.runtime.unit import Unit
 
 #: Transitional: only the old ``runtime/checkpoint.py`` still reads it; marks go through ``tags``.
@@ -37,12 +37,9 @@ class MatrixFSDPState:
         self.stats: CommStats = reducer.stats
         self.options = options
         self.units: list[Unit] = []
-        self.in_backward = False
         self.prefetch = bool(options.get("prefetch", True))
         self.zero_missing_grads = bool(options.get("zero_missing_grads", False))
-        self._forward_order: list[Unit] = []  # last iteration's, used for prefetching
-        self._order_now: list[Unit] = []
-        self._pending_reduces: list[Callable[[], None]] = []
+        self.schedule: Schedule[Unit] = Schedule(self.prefetch, self._end_of_backward)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -56,62 +53,24 @@ class MatrixFSDPState:
     def rank(self) -> int:
         return self.sg.rank
 
-    # ------------------------------------------------------------------ lifecycle hooks
-    def on_pre_forward(self, unit: Unit) -> None:
-        """Record the order in which units run forward (the prefetch schedule)."""
-        if not self.in_backward and torch.is_grad_enabled() and unit not in self._order_now:
-            self._order_now.append(unit)
-
-    def next_to_forward(self, unit: Unit) -> Optional[Unit]:
-        order = self._forward_order
-        if not self.prefetch or unit not in order:
-            return None
-        i = order.index(unit) + 1
-        return order[i] if i < len(order) else None
-
-    def next_to_backward(self, unit: Unit) -> Optional[Unit]:
-        """Backward visits the inner units in reverse forward order (the root, which
-        wraps them all, gets its gradients first)."""
-        order = [u for u in self._forward_order if u.module is not self.root]
-        if not self.prefetch or not order:
-            return None
+    # ------------------------------------------------------------------ building
+    def add_unit(self, unit: Unit) -> None:
+        """Register a unit (in the plan's order); the one wrapping the root module is the root unit."""
+        self.units.append(unit)
         if unit.module is self.root:
-            return order[-1]
-        if unit not in order:
-            return None
-        i = order.index(unit)
-        return order[i - 1] if i > 0 else None
+            self.schedule.root = unit
 
-    def defer_reduce(self, finish: Callable[[], None]) -> None:
-        """Keep one reduction in flight: finish the previous before queuing the next."""
-        self.drain_reduces()
-        self._pending_reduces.append(finish)
-
-    def drain_reduces(self) -> None:
-        while self._pending_reduces:
-            self._pending_reduces.pop(0)()
-
-    def on_backward_start(self) -> None:
-        if self.in_backward:
-            return
-        self.in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
+    # ------------------------------------------------------------------ end of backward
     def _end_of_backward(self) -> None:
         """Flush units whose gradients did not all arrive; same order on every rank."""
-        try:
-            for unit in self.units:
-                if unit._forward_calls > 0 and not unit._reduced:
-                    unit.post_backward(flush=True)
-            self.drain_reduces()
-            for unit in self.units:
-                if unit.is_materialized or unit._pending_unshard is not None:
-                    unit.reshard()
-                unit.reset_iteration()
-            if self._order_now:
-                self._forward_order, self._order_now = self._order_now, []
-        finally:
-            self.in_backward = False
+        for unit in self.units:
+            if unit._forward_calls > 0 and not unit._reduced:
+                unit.post_backward(flush=True)
+        self.schedule.drain_reduces()
+        for unit in self.units:
+            if unit.is_materialized or unit._pending_unshard is not None:
+                unit.reshard()
+            unit.reset_iteration()
 
     def set_requires_gradient_sync(self, value: bool) -> None:
         for u in self.units:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -26,9 +26,7 @@ from torch import nn
 from lightning_matrixfsdp.runtime.collectives import GradientReducer, OwnerCollective
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import UnitLayout
-
-if TYPE_CHECKING:
-    from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+from lightning_matrixfsdp.runtime.schedule import Schedule
 
 
 class TrainingState(Enum):
@@ -80,8 +78,9 @@ class Unit:
         params: list[ShardedParam],
         collective: OwnerCollective,
         reducer: GradientReducer,
-        state: "MatrixFSDPState",
+        schedule: "Schedule[Unit]",
         reshard_after_forward: bool,
+        zero_missing_grads: bool = False,
     ) -> None:
         self.module = module
         self.layout = layout
@@ -89,8 +88,9 @@ class Unit:
         self.params = params
         self.collective = collective
         self.reducer = reducer
-        self.state = state
+        self.schedule = schedule
         self.reshard_after_forward = reshard_after_forward
+        self.zero_missing_grads = zero_missing_grads
         self.requires_gradient_sync = True
         self.training_state = TrainingState.IDLE
         self._depth = 0
@@ -164,8 +164,8 @@ class Unit:
 
     # ------------------------------------------------------------------ forward
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
-        self.state.on_pre_forward(self)
-        if self.state.in_backward:  # activation-checkpoint recomputation inside backward
+        self.schedule.record_forward(self)
+        if self.schedule.in_backward:  # activation-checkpoint recomputation inside backward
             # (not counted in _depth: early-stopping recomputation never runs post-forward)
             self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
@@ -176,7 +176,7 @@ class Unit:
         self._register_unsharded()
         self.training_state = TrainingState.FORWARD
         if torch.is_grad_enabled():
-            nxt = self.state.next_to_forward(self)
+            nxt = self.schedule.next_to_forward(self)
             if nxt is not None:
                 nxt.start_unshard()
         if not torch.is_grad_enabled() or not self.trainable:
@@ -200,7 +200,7 @@ class Unit:
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.state.in_backward:
+        if self.schedule.in_backward:
             return None
         self._depth = max(0, self._depth - 1)
         outer = self._depth == 0  # a nested call of the same unit must not reshard its caller
@@ -219,11 +219,11 @@ class Unit:
 
     # ------------------------------------------------------------------ backward
     def _pre_backward_hook(self, *_: Any) -> None:
-        self.state.on_backward_start()
+        self.schedule.begin_backward()
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
         self._register_unsharded()
-        nxt = self.state.next_to_backward(self)
+        nxt = self.schedule.next_to_backward(self)
         if nxt is not None:
             nxt.start_unshard()
 
@@ -236,7 +236,7 @@ class Unit:
         def hook(_: torch.Tensor) -> None:
             unit = unit_ref()
             if unit is not None:
-                if unit._reduced and unit.state.zero_missing_grads and unit.state.in_backward:
+                if unit._reduced and unit.zero_missing_grads and unit.schedule.in_backward:
                     raise RuntimeError(
                         f"a gradient of {unit.params[index].shard.fqn!r} arrived after its unit reduced "
                         "(is the parameter used outside its unit's forward?); zero_missing_grads reduces "
@@ -253,7 +253,7 @@ class Unit:
     def _maybe_post_backward(self) -> None:
         if self._reduced or self._pending_input_grads > 0 or self._forward_calls == 0:
             return
-        if self.state.zero_missing_grads:
+        if self.zero_missing_grads:
             # Reduce when this unit's backward is done, whatever parameters got gradients
             # here (other ranks may have used others); without a backward trigger (no input
             # needs a gradient) the end-of-backward flush does it, in unit order everywhere.
@@ -282,7 +282,7 @@ class Unit:
             return
         params = [self.params[i] for i in idx]
         local = [p.local_grad() for p in params]
-        if self.state.zero_missing_grads:
+        if self.zero_missing_grads:
             used = [True] * len(local)  # zeros stand in for missing gradients, on every rank
         else:
             used = [g is not None for g in local]
@@ -305,4 +305,4 @@ class Unit:
 
         # In flight while backward goes on; finished before the next unit's reduction
         # starts, or at the end of backward.
-        self.state.defer_reduce(finish)
+        self.schedule.defer_reduce(finish)
