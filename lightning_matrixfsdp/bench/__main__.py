@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, dest="collective_timeout_s", help="per-mode collective timeout, seconds")
     run.add_argument("--out", dest="out_dir", help="output directory for JSON/markdown/PNG")
     run.add_argument("--no-count-bytes", dest="count_bytes", action="store_false", default=None)
-    run.add_argument("--no-plot", dest="plot", action="store_false", default=None)
+    run.add_argument("--no-plot", dest="plot", action="store_false", default=None,
+                     help="skip the PNG (the plot needs the 'bench' extra: matplotlib)")
     model = p.add_argument_group("model")
     model.add_argument("--hidden", type=int)
     model.add_argument("--heads", type=int, dest="n_heads")
@@ -69,9 +70,12 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, in
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .launch import launched_by_torchrun, spawn
+    from .report import check_plot_available
     from .runner import run_benchmark
 
     cfg, nproc = config_from_args(argv)
+    if cfg.run.plot:
+        check_plot_available()  # before any rank starts: fail in seconds, not after the run
     if nproc and nproc > 1 and not launched_by_torchrun():
         spawn(nproc, run_benchmark, (cfg,))
     else:

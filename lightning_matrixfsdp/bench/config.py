@@ -105,7 +105,7 @@ class RunConfig:
     planner: str = "role_greedy"  # matrix_fsdp planner
     collective_timeout_s: float = 600.0  # per-mode process group timeout
     out_dir: str = "bench_out"
-    plot: bool = True  # only if matplotlib is importable
+    plot: bool = True  # needs matplotlib (the `bench` extra)
 
     def __post_init__(self) -> None:
         self.modes = expand_modes(self.modes)

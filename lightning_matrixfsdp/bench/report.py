@@ -1,4 +1,5 @@
-"""Turn the results dict into files: JSON (complete), markdown (the table), PNG (optional).
+"""Turn the results dict into files: JSON (complete), markdown (the table), PNG (optional:
+the ``bench`` extra).
 
 The JSON is rewritten after every mode so an interrupted run keeps what it
 measured; the markdown and the plot are written at the end.
@@ -6,6 +7,7 @@ measured; the markdown and the plot are written at the end.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,20 @@ from .config import BenchConfig
 
 MiB = 1024**2
 GiB = 1024**3
+
+#: What to install for the plot (matplotlib is not a core dependency).
+PLOT_REQUIREMENT = "lightning-matrixfsdp[bench]"
+_NO_PLOT = (f"the benchmark plot needs matplotlib, which is not installed: pip install '{PLOT_REQUIREMENT}', "
+            "or pass --no-plot")
+
+
+def check_plot_available() -> None:
+    """Raise ImportError naming the extra when the plot is asked for and matplotlib is missing.
+
+    Called before any mode runs, so a long benchmark does not fail at its end.
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(_NO_PLOT)
 
 
 def save_json(out_dir: str | Path, name: str, result: dict[str, Any], omit: tuple[str, ...] = ()) -> Path:
@@ -146,14 +162,15 @@ def floor_section(results: dict[str, Any]) -> list[str]:
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:
-    """Stacked phase times per mode; skipped (False) when matplotlib is not installed."""
+    """Stacked phase times per mode (False: no mode succeeded); ImportError naming the extra
+    when matplotlib is not installed."""
     try:
         import matplotlib
+    except ImportError as err:
+        raise ImportError(_NO_PLOT) from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        return False
     ok = {k: v for k, v in results["modes"].items() if v["status"] == "ok"}
     if not ok:
         return False
