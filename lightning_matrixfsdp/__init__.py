@@ -12,7 +12,7 @@ from lightning_matrixfsdp.runtime import (
     set_requires_gradient_sync,
 )
 
-from lightning_matrixfsdp.runtime.checkpoint import (
+from lightning_matrixfsdp.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointKeyError,

@@ -27,6 +27,16 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from lightning_matrixfsdp.checkpoint import (
+    CheckpointError,
+    KeyIndex,
+    build_index,
+    load_sharded,
+    optimizer_class,
+    sharded_model_state_dict,
+    sharded_optimizer_state_dict,
+    write_checkpoint,
+)
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES, DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.planner import PLANNERS
@@ -464,27 +474,45 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             return self._through_root("predict_step", *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        from lightning_matrixfsdp.runtime import checkpoint
+    # Lightning's checkpoint dump asks for the model's state, then each optimizer's, then saves:
+    # the key index built for the first call serves the others, and the save lets it go.
+    _checkpoint_index: Optional[KeyIndex] = None
 
-        return checkpoint.module_state_dict(self, full=not self._save_distributed_checkpoint)
+    def _checkpoint_module(self) -> nn.Module:
+        module = self.lightning_module
+        if module is None:
+            raise CheckpointError("the strategy has no LightningModule attached")
+        return module
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = self._checkpoint_module()
+        self._checkpoint_index = build_index(module)
+        return sharded_model_state_dict(module, full=not self._save_distributed_checkpoint,
+                                        index=self._checkpoint_index)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        from lightning_matrixfsdp.runtime import checkpoint
-
-        return checkpoint.optimizer_state_dict(self, optimizer, full=not self._save_distributed_checkpoint)
+        return sharded_optimizer_state_dict(self._checkpoint_module(), optimizer,
+                                            full=not self._save_distributed_checkpoint, index=self._checkpoint_index)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        from lightning_matrixfsdp.runtime import checkpoint as ckpt
-
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
-        ckpt.save(self, checkpoint, filepath)
+        index, self._checkpoint_index = self._checkpoint_index, None
+        write_checkpoint(self._checkpoint_module(), checkpoint, filepath, full=not self._save_distributed_checkpoint,
+                         optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning_matrixfsdp.runtime import checkpoint as ckpt
+        """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks)
+        as ``ModelParallelStrategy.load_checkpoint`` does. A weights-only source (plain
+        ``state_dict`` file) restarts everything else fresh."""
+        module = self._checkpoint_module()
+        rest = load_sharded(module, checkpoint_path, self.optimizers,
+                            strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only)
+        if rest is None:
+            import lightning.pytorch as pl
 
-        return ckpt.load(self, checkpoint_path, weights_only=weights_only)
+            rest = {"pytorch-lightning_version": pl.__version__, "lr_schedulers": []}
+        return rest
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # load_checkpoint already restored the weights

@@ -101,7 +101,7 @@ def assert_same_state(got: dict, ref: dict) -> None:
 # ---------------------------------------------------------------------- resharding (no Trainer: fast)
 def _save_w2(rank, world, root):
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     model, opt = _sharded(0)
     _train(model, opt, 2)
@@ -125,7 +125,7 @@ def _save_w2(rank, world, root):
 
 
 def _load_w3(rank, world, root):
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     model, opt = _sharded(1)
     rest = C.load_sharded(model, f"{root}/d2", [opt])
@@ -139,7 +139,7 @@ def _load_w3(rank, world, root):
 
 def _load_w2_other_planner(rank, world, root):
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     out = {}
     for name in ("d2", "d3"):
@@ -174,7 +174,7 @@ def test_reshard_2_to_3_3_to_2_2_to_1_and_other_planner(tmp_path):
     assert_same_state(w2["d2"], ref)     # 2 -> 2 with another planner
     assert_same_state(w2["d3"], ref)     # 3 -> 2
 
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     for name in ("d2", "d_hsdp", "f_hsdp.ckpt"):  # world 1, in this process (no process group)
         model, opt = _sharded(4)
@@ -408,7 +408,7 @@ def _crash_worker(rank, world, port, root):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
 
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     model, opt = _sharded(0)
     _train(model, opt, 2)
@@ -432,7 +432,7 @@ def _crash_worker(rank, world, port, root):
 def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path):
     import multiprocessing as mp
 
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     ctx = mp.get_context("spawn")
     port = _free_port()
@@ -461,7 +461,7 @@ def test_rank_killed_during_save_leaves_previous_checkpoint(tmp_path):
 # ---------------------------------------------------------------------- bad checkpoints (world 1, this process)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     root = tmp_path_factory.mktemp("bad")
     model, opt = _sharded(0)
@@ -473,7 +473,7 @@ def saved(tmp_path_factory):
 
 
 def _load(root, name, strict=True, with_opt=True, **model_kw):
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     model, opt = _sharded(9, **model_kw)
     C.load_sharded(model, root / name, [opt] if with_opt else [], strict=strict)
@@ -481,7 +481,7 @@ def _load(root, name, strict=True, with_opt=True, **model_kw):
 
 
 def test_bad_checkpoint_errors(saved, tmp_path):
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     root, ref = saved
     # missing keys (the model has a branch the checkpoint lacks): strict error, or load the rest with a warning
@@ -555,7 +555,7 @@ def test_bad_checkpoint_errors(saved, tmp_path):
 
 def test_plain_state_dict_and_consolidate_cli(saved, tmp_path):
     from lightning_matrixfsdp import consolidate
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     root, ref = saved
     # a plain state_dict file, also under another prefix (a LightningModule holding the model as .model)
@@ -594,7 +594,7 @@ def test_library_optimizer_state_round_trip(name, tmp_path):
     """Shampoo/SOAP keep flat, dotted state keys ("name.i"): both formats restore them exactly."""
     pytest.importorskip("pytorch_optimizer")
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     kw = {"SOAP": dict(precondition_frequency=2), "Shampoo": dict(start_preconditioning_step=2,
                                                                    preconditioning_compute_steps=2)}[name]
@@ -622,7 +622,7 @@ def test_library_optimizer_state_round_trip(name, tmp_path):
 def test_tensor_hyperparameters_round_trip(tmp_path):
     """A tensor learning rate is a DCP tensor entry among the param-group objects."""
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     model = mf.matrix_shard(TinyLM(layers=1))
     opt = mf.route_optimizer(mf.Muon(model.parameters(), lr=torch.tensor(0.02)))
@@ -638,7 +638,7 @@ def test_tensor_hyperparameters_round_trip(tmp_path):
 
 def _soap_save_w2(rank, world, root):
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     torch.manual_seed(0)
     model = mf.matrix_shard(TinyLM(layers=1))
@@ -653,7 +653,7 @@ def test_matrix_optimizer_state_reshards_2_to_1(name, tmp_path):
     """SOAP's preconditioner state written by 2 owners loads whole into 1 rank."""
     pytest.importorskip("pytorch_optimizer")
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime import checkpoint as C
+    from lightning_matrixfsdp import checkpoint as C
 
     ref = _run(_soap_save_w2, 2, str(tmp_path))[0]
     assert ref["state"] and any("." in k for s in ref["state"].values() for k in s)

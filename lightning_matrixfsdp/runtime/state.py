@@ -64,13 +64,10 @@ class MatrixFSDPState:
     def _end_of_backward(self) -> None:
         """Flush units whose gradients did not all arrive; same order on every rank."""
         for unit in self.units:
-            if unit._forward_calls > 0 and not unit._reduced:
-                unit.post_backward(flush=True)
+            unit.flush()
         self.schedule.drain_reduces()
         for unit in self.units:
-            if unit.is_materialized or unit._pending_unshard is not None:
-                unit.reshard()
-            unit.reset_iteration()
+            unit.end_iteration()
 
     def set_requires_gradient_sync(self, value: bool) -> None:
         for u in self.units:

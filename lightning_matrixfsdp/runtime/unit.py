@@ -103,10 +103,10 @@ class Unit:
         for i, p in enumerate(params):
             self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
             p.unsharded.requires_grad_(p.requires_grad)
-        self.reset_iteration()
+        self._reset_iteration()
 
     # ------------------------------------------------------------------ bookkeeping
-    def reset_iteration(self) -> None:
+    def _reset_iteration(self) -> None:
         self._depth = 0  # no forward is in flight between backward passes
         self._forward_calls = 0
         self._pending_input_grads = 0
@@ -265,6 +265,19 @@ class Unit:
         if self._calls_without_grad_inputs and any(not p.requires_grad for p in self.params):
             return  # frozen weights may still be needed; the end-of-backward flush reduces us
         self.post_backward()
+
+    # ------------------------------------------------------------------ end of backward (called by the root)
+    def flush(self) -> None:
+        """Reduce now if this unit ran forward but its backward did not reduce it (unused
+        parameters, inputs without gradients); the root calls it on every unit in order."""
+        if self._forward_calls > 0 and not self._reduced:
+            self.post_backward(flush=True)
+
+    def end_iteration(self) -> None:
+        """Release what is still materialized or in flight and start the next iteration afresh."""
+        if self.is_materialized or self._pending_unshard is not None:
+            self.reshard()
+        self._reset_iteration()
 
     def post_backward(self, flush: bool = False) -> None:
         """Reduce this unit's gradients to their owners, then release the buffers."""

@@ -1,0 +1,83 @@
+"""Agreement across ranks: run a step everywhere, and if it fails anywhere, fail everywhere.
+
+A checkpoint step that fails on one rank while the others move on to the next
+collective would leave them waiting until the process-group timeout. Every step
+that can fail therefore runs through :func:`agree`: each rank runs it, the ranks
+exchange their outcome, and all of them raise (the failing rank its own error, the
+others the same class with the failing rank's message). Objects travel on the
+default group, on the device :func:`comm_device` picks.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_matrixfsdp.checkpoint.errors import ERROR_CLASSES, CheckpointError
+from lightning_matrixfsdp.runtime.collectives import comm_device
+
+__all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "warn", "world"]
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+    if world()[1] == 1:
+        return [obj]
+    out: list[Any] = [None] * world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    """A barrier that is a plain all-reduce (works on every backend, on the collective device)."""
+    if world()[1] > 1:
+        dist.all_reduce(torch.zeros(1, device=comm_device()))
+
+
+def agree(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` on every rank; if it fails anywhere, raise on every rank (never leave peers hanging)."""
+    err: Optional[BaseException] = None
+    out = None
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised below, on all ranks
+        err = e
+    if world()[1] > 1:
+        flags = all_gather_object(None if err is None else (type(err).__name__, str(err)))
+        failed = [(r, f) for r, f in enumerate(flags) if f is not None]
+        if failed and err is None:
+            r, (name, msg) = failed[0]
+            raise ERROR_CLASSES.get(name, CheckpointError)(f"{msg} (raised on rank {r})")
+    if err is not None:
+        raise err
+    return out
+
+
+def warn(msg: str) -> None:
+    """A warning from rank 0 only (every rank reaches the same verdict)."""
+    if world()[0] == 0:
+        warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+def agreed_path(path: Any) -> Path:
+    """Rank 0's checkpoint path on every rank."""
+    return Path(broadcast_object(str(path)))

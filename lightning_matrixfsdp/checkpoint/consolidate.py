@@ -1,0 +1,135 @@
+"""Convert between the two checkpoint formats, in one process, without a GPU or a process group.
+
+    python -m lightning_matrixfsdp.consolidate IN OUT
+
+* ``IN`` a directory (this package's distributed checkpoint, or one written by
+  Lightning's ``ModelParallelStrategy`` with FSDP2) -> ``OUT`` one consolidated
+  Lightning checkpoint file that plain ``torch.load`` + ``load_state_dict`` read.
+* ``IN`` a file (a consolidated Lightning checkpoint, or a plain ``state_dict``)
+  -> ``OUT`` a distributed checkpoint directory that any world size can load.
+
+Why a separate tool: exporting for inference, or moving a run between formats,
+should not need the job's cluster.  The consolidated file holds every tensor, so
+this process needs about the checkpoint's size in memory (``torch.save`` writes
+one object); the file -> directory direction reads the input memory-mapped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
+from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
+from lightning_matrixfsdp.checkpoint.load import read_dcp
+from lightning_matrixfsdp.checkpoint.save import new_partial, publish, write_file
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
+
+__all__ = ["convert", "dcp_to_file", "file_to_dcp", "main"]
+
+
+def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
+    """A DCP directory -> one Lightning checkpoint file with full tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src, dst = Path(src), Path(dst)
+    if not (src / ".metadata").is_file():
+        raise CheckpointCorruptError(f"{src} has no DCP '.metadata': not a distributed checkpoint, or incomplete")
+    md = FileSystemReader(str(src)).read_metadata()
+    model_keys = list(parse_dcp(md, []).model)
+    ck = parse_dcp(md, model_keys)  # second pass: optimizer keys can be split even without planner data
+    flats = [f for f, _ in ck.model.values()]
+    if not weights_only:
+        flats += [f for per in ck.state.values() for items in per.values() for _, f, _ in items]
+        flats += [f for gs in ck.groups.values() for g in gs.values() for f in g.values()]
+    req: dict[str, Any] = {f: placeholder(md.state_dict_metadata[f]) for f in flats}
+    read_dcp(req, src, no_dist=True)
+    out: dict[str, Any] = {}
+    if (src / META_NAME).is_file():
+        out.update(torch.load(src / META_NAME, map_location="cpu", weights_only=safe))
+    out["state_dict"] = {k: req[f] for k, (f, _) in ck.model.items()}
+    if not weights_only and ck.groups:
+        states = []
+        for i in range(1 + max(ck.groups)):
+            gs = ck.groups.get(i, {})
+            groups = [{h: req[f] for h, f in gs[j].items()} for j in sorted(gs)]
+            state = {fqn: nest((tail, req[f]) for tail, f, _ in items) for fqn, items in ck.state.get(i, {}).items()}
+            names = [list(g.get("params") or []) for g in groups]
+            states.append(to_native(state, [hparams(g) for g in groups], names))
+        out["optimizer_states"] = states
+    else:
+        out.pop("optimizer_states", None)
+    if (src / SIDECAR_NAME).is_file():
+        out["matrix_fsdp_layout"] = read_sidecar(src)
+    write_file(out, dst)
+
+
+def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
+    """A consolidated Lightning checkpoint (or a plain ``state_dict``) -> a distributed checkpoint directory."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    src, dst = Path(src), Path(dst)
+    ck = torch.load(src, map_location="cpu", mmap=True, weights_only=safe)
+    lightning = isinstance(ck, Mapping) and isinstance(ck.get("state_dict"), Mapping)
+    if not lightning and not (isinstance(ck, Mapping) and all(isinstance(k, str) for k in ck)):
+        raise CheckpointCorruptError(f"{src} holds neither a Lightning checkpoint nor a state_dict")
+    sd = dict(ck["state_dict"] if lightning else ck)
+    converted: dict[str, Any] = {"state_dict": sd}
+    classes: list[Optional[str]] = []
+    layout = ck.get("matrix_fsdp_layout") if lightning else None
+    if isinstance(layout, Mapping):
+        classes = [o.get("class") for o in layout.get("optimizers", [])]
+    if lightning and not weights_only:
+        for i, native in enumerate(ck.get("optimizer_states") or []):
+            groups, state = from_native(native)  # needs param_names: this package always writes them
+            converted[f"optimizer_{i}"] = {"state": state, "param_groups": groups}
+    tmp = new_partial(dst)
+    tmp.mkdir(parents=True)
+    dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(), no_dist=True)
+    if lightning:
+        rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
+        if weights_only:
+            rest.pop("lr_schedulers", None)
+        torch.save(rest, tmp / META_NAME)
+    side = single_writer_layout(sd, [converted[k] for k in converted if k.startswith("optimizer_")], classes)
+    (tmp / SIDECAR_NAME).write_text(json.dumps(side, indent=1, default=str))
+    publish(tmp, dst)
+
+
+def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> str:
+    """Convert ``src`` to the other format at ``dst``; returns the direction taken."""
+    src, dst = Path(src), Path(dst)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist")
+    if src.resolve() == dst.resolve():
+        raise ValueError("IN and OUT must differ")
+    if src.is_dir():
+        dcp_to_file(src, dst, weights_only, safe)
+        return "directory -> file"
+    file_to_dcp(src, dst, weights_only, safe)
+    return "file -> directory"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line of ``python -m lightning_matrixfsdp.consolidate``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_matrixfsdp.consolidate",
+        description="Convert a distributed checkpoint directory to one consolidated file, or back.")
+    parser.add_argument("src", metavar="IN", type=Path, help="checkpoint directory or file")
+    parser.add_argument("dst", metavar="OUT", type=Path, help="where to write the other format")
+    parser.add_argument("--weights-only", action="store_true", help="drop optimizer states (e.g. for inference)")
+    parser.add_argument("--unsafe-load", action="store_true",
+                        help="torch.load with weights_only=False (only for trusted files holding arbitrary objects)")
+    args = parser.parse_args(argv)
+    direction = convert(args.src, args.dst, args.weights_only, safe=not args.unsafe_load)
+    print(f"{args.src} -> {args.dst} ({direction})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The key index: every ``state_dict`` key of a module, its owner, shape, role and local data.
+
+Built once per save or load and handed to every step that needs it. Under owner
+placement a parameter is whole on its owner and an empty placeholder elsewhere, so
+``module.state_dict()`` alone cannot say what to write or where to read it; the index
+adds that from the marks ``matrix_shard`` left (read through ``runtime.tags``).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.checkpoint.agree import world
+from lightning_matrixfsdp.checkpoint.errors import CheckpointError
+from lightning_matrixfsdp.runtime.placement import Plan
+from lightning_matrixfsdp.runtime.tags import is_owned, shard_of, state_of
+
+__all__ = ["Entry", "KeyIndex", "RootInfo", "build_index"]
+
+
+@dataclass
+class Entry:
+    """One tensor of the module's ``state_dict`` as this rank sees it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    owner: Optional[int]            # shard-group rank of the owner; None: replicated on every rank
+    owner_global: Optional[int]     # global rank of that owner in this rank's shard group
+    local: Optional[torch.Tensor]   # the data this rank holds (owned or replicated), else None
+    primary: str                    # first key of the same tensor (tied weights share one)
+    role: Optional[str] = None      # "matrix" / "tail" for sharded parameters
+
+
+@dataclass
+class RootInfo:
+    """One module ``matrix_shard`` sharded, as the sidecar records it."""
+
+    prefix: str
+    plan: Plan
+    span: int                       # shard-group size
+    replicate: int                  # number of replicas (HSDP)
+    global_ranks: list[int]         # this rank's shard group
+
+
+@dataclass
+class KeyIndex:
+    entries: "OrderedDict[str, Entry]"
+    extra: dict[str, Any]                       # non-tensor state (``get_extra_state``)
+    order: dict[str, int]                       # key -> position in ``state_dict`` order
+    key_of: dict[int, str]                      # id(parameter) -> primary key
+    in_group0: bool                             # this rank belongs to global rank 0's shard group
+    roots: list[RootInfo] = field(default_factory=list)
+    _aliases: dict[str, list[str]] = field(default_factory=dict, repr=False)
+
+    def key(self, p: torch.Tensor) -> str:
+        """The primary key of an optimized parameter."""
+        try:
+            return self.key_of[id(p)]
+        except KeyError:
+            raise CheckpointError(
+                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not part of the module; "
+                "checkpointing needs every optimized parameter to be registered in the LightningModule"
+            ) from None
+
+    def mine(self, key: str) -> bool:
+        """Whether this rank holds the data of ``key`` (owned or replicated)."""
+        return self.entries[self.entries[key].primary].local is not None
+
+    def aliases(self, primary: str) -> list[str]:
+        """Every key of the tensor whose first key is ``primary`` (tied weights)."""
+        if not self._aliases:
+            for k, e in self.entries.items():
+                self._aliases.setdefault(e.primary, []).append(k)
+        return self._aliases.get(primary, [])
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def build_index(module: nn.Module) -> KeyIndex:
+    """Map the module's ``state_dict`` keys to owners, shapes and this rank's tensors."""
+    names: dict[int, list[str]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    # key -> (resident parameter, its root's shard group). Found from each sharded
+    # parameter's registrations, so a key reads right even while its unit is materialized.
+    reg: dict[str, tuple[torch.Tensor, Any]] = {}
+    roots: list[RootInfo] = []
+    for prefix, root in module.named_modules():
+        st = state_of(root)
+        if st is None:
+            continue
+        roots.append(RootInfo(prefix, st.plan, st.sg.size, st.replicate_size, list(st.sg.global_ranks)))
+        for sp in st.params:
+            for m, pname in sp.registrations:
+                for mname in names.get(id(m), []):
+                    reg[_join(mname, pname)] = (sp.resident, st.sg)
+    rank = world()[0]
+    in_group0 = all(0 in r.global_ranks for r in roots) if roots else rank == 0
+    entries: OrderedDict[str, Entry] = OrderedDict()
+    extra: dict[str, Any] = {}
+    first: dict[int, str] = {}
+    key_of: dict[int, str] = {}
+    for key, v in module.state_dict(keep_vars=True).items():
+        if key in reg:
+            resident, sg = reg[key]
+            shard = shard_of(resident)
+            primary = first.setdefault(id(resident), key)
+            key_of[id(resident)] = primary
+            entries[key] = Entry(key, tuple(shard.shape), resident.dtype, shard.owner, sg.g(shard.owner),
+                                 resident.detach() if is_owned(resident) else None, primary, shard.role.value)
+        elif isinstance(v, torch.Tensor):
+            primary = first.setdefault(id(v), key)
+            key_of[id(v)] = primary
+            entries[key] = Entry(key, tuple(v.shape), v.dtype, None, None, v.detach(), primary)
+        else:
+            extra[key] = v
+    order = {k: i for i, k in enumerate(list(entries) + list(extra))}
+    return KeyIndex(entries, extra, order, key_of, in_group0, roots)

@@ -1,0 +1,266 @@
+"""Loading any supported checkpoint into an owner-sharded module and its optimizers.
+
+Every step is agreed across ranks before the next, and nothing is written into the
+module before everything has been validated (keys, shapes, dtypes, optimizers). Each
+rank reads only the tensors it owns under the *current* plan, so any world size,
+shard span or planner can resume.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, warn, world
+from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.formats import (
+    DcpEntries,
+    from_native,
+    nest,
+    parse_dcp,
+    placeholder,
+    spec,
+    unwrap_optimizer,
+)
+from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
+from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, read_sidecar
+from lightning_matrixfsdp.checkpoint.state_dict import full_groups
+from lightning_matrixfsdp.checkpoint.validate import check_optimizer, match_model
+
+__all__ = ["load_sharded", "load_weights", "read_dcp"]
+
+log = logging.getLogger(__name__)
+
+
+def load_weights(module: nn.Module, path: PathLike, strict: bool = True) -> None:
+    """Load model weights only (any supported format) into an owner-sharded module; e.g. to
+    fine-tune from an ordinary checkpoint in ``on_fit_start``.  Collective."""
+    load_sharded(module, path, (), strict=strict)
+
+
+def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
+                 strict: bool = True, weights_only: Optional[bool] = None) -> Optional[dict[str, Any]]:
+    """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
+
+    Returns the rest of a Lightning checkpoint (``meta.pt`` of a directory, or the file
+    without ``state_dict``), or ``None`` for a weights-only source (a plain ``state_dict``
+    file, a DCP directory without ``meta.pt``)."""
+    optimizers = [unwrap_optimizer(o) for o in optimizers]
+    path = agreed_path(path)
+    kind = agree(_detect, path)
+    index = build_index(module)
+    if kind == "dir":
+        return _load_dir(module, index, path, optimizers, strict, weights_only)
+    return _load_file(module, index, path, optimizers, strict, weights_only)
+
+
+def _detect(path: Path) -> str:
+    if path.name.startswith(PARTIAL_PREFIX):
+        raise CheckpointCorruptError(f"{path} is an incomplete save (a crash or failure interrupted it); "
+                                     "load the previous checkpoint instead")
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        if not (path / ".metadata").is_file():
+            raise CheckpointCorruptError(f"{path} is a directory without DCP '.metadata': not a distributed "
+                                         "checkpoint, or its save did not finish")
+        return "dir"
+    return "file"
+
+
+def read_dcp(entries: dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """``dcp.load`` of ``entries`` from directory ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp.load(entries, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+
+
+def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
+              strict: bool, weights_only: Optional[bool]) -> Optional[dict[str, Any]]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    what = f"checkpoint {path}"
+
+    def prepare() -> tuple[DcpEntries, Optional[dict[str, Any]]]:
+        try:
+            md = FileSystemReader(str(path)).read_metadata()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(f"{what}: cannot read the DCP metadata: {e}") from None
+        side = read_sidecar(path) if (path / SIDECAR_NAME).exists() else None
+        ck = parse_dcp(md, list(index.entries))
+        if side is not None:
+            check_sidecar(side, ck, what)
+        return ck, side
+
+    ck, side = agree(prepare)
+    match = agree(match_model, index, ck.specs(), strict, what)
+    if side is not None:
+        _log_layout(side, index)
+    n_saved = ck.n_optimizers()
+    if optimizers and n_saved and n_saved != len(optimizers):
+        msg = f"{what} holds {n_saved} optimizer state(s), the run has {len(optimizers)}"
+        if strict:
+            raise CheckpointMismatchError(msg)  # same verdict on every rank
+        warn(msg + "; restoring the first ones")
+    use = [i for i in range(len(optimizers)) if i in ck.groups]
+    current = [full_groups(index, o) for o in optimizers]
+
+    # phase 1: param-group hyper-parameters (small objects), so the optimizers are validated before any data moves
+    req1: dict[str, Any] = {flat: placeholder(ck.meta[flat]) for i in use for g in ck.groups[i].values()
+                            for flat in g.values()}
+    if req1:
+        read_dcp(req1, path)
+    saved_groups: dict[int, list[dict[str, Any]]] = {}
+    for i in use:
+        gs = ck.groups[i]
+        saved_groups[i] = [{h: req1[f] for h, f in gs[j].items()} for j in sorted(gs)]
+        for g in saved_groups[i]:
+            g["params"] = [match.from_ck.get(k, k) for k in (g.get("params") or [])]
+    sclasses = [o.get("class") for o in side.get("optimizers", [])] if side else []
+
+    def check() -> list[int]:
+        ok = []
+        for i in use:
+            keys = [match.from_ck.get(k, k) for k in ck.state.get(i, {})]
+            if check_optimizer(i, optimizers[i], current[i], saved_groups[i], keys, strict,
+                               sclasses[i] if i < len(sclasses) else None, what):
+                ok.append(i)
+        return ok
+
+    apply = agree(check)
+
+    # phase 2: tensors, straight into the resident parameters; optimizer state into fresh CPU tensors
+    req2: dict[str, Any] = {}
+    for key, c in match.tensors:
+        e = index.entries[key]
+        if e.local is not None:
+            req2[ck.model[c][0]] = e.local
+    for key, c in match.objects:
+        req2[ck.model[c][0]] = None
+    wanted: dict[int, dict[str, list[tuple[tuple, str]]]] = {}
+    for i in apply:
+        for g in optimizers[i].param_groups:
+            for p in g["params"]:
+                key = index.key(p)
+                for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
+                    req2[flat] = placeholder(m)
+                    wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat))
+    read_dcp(req2, path)
+    if match.objects:
+        module.load_state_dict({k: req2[ck.model[c][0]] for k, c in match.objects}, strict=False)
+    for i in apply:
+        state = {key: nest((tail, req2[flat]) for tail, flat in items) for key, items in wanted.get(i, {}).items()}
+        _apply_optimizer(index, optimizers[i], saved_groups[i], state)
+    if not (path / META_NAME).is_file():
+        return None
+    return agree(torch.load, path / META_NAME, map_location="cpu", weights_only=weights_only)
+
+
+def _log_layout(side: Mapping[str, Any], index: KeyIndex) -> None:
+    if world()[0] != 0:
+        return
+    digests = [p.get("digest") for p in side.get("plans", [])]
+    now = [r.plan.digest() for r in index.roots]
+    first = index.roots[0] if index.roots else None
+    if digests == now:
+        log.info("matrix_fsdp checkpoint: same layout, loading owned tensors")
+    else:
+        log.info("matrix_fsdp checkpoint: resharding from world %s span %s (%s) to world %s span %s (%s)",
+                 side.get("world_size"), side.get("shard_span"), side.get("planner"), world()[1],
+                 first.span if first else 1, first.plan.planner if first else None)
+
+
+def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except RuntimeError as e:
+        if "mmap" not in str(e) and "zip" not in str(e):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=weights_only)  # legacy (non-zip) files
+
+
+def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
+               strict: bool, weights_only: Optional[bool]) -> Optional[dict[str, Any]]:
+    what = f"checkpoint {path}"
+
+    def read() -> tuple[Any, bool]:
+        try:
+            ckpt = _torch_load(path, weights_only)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(f"{what}: cannot be read by torch.load: {e}") from None
+        if isinstance(ckpt, Mapping) and isinstance(ckpt.get("state_dict"), Mapping):
+            return ckpt, True
+        if isinstance(ckpt, Mapping) and ckpt and all(isinstance(k, str) for k in ckpt):
+            return ckpt, False
+        raise CheckpointCorruptError(f"{what} holds neither a Lightning checkpoint nor a state_dict")
+
+    ckpt, lightning = agree(read)
+    sd = ckpt["state_dict"] if lightning else ckpt
+    match = agree(match_model, index, {k: spec(v) for k, v in sd.items()}, strict, what)
+    saved = list(ckpt.get("optimizer_states") or []) if lightning else []
+    restore: list[tuple[torch.optim.Optimizer, list[dict[str, Any]], dict[str, Any]]] = []
+    if optimizers and saved:  # validate every optimizer before anything is written
+        if len(saved) != len(optimizers):
+            msg = f"{what} holds {len(saved)} optimizer state(s), the run has {len(optimizers)}"
+            if strict:
+                raise CheckpointMismatchError(msg)  # same verdict on every rank
+            warn(msg + "; restoring the first ones")
+        layout = ckpt.get("matrix_fsdp_layout") if isinstance(ckpt.get("matrix_fsdp_layout"), Mapping) else {}
+        sclasses = [o.get("class") for o in layout.get("optimizers", [])]
+        for i, o in enumerate(optimizers[: len(saved)]):
+            current = full_groups(index, o)
+
+            def prep(i: int = i, o: Any = o, current: Any = current) -> Optional[tuple]:
+                groups, state = from_native(saved[i], current)
+                for g in groups:
+                    g["params"] = [match.from_ck.get(k, k) for k in g["params"]]
+                state = {match.from_ck.get(k, k): v for k, v in state.items()}
+                ok = check_optimizer(i, o, current, groups, state, strict,
+                                     sclasses[i] if i < len(sclasses) else None, what)
+                return (groups, state) if ok else None
+
+            got = agree(prep)
+            if got is not None:
+                restore.append((o, *got))
+    with torch.no_grad():
+        for key, c in match.tensors:
+            e = index.entries[key]
+            if e.local is not None:
+                e.local.copy_(sd[c])
+    if match.objects:
+        module.load_state_dict({k: sd[c] for k, c in match.objects}, strict=False)
+    for o, groups, state in restore:
+        held = {index.key(p) for g in o.param_groups for p in g["params"]}
+        mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
+                for k, s in state.items() if k in held}
+        _apply_optimizer(index, o, groups, mine)
+    if not lightning:
+        return None
+    rest = dict(ckpt)
+    rest.pop("state_dict", None)
+    return rest
+
+
+def _apply_optimizer(index: KeyIndex, optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]],
+                     state: Mapping[str, Mapping[str, Any]]) -> None:
+    """Give this rank's routed optimizer its parameters' state and the saved hyper-parameters."""
+    native_state: dict[int, Any] = {}
+    groups = []
+    i = 0
+    for g, sg in zip(optimizer.param_groups, saved_groups):
+        ids = []
+        for p in g["params"]:
+            key = index.key(p)
+            if key in state:
+                native_state[i] = dict(state[key])
+            ids.append(i)
+            i += 1
+        hp = {k: v for k, v in g.items() if k != "params"}
+        hp.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
+        groups.append({**hp, "params": ids})
+    optimizer.load_state_dict({"state": native_state, "param_groups": groups})

@@ -1,0 +1,132 @@
+"""Writing a checkpoint: everything into a hidden sibling first, published by one rename.
+
+A save writes into ``.mfsdp-partial-<token>`` next to the target (same filesystem,
+so the final rename is atomic). Rank 0 writes ``meta.pt`` and the sidecar only after
+every rank's ``dcp.save`` returned, and renames the directory (or file) to its final
+name only after every rank confirmed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, broadcast_object, world
+from lightning_matrixfsdp.checkpoint.formats import optimizer_class, unwrap_optimizer
+from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict
+from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
+
+__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "new_partial", "publish", "save_sharded", "write_checkpoint",
+           "write_file"]
+
+PARTIAL_PREFIX = ".mfsdp-partial-"
+OLD_PREFIX = ".mfsdp-old-"
+PathLike = Union[str, os.PathLike]
+
+
+def new_partial(path: Path, token: Optional[str] = None) -> Path:
+    """A fresh temporary sibling of ``path`` (not created)."""
+    return path.parent / f"{PARTIAL_PREFIX}{token or secrets.token_hex(8)}"
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Make ``tmp`` visible as ``path``.  A file replaces a file atomically; otherwise the old
+    entry is moved aside first (a crash in between leaves it as ``.mfsdp-old-<token>``)."""
+    if tmp.is_file() and (path.is_file() or not path.exists()) and not path.is_symlink():
+        os.replace(tmp, path)
+    elif path.exists() or path.is_symlink():
+        old = path.parent / f"{OLD_PREFIX}{tmp.name[len(PARTIAL_PREFIX):]}"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
+    else:
+        os.rename(tmp, path)
+    try:  # persist the rename
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_file(obj: Mapping[str, Any], path: Path) -> None:
+    """``torch.save`` into a partial file, fsync, then publish (this process only)."""
+    if path.is_dir() and not (path / META_NAME).is_file() and not (path / ".metadata").is_file():
+        raise IsADirectoryError(f"the checkpoint path exists and is a directory: {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = new_partial(path)
+    with open(tmp, "wb") as f:
+        torch.save(dict(obj), f)
+        f.flush()
+        os.fsync(f.fileno())
+    publish(tmp, path)
+
+
+def save_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
+                 full: bool = False, extra: Optional[Mapping[str, Any]] = None) -> None:
+    """Save outside Lightning: the module, the optimizers and ``extra`` (goes to ``meta.pt``). Collective."""
+    optimizers = [unwrap_optimizer(o) for o in optimizers]
+    index = build_index(module)
+    checkpoint = dict(extra or {})
+    checkpoint["state_dict"] = sharded_model_state_dict(module, full, index)
+    checkpoint["optimizer_states"] = [sharded_optimizer_state_dict(module, o, full, index) for o in optimizers]
+    write_checkpoint(module, checkpoint, path, full, [optimizer_class(o) for o in optimizers], index=index)
+
+
+def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: PathLike, full: bool,
+                     optimizer_classes: Sequence[str] = (), *, index: Optional[KeyIndex] = None) -> None:
+    """Write what ``sharded_model_state_dict`` / ``sharded_optimizer_state_dict`` produced, crash-safely.
+    Collective. ``index``: the key index the state dicts were made with (built if not given)."""
+    rank = world()[0]
+    path = agreed_path(path)
+    index = index if index is not None else build_index(module)
+    checkpoint = dict(checkpoint)
+    if full:
+        def _file() -> None:
+            if rank == 0:
+                layout = layout_dict(index, checkpoint.get("optimizer_states", []), optimizer_classes)
+                checkpoint.setdefault("matrix_fsdp_layout", layout)
+                write_file(checkpoint, path)
+
+        agree(_file)  # also the barrier: nobody returns before the file is in place
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    tmp = new_partial(path, broadcast_object(secrets.token_hex(8)))
+
+    def _mkdir() -> None:
+        if rank == 0:
+            tmp.mkdir(parents=True)
+
+    agree(_mkdir)
+    converted: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict", {})}
+    opt_states = checkpoint.pop("optimizer_states", [])
+    for i, s in enumerate(opt_states):
+        converted[f"optimizer_{i}"] = s
+    dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)),
+             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+
+    def _finish() -> None:
+        if rank == 0:
+            torch.save(checkpoint, tmp / META_NAME)
+            text = json.dumps(layout_dict(index, opt_states, optimizer_classes), indent=1, default=str)
+            with open(tmp / SIDECAR_NAME, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+
+    agree(_finish)  # every rank has written its files (dcp.save returned everywhere)
+    agree(lambda: publish(tmp, path) if rank == 0 else None)

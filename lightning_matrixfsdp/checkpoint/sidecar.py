@@ -1,0 +1,127 @@
+"""The layout sidecar ``matrix_fsdp_layout.json``: what it records, how it is read and checked.
+
+It records who owned what (shape, dtype, owner, role, tied aliases), the plans, the
+optimizers and the versions. The data is located by name, so loading does not need
+it; when present it is checked against the data beside it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from lightning_matrixfsdp.checkpoint.agree import world
+from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
+from lightning_matrixfsdp.checkpoint.formats import DcpEntries, dtype_name
+from lightning_matrixfsdp.checkpoint.index import KeyIndex
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_sidecar", "layout_dict", "read_sidecar",
+           "single_writer_layout", "versions"]
+
+SIDECAR_NAME = "matrix_fsdp_layout.json"
+META_NAME = "meta.pt"  # Lightning's marker of a sharded checkpoint directory (fabric.utilities.load._METADATA_FILENAME)
+FORMAT = "lightning_matrixfsdp.checkpoint"
+FORMAT_VERSION = 1
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that wrote a checkpoint."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": str(torch.__version__)}
+    for dist_name, key in (("lightning-matrixfsdp", "lightning_matrixfsdp"), ("lightning", "lightning")):
+        try:
+            out[key] = version(dist_name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _optimizers(optimizers: Sequence[Mapping[str, Any]], classes: Sequence[Optional[str]]) -> list[dict[str, Any]]:
+    return [{"class": c,
+             "param_groups": [list(g.get("param_names", g["params"])) for g in o.get("param_groups", [])]}
+            for c, o in zip(list(classes) + [None] * len(optimizers), optimizers)]
+
+
+def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), classes: Sequence[str] = ()
+                ) -> dict[str, Any]:
+    """What the sidecar records: who owned what, shapes, dtypes, roles, plans, optimizers, versions."""
+    size = world()[1]
+    first = index.roots[0] if index.roots else None
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "world_size": size,
+        "shard_span": first.span if first else 1,
+        "replicate": first.replicate if first else size,
+        "planner": first.plan.planner if first else None,
+        "plans": [{"prefix": r.prefix, "digest": r.plan.digest(), "plan": r.plan.to_dict()} for r in index.roots],
+        "params": {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "owner": e.owner, "role": e.role,
+                       **({"alias_of": e.primary} if e.primary != k else {})}
+                   for k, e in index.entries.items()},
+        "optimizers": _optimizers(optimizers, classes),
+        "versions": versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def single_writer_layout(sd: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]],
+                         classes: Sequence[Optional[str]]) -> dict[str, Any]:
+    """The sidecar of a directory made from one file: one writer that owned everything."""
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "world_size": 1, "shard_span": 1, "replicate": 1,
+        "planner": None, "plans": [],
+        "params": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype), "owner": 0, "role": None}
+                   for k, v in sd.items() if isinstance(v, torch.Tensor)},
+        "optimizers": _optimizers(optimizers, classes),
+        "versions": versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "converted_from": "file",
+    }
+
+
+def read_sidecar(path: Path) -> dict[str, Any]:
+    """Parse and check the sidecar of directory ``path``; any defect is a :class:`CheckpointCorruptError`."""
+    f = Path(path) / SIDECAR_NAME
+    try:
+        d = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointCorruptError(f"layout sidecar {f} is corrupted or unreadable: {e}") from None
+    problems = []
+    if not isinstance(d, dict):
+        problems.append("not a JSON object")
+    else:
+        if d.get("format") != FORMAT:
+            problems.append(f"format {d.get('format')!r} is not {FORMAT!r}")
+        v = d.get("format_version")
+        if not isinstance(v, int) or v > FORMAT_VERSION:
+            problems.append(f"format_version {v!r} is not supported (this package reads <= {FORMAT_VERSION})")
+        for k in ("world_size", "shard_span"):
+            if not isinstance(d.get(k), int) or d[k] < 1:
+                problems.append(f"{k} {d.get(k)!r} is not a positive integer")
+        params = d.get("params")
+        if not isinstance(params, dict):
+            problems.append("'params' is missing")
+        else:
+            for k, p in params.items():
+                if not (isinstance(p, dict) and isinstance(p.get("shape"), list) and isinstance(p.get("dtype"), str)):
+                    problems.append(f"entry {k!r} has no shape/dtype")
+                    break
+    if problems:
+        raise CheckpointCorruptError(f"layout sidecar {f} is corrupted: " + "; ".join(problems))
+    return d
+
+
+def check_sidecar(side: Mapping[str, Any], ck: DcpEntries, what: str) -> None:
+    """The sidecar must describe the data next to it."""
+    specs = ck.specs()
+    for key, p in side["params"].items():
+        if "alias_of" in p:
+            continue
+        s = specs.get(key)
+        if s is None or s[0] != "t" or list(s[1]) != list(p["shape"]) or dtype_name(s[2]) != p["dtype"]:
+            raise CheckpointCorruptError(
+                f"{what}: the layout sidecar does not match the saved data at {key!r} (sidecar "
+                f"{p.get('shape')}/{p.get('dtype')}, data {s[1:] if s else 'absent'}); the directory was modified "
+                "or mixed with another save")

@@ -1,0 +1,146 @@
+"""Checks of a checkpoint against the run: model keys, shapes and dtypes; optimizers.
+
+Pure with respect to the model and the optimizers: nothing here writes into them.
+Each check raises the documented error under strict loading and otherwise warns;
+the callers run them through ``agree`` so every rank reaches the same verdict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from lightning_matrixfsdp.checkpoint.agree import warn
+from lightning_matrixfsdp.checkpoint.errors import CheckpointKeyError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.formats import dtype_name, optimizer_class
+from lightning_matrixfsdp.checkpoint.index import KeyIndex
+
+__all__ = ["ModelMatch", "check_optimizer", "match_model", "rebase"]
+
+# Group keys that do not tell optimizers apart: names, the scheduler's mark, and the flags
+# torch's ``Optimizer.__setstate__`` fills in with defaults when a state is loaded.
+_IGNORED_GROUP_KEYS = ("params", "param_names", "initial_lr", "differentiable", "foreach", "fused", "capturable",
+                       "maximize")
+
+
+def rebase(ck_keys: Sequence[str], module_keys: Iterable[str]) -> dict[str, str]:
+    """ck key -> module key.  Identity, unless nothing matches and one prefix (added or stripped)
+    maps every checkpoint key onto the module (a plain ``model.state_dict()`` of a submodule)."""
+    module_keys = set(module_keys)
+    ident = {k: k for k in ck_keys}
+    if not ck_keys or any(k in module_keys for k in ck_keys):
+        return ident
+    prefixes = {k.rsplit(".", i)[0] for k in module_keys for i in range(1, k.count(".") + 1)}
+    for p in sorted(prefixes, key=len):
+        if all(f"{p}.{k}" in module_keys for k in ck_keys):
+            return {k: f"{p}.{k}" for k in ck_keys}
+    heads = {k.split(".", 1)[0] for k in ck_keys}
+    if len(heads) == 1 and all("." in k for k in ck_keys):
+        h = heads.pop()
+        if all(k[len(h) + 1:] in module_keys for k in ck_keys):
+            return {k: k[len(h) + 1:] for k in ck_keys}
+    return ident
+
+
+@dataclass
+class ModelMatch:
+    tensors: list[tuple[str, str]]     # (primary module key, ck key) to load
+    objects: list[tuple[str, str]]     # extra state
+    to_ck: dict[str, str]              # module key -> ck key, for every matched key
+    from_ck: dict[str, str]            # ck key -> module key
+
+
+def match_model(index: KeyIndex, specs: Mapping[str, tuple], strict: bool, what: str) -> ModelMatch:
+    """Check keys, shapes and dtypes; raise the documented errors (identically on every rank)."""
+    from_ck = rebase(list(specs), list(index.entries) + list(index.extra))
+    to_ck = {m: c for c, m in from_ck.items()}
+    known = set(index.entries) | set(index.extra)
+    overlap = [k for k in known if k in to_ck]
+    if specs and not overlap:
+        ex_c, ex_m = sorted(specs)[:3], list(index.entries)[:3]
+        raise CheckpointMismatchError(
+            f"{what} is a checkpoint of another model: none of its {len(specs)} keys match the module's "
+            f"{len(known)} (checkpoint: {ex_c} ..., module: {ex_m} ...)")
+    missing, shapes, dtypes, tensors, objects = [], [], [], [], []
+    done: set[str] = set()
+    for key, e in index.entries.items():
+        if e.primary in done:
+            continue
+        ck = next((to_ck[a] for a in index.aliases(e.primary) if a in to_ck), None)
+        if ck is None:
+            missing.append(e.primary)
+            continue
+        done.add(e.primary)
+        s = specs[ck]
+        if s[0] != "t" or tuple(s[1]) != e.shape:
+            shapes.append(f"{e.primary}: checkpoint {tuple(s[1]) if s[0] == 't' else 'non-tensor'} vs model {e.shape}")
+            continue
+        if s[2] != e.dtype:
+            dtypes.append(f"{e.primary}: checkpoint {dtype_name(s[2])} vs model {dtype_name(e.dtype)}")
+        tensors.append((e.primary, ck))
+    for key in index.extra:
+        if key in to_ck:
+            objects.append((key, to_ck[key]))
+        else:
+            missing.append(key)
+    unexpected = sorted(c for c, m in from_ck.items() if m not in known)
+    if shapes:
+        raise CheckpointMismatchError(f"{what}: shape mismatch for {len(shapes)} tensor(s): " + "; ".join(shapes[:10]))
+    if dtypes and strict:
+        raise CheckpointMismatchError(
+            f"{what}: dtype mismatch for {len(dtypes)} tensor(s): " + "; ".join(dtypes[:10])
+            + " (set strict_loading=False to cast to the model's dtypes)")
+    if dtypes:
+        warn(f"{what}: casting {len(dtypes)} tensor(s) to the model's dtypes: " + "; ".join(dtypes[:5]))
+    if (missing or unexpected) and strict:
+        raise CheckpointKeyError(
+            f"{what} does not match the module (strict loading): missing keys {missing[:20]}"
+            f"{' ...' if len(missing) > 20 else ''}; unexpected keys {unexpected[:20]}"
+            f"{' ...' if len(unexpected) > 20 else ''}. Set the LightningModule's strict_loading=False to "
+            "load the matching keys only")
+    if missing or unexpected:
+        warn(f"{what}: loading the matching keys only; missing keys {missing[:20]}, "
+             f"unexpected keys {unexpected[:20]}")
+    return ModelMatch(tensors, objects, to_ck, from_ck)
+
+
+def check_optimizer(i: int, optimizer: torch.optim.Optimizer, current: Sequence[Sequence[str]],
+                    saved_groups: Sequence[Mapping[str, Any]], saved_keys: Iterable[str], strict: bool,
+                    saved_class: Optional[str], what: str) -> bool:
+    """Whether optimizer ``i`` may take this state; raises under strict loading, else warns and skips."""
+    problems = []
+    if saved_class and saved_class != optimizer_class(optimizer):
+        problems.append(f"it was saved from {saved_class}, the run uses {optimizer_class(optimizer)}")
+    if len(saved_groups) != len(current):
+        problems.append(f"it has {len(saved_groups)} param group(s), the current optimizer {len(current)}")
+    else:
+        for j, (sg, g) in enumerate(zip(saved_groups, optimizer.param_groups)):
+            a = {k for k in sg if k not in _IGNORED_GROUP_KEYS}
+            b = {k for k in g if k not in _IGNORED_GROUP_KEYS}
+            if a != b:
+                problems.append(f"param group {j} hyper-parameters differ (only in checkpoint: {sorted(a - b)}, "
+                                f"only in the run: {sorted(b - a)})")
+                break
+    if problems:
+        msg = f"{what}: optimizer {i} ({type(optimizer).__name__}) cannot take the saved state: " + "; ".join(problems)
+        if strict:
+            raise CheckpointMismatchError(msg)
+        warn(msg + "; its state is left as it is (strict_loading=False)")
+        return False
+    key_problems = []
+    for j, (sg, cur) in enumerate(zip(saved_groups, current)):
+        if set(sg["params"]) != set(cur):
+            key_problems.append(f"group {j}: only in checkpoint {sorted(set(sg['params']) - set(cur))[:10]}, "
+                                f"only in the run {sorted(set(cur) - set(sg['params']))[:10]}")
+    everything = {k for c in current for k in c}
+    stray = sorted(k for k in saved_keys if k not in everything)
+    if stray:
+        key_problems.append(f"state for parameters the optimizer does not hold: {stray[:10]}")
+    if key_problems:
+        msg = f"{what}: optimizer {i} parameters differ: " + "; ".join(key_problems)
+        if strict:
+            raise CheckpointKeyError(msg + ". Set strict_loading=False to restore the matching entries")
+        warn(msg + "; restoring the matching entries")
+    return True
+
