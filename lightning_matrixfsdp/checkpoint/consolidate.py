@@ -5,6 +5,7 @@
 * ``IN`` a directory (this package's distributed checkpoint, or one written by
   Lightning's ``ModelParallelStrategy`` with FSDP2) -> ``OUT`` one consolidated
   Lightning checkpoint file that plain ``torch.load`` + ``load_state_dict`` read.
+  Tied weights appear under every name the layout sidecar records.
 * ``IN`` a file (a consolidated Lightning checkpoint, or a plain ``state_dict``)
   -> ``OUT`` a distributed checkpoint directory that any world size can load.
 
@@ -49,9 +50,14 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     req: dict[str, Any] = {f: placeholder(md.state_dict_metadata[f]) for f in flats}
     read_dcp(req, src, no_dist=True)
     out: dict[str, Any] = {}
+    side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
     if (src / META_NAME).is_file():
         out.update(torch.load(src / META_NAME, map_location="cpu", weights_only=safe))
-    out["state_dict"] = {k: req[f] for k, (f, _) in ck.model.items()}
+    sd = {k: req[f] for k, (f, _) in ck.model.items()}
+    for key, p in ((side or {}).get("params") or {}).items():  # tied weights: every name the model has
+        if isinstance(p, Mapping) and p.get("alias_of") in sd and key not in sd:
+            sd[key] = sd[p["alias_of"]]
+    out["state_dict"] = {k: sd[k] for k in _model_order(sd, side)}
     if not weights_only and ck.groups:
         states = []
         for i in range(1 + max(ck.groups)):
@@ -63,9 +69,15 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         out["optimizer_states"] = states
     else:
         out.pop("optimizer_states", None)
-    if (src / SIDECAR_NAME).is_file():
-        out["matrix_fsdp_layout"] = read_sidecar(src)
+    if side is not None:
+        out["matrix_fsdp_layout"] = side
     write_file(out, dst)
+
+
+def _model_order(sd: Mapping[str, Any], side: Optional[Mapping[str, Any]]) -> list[str]:
+    """The keys in the model's ``state_dict`` order where the sidecar records it (aliases in place)."""
+    recorded = [k for k in ((side or {}).get("params") or {}) if k in sd]
+    return recorded + [k for k in sd if k not in set(recorded)]
 
 
 def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
@@ -78,12 +90,14 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     lightning = isinstance(ck, Mapping) and isinstance(ck.get("state_dict"), Mapping)
     if not lightning and not (isinstance(ck, Mapping) and all(isinstance(k, str) for k in ck)):
         raise CheckpointCorruptError(f"{src} holds neither a Lightning checkpoint nor a state_dict")
-    sd = dict(ck["state_dict"] if lightning else ck)
+    layout = ck.get("matrix_fsdp_layout") if lightning and isinstance(ck.get("matrix_fsdp_layout"), Mapping) else None
+    full_sd = dict(ck["state_dict"] if lightning else ck)
+    sd = dict(full_sd)
+    for key, p in ((layout or {}).get("params") or {}).items():  # tied weights are stored once, by their first name
+        if isinstance(p, Mapping) and key in sd and p.get("alias_of") in sd and p["alias_of"] != key:
+            del sd[key]
     converted: dict[str, Any] = {"state_dict": sd}
-    classes: list[Optional[str]] = []
-    layout = ck.get("matrix_fsdp_layout") if lightning else None
-    if isinstance(layout, Mapping):
-        classes = [o.get("class") for o in layout.get("optimizers", [])]
+    classes = [o.get("class") for o in (layout or {}).get("optimizers", [])]
     if lightning and not weights_only:
         for i, native in enumerate(ck.get("optimizer_states") or []):
             groups, state = from_native(native)  # needs param_names: this package always writes them
@@ -96,7 +110,8 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         if weights_only:
             rest.pop("lr_schedulers", None)
         torch.save(rest, tmp / META_NAME)
-    side = single_writer_layout(sd, [converted[k] for k in converted if k.startswith("optimizer_")], classes)
+    side = single_writer_layout(full_sd, [converted[k] for k in converted if k.startswith("optimizer_")], classes,
+                                layout)
     (tmp / SIDECAR_NAME).write_text(json.dumps(side, indent=1, default=str))
     publish(tmp, dst)
 

@@ -69,14 +69,22 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
 
 
 def single_writer_layout(sd: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]],
-                         classes: Sequence[Optional[str]]) -> dict[str, Any]:
-    """The sidecar of a directory made from one file: one writer that owned everything."""
+                         classes: Sequence[Optional[str]], source: Optional[Mapping[str, Any]] = None
+                         ) -> dict[str, Any]:
+    """The sidecar of a directory made from one file: one writer that owned everything.
+    ``source``: the file's own layout record, whose roles and tied aliases carry over."""
+    params_src = (source or {}).get("params") or {}
+    params: dict[str, dict[str, Any]] = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        src = params_src.get(k) if isinstance(params_src.get(k), Mapping) else {}
+        params[k] = {"shape": list(v.shape), "dtype": dtype_name(v.dtype), "owner": 0, "role": src.get("role")}
+        if src.get("alias_of") in sd and src["alias_of"] != k:
+            params[k]["alias_of"] = src["alias_of"]
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "world_size": 1, "shard_span": 1, "replicate": 1,
-        "planner": None, "plans": [],
-        "params": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype), "owner": 0, "role": None}
-                   for k, v in sd.items() if isinstance(v, torch.Tensor)},
-        "optimizers": _optimizers(optimizers, classes),
+        "planner": None, "plans": [], "params": params, "optimizers": _optimizers(optimizers, classes),
         "versions": versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "converted_from": "file",
     }
 
