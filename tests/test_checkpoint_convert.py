@@ -100,3 +100,26 @@ def test_tied_weights_survive_directory_to_file_and_back(tmp_path):
         assert torch.equal(other(x), ref_out)
     _same_native(other_opt.state_dict(), opt.state_dict())
 
+
+def test_weights_only_conversion_drops_training_state(tmp_path):
+    from lightning_matrixfsdp import checkpoint as C
+    from lightning_matrixfsdp import consolidate
+
+    lit, opt = _trained_tied()
+    extra = {"epoch": 3, "global_step": 7, "loops": {"fit_loop": {"x": 1}}, "callbacks": {"cb": {"y": 2}},
+             "lr_schedulers": [{"last_epoch": 7}], "pytorch-lightning_version": "2.6.6"}
+    C.save_sharded(lit, tmp_path / "d", [opt], extra=extra)
+    training = ("optimizer_states", "lr_schedulers", "loops", "callbacks")
+    # directory -> file
+    assert consolidate.main([str(tmp_path / "d"), str(tmp_path / "w.ckpt"), "--weights-only"]) == 0
+    w = torch.load(tmp_path / "w.ckpt", weights_only=True)
+    assert not [k for k in training if k in w], sorted(w)
+    assert (w["epoch"], w["global_step"]) == (3, 7) and "model.tok.weight" in w["state_dict"]
+    # file -> directory
+    assert consolidate.main([str(tmp_path / "d"), str(tmp_path / "full.ckpt")]) == 0
+    assert all(k in torch.load(tmp_path / "full.ckpt", weights_only=True) for k in training)
+    assert consolidate.main([str(tmp_path / "full.ckpt"), str(tmp_path / "wd"), "--weights-only"]) == 0
+    meta = torch.load(tmp_path / "wd" / C.META_NAME, weights_only=True)
+    assert not [k for k in training if k in meta], sorted(meta)
+    assert (meta["epoch"], meta["global_step"]) == (3, 7)
+    assert not C.read_sidecar(tmp_path / "wd")["optimizers"]

@@ -30,7 +30,11 @@ from lightning_matrixfsdp.checkpoint.load import read_dcp
 from lightning_matrixfsdp.checkpoint.save import new_partial, publish, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
 
-__all__ = ["convert", "dcp_to_file", "file_to_dcp", "main"]
+__all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main"]
+
+#: What ``--weights-only`` drops from a Lightning checkpoint: everything only resuming training
+#: needs. The epoch and global step stay, as in Lightning's own weights-only checkpoints.
+TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "loops", "callbacks")
 
 
 def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
@@ -69,6 +73,9 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         out["optimizer_states"] = states
     else:
         out.pop("optimizer_states", None)
+    if weights_only:
+        for k in TRAINING_STATE_KEYS:
+            out.pop(k, None)
     if side is not None:
         out["matrix_fsdp_layout"] = side
     write_file(out, dst)
@@ -108,7 +115,8 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     if lightning:
         rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
         if weights_only:
-            rest.pop("lr_schedulers", None)
+            for k in TRAINING_STATE_KEYS:
+                rest.pop(k, None)
         torch.save(rest, tmp / META_NAME)
     side = single_writer_layout(full_sd, [converted[k] for k in converted if k.startswith("optimizer_")], classes,
                                 layout)
@@ -137,7 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Convert a distributed checkpoint directory to one consolidated file, or back.")
     parser.add_argument("src", metavar="IN", type=Path, help="checkpoint directory or file")
     parser.add_argument("dst", metavar="OUT", type=Path, help="where to write the other format")
-    parser.add_argument("--weights-only", action="store_true", help="drop optimizer states (e.g. for inference)")
+    parser.add_argument("--weights-only", action="store_true",
+                        help="keep the weights only: drop optimizer states, LR schedulers, loops and callbacks "
+                             "(e.g. for inference)")
     parser.add_argument("--unsafe-load", action="store_true",
                         help="torch.load with weights_only=False (only for trusted files holding arbitrary objects)")
     args = parser.parse_args(argv)
