@@ -26,7 +26,7 @@ import torch
 
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
-from lightning_matrixfsdp.checkpoint.load import read_dcp
+from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp
 from lightning_matrixfsdp.checkpoint.save import new_partial, publish, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
 
@@ -57,6 +57,9 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
     if (src / META_NAME).is_file():
         out.update(torch.load(src / META_NAME, map_location="cpu", weights_only=safe))
+    elif meta_required(side, ck):
+        raise CheckpointCorruptError(f"{src / META_NAME} is missing: the file would lack the epoch, global step, "
+                                     "loops and LR schedulers; restore it or convert an intact copy")
     sd = {k: req[f] for k, (f, _) in ck.model.items()}
     for key, p in ((side or {}).get("params") or {}).items():  # tied weights: every name the model has
         if isinstance(p, Mapping) and p.get("alias_of") in sd and key not in sd:

@@ -31,7 +31,7 @@ from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, che
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import check_optimizer, match_model
 
-__all__ = ["load_sharded", "load_weights", "read_dcp"]
+__all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,15 @@ def read_dcp(entries: dict[str, Any], path: Path, no_dist: bool = False) -> None
     dcp.load(entries, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
 
 
+def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
+    """Whether a directory must hold ``meta.pt``: the save listed it among its files, or (older
+    sidecars, foreign directories) it holds optimizer state or was written by a training run."""
+    files = side.get("files") if side else None
+    if isinstance(files, Mapping):
+        return META_NAME in files
+    return ck.n_optimizers() > 0 or (side is not None and side.get("converted_from") != "file")
+
+
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
               strict: bool, weights_only: Optional[bool]) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
@@ -95,6 +104,11 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         ck = parse_dcp(md, list(index.entries))
         if side is not None:
             check_sidecar(side, ck, what)
+        if not (path / META_NAME).is_file() and meta_required(side, ck):
+            raise CheckpointCorruptError(
+                f"{what}: {path / META_NAME} is missing; it holds the epoch, global step, loops, LR schedulers "
+                "and callbacks, so resuming without it would silently restart at step 0. Restore the file or "
+                "load an intact copy")
         return ck, side
 
     ck, side = agree(prepare)
