@@ -1,6 +1,6 @@
 """The per-unit lifecycle: materialize, reshard, refill for backward, reduce to owners.
 
-States follow FSDP2's naming (``TrainingState``).  One backward pass:
+One iteration:
 
 1. ``pre_forward``: materialize every parameter into its unsharded buffer and
    register the unsharded parameters on the module.
@@ -12,6 +12,11 @@ States follow FSDP2's naming (``TrainingState``).  One backward pass:
    resident ``.grad`` and release the storage.
 5. the root's end-of-backward callback reduces, in unit order on every rank, any
    unit whose gradients did not all arrive (unused parameters).
+
+How far backward has come for a unit is its :class:`TrainingState` (FSDP2's names),
+which the backward hooks branch on; forward nesting is a depth counter, and whether
+the whole model is in backward (a forward then is activation-checkpoint
+recomputation) is the schedule's flag.
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ from lightning_matrixfsdp.runtime.schedule import Schedule
 
 
 class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
+    """How far backward has come for a unit in the current iteration."""
+
+    IDLE = auto()  # forward, or between iterations: backward has not reached the unit
+    PRE_BACKWARD = auto()  # backward reached its outputs: materialized, the next one prefetched
+    POST_BACKWARD = auto()  # reduced: nothing reduces it again before the next iteration
 
 
+# A local map rather than ``torch.utils._pytree``: that module is private to PyTorch, and
+# this one also walks subclasses of list, tuple and dict (custom batch containers) without
+# registration.
 def _tree_map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -92,7 +101,6 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward
         self.zero_missing_grads = zero_missing_grads
         self.requires_gradient_sync = True
-        self.training_state = TrainingState.IDLE
         self._depth = 0
         self._pending_unshard: Optional[Any] = None
         self._pending_params: list[ShardedParam] = []
@@ -112,7 +120,7 @@ class Unit:
         self._pending_input_grads = 0
         self._calls_without_grad_inputs = 0
         self._ready: set[int] = set()
-        self._reduced = False
+        self.training_state = TrainingState.IDLE
 
     @property
     def trainable(self) -> list[int]:
@@ -167,14 +175,12 @@ class Unit:
         self.schedule.record_forward(self)
         if self.schedule.in_backward:  # activation-checkpoint recomputation inside backward
             # (not counted in _depth: early-stopping recomputation never runs post-forward)
-            self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
             self._register_unsharded()
             return None
         self._depth += 1
         self.unshard()
         self._register_unsharded()
-        self.training_state = TrainingState.FORWARD
         if torch.is_grad_enabled():
             nxt = self.schedule.next_to_forward(self)
             if nxt is not None:
@@ -204,8 +210,6 @@ class Unit:
             return None
         self._depth = max(0, self._depth - 1)
         outer = self._depth == 0  # a nested call of the same unit must not reshard its caller
-        if outer:
-            self.training_state = TrainingState.IDLE
         if not torch.is_grad_enabled():
             if outer:
                 self.reshard()
@@ -220,7 +224,12 @@ class Unit:
     # ------------------------------------------------------------------ backward
     def _pre_backward_hook(self, *_: Any) -> None:
         self.schedule.begin_backward()
-        self.training_state = TrainingState.PRE_BACKWARD
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return  # another output (or call) of this unit: still materialized, next one prefetched
+        if self.training_state is TrainingState.IDLE:
+            self.training_state = TrainingState.PRE_BACKWARD
+        # POST_BACKWARD (an output that does not depend on the inputs got its gradient after
+        # the reduction): materialize for that backward, and stay reduced.
         self.unshard()
         self._register_unsharded()
         nxt = self.schedule.next_to_backward(self)
@@ -236,7 +245,8 @@ class Unit:
         def hook(_: torch.Tensor) -> None:
             unit = unit_ref()
             if unit is not None:
-                if unit._reduced and unit.zero_missing_grads and unit.schedule.in_backward:
+                if (unit.training_state is TrainingState.POST_BACKWARD and unit.zero_missing_grads
+                        and unit.schedule.in_backward):
                     raise RuntimeError(
                         f"a gradient of {unit.params[index].shard.fqn!r} arrived after its unit reduced "
                         "(is the parameter used outside its unit's forward?); zero_missing_grads reduces "
@@ -251,7 +261,8 @@ class Unit:
         self._maybe_post_backward()
 
     def _maybe_post_backward(self) -> None:
-        if self._reduced or self._pending_input_grads > 0 or self._forward_calls == 0:
+        if (self.training_state is TrainingState.POST_BACKWARD or self._pending_input_grads > 0
+                or self._forward_calls == 0):
             return
         if self.zero_missing_grads:
             # Reduce when this unit's backward is done, whatever parameters got gradients
@@ -270,7 +281,7 @@ class Unit:
     def flush(self) -> None:
         """Reduce now if this unit ran forward but its backward did not reduce it (unused
         parameters, inputs without gradients); the root calls it on every unit in order."""
-        if self._forward_calls > 0 and not self._reduced:
+        if self._forward_calls > 0 and self.training_state is not TrainingState.POST_BACKWARD:
             self.post_backward(flush=True)
 
     def end_iteration(self) -> None:
@@ -281,13 +292,12 @@ class Unit:
 
     def post_backward(self, flush: bool = False) -> None:
         """Reduce this unit's gradients to their owners, then release the buffers."""
-        if self._reduced:
+        if self.training_state is TrainingState.POST_BACKWARD:
             return
-        self._reduced = True
+        self.training_state = TrainingState.POST_BACKWARD
         if self.requires_gradient_sync:
             self._reduce(flush)
         self.reshard()
-        self.training_state = TrainingState.POST_BACKWARD
 
     def _reduce(self, flush: bool) -> None:
         idx = self.trainable
