@@ -81,10 +81,11 @@ class _GlobalNormClip:
     """Precision-plugin mixin: clip by the global norm of owner-sharded gradients."""
 
     _mfsdp_clip_group: Any = None
+    _mfsdp_clip_stats: Any = None  # the sharded model's CommStats: the all-reduce counts as "clip"
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        clip_grad_norm_(params, float(clip_val), group=self._mfsdp_clip_group)
+        clip_grad_norm_(params, float(clip_val), group=self._mfsdp_clip_group, stats=self._mfsdp_clip_stats)
 
 
 class MatrixFSDPStrategy(ModelParallelStrategy):
@@ -305,7 +306,9 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         roots = self._sharded_roots()
         plugin = self.precision_plugin
         if roots and isinstance(plugin, _GlobalNormClip):
-            plugin._mfsdp_clip_group = state_of(roots[0]).sg.group
+            state = state_of(roots[0])
+            plugin._mfsdp_clip_group = state.sg.group
+            plugin._mfsdp_clip_stats = state.stats
 
     def _install_summary(self, trainer: Any) -> None:
         from lightning.pytorch.callbacks import ModelSummary

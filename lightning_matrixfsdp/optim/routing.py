@@ -15,8 +15,8 @@ from typing import Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import all_reduce_norm, comm_device
-from lightning_matrixfsdp.runtime.tags import is_owned
+from lightning_matrixfsdp.runtime.collectives import CommStats, all_reduce_norm, comm_device
+from lightning_matrixfsdp.runtime.tags import find_state, is_owned
 
 __all__ = ["clip_grad_norm_", "is_owned", "is_routed", "route_optimizer"]
 
@@ -50,15 +50,21 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     group: Optional[dist.ProcessGroup] = None,
     error_if_nonfinite: bool = False,
+    stats: Optional[CommStats] = None,
 ) -> torch.Tensor:
     """Clip owner-sharded gradients by their *global* norm (one scalar all-reduce).
 
     Each gradient lives on exactly one rank of the shard group, so summing the
     owners' partial sums over the shard group gives the norm DDP would see.
     Pass ``group`` for the shard group (default: the whole world; replicas of HSDP
-    hold equal gradients, so use the shard group there).
+    hold equal gradients, so use the shard group there).  The all-reduce is counted
+    under the ``clip`` phase of ``stats`` (default: the sharded model's when
+    ``parameters`` is a module that ``matrix_shard`` sharded).
     """
     if isinstance(parameters, torch.nn.Module):
+        if stats is None:
+            state = find_state(parameters)
+            stats = state.stats if state is not None else None
         parameters = list(parameters.parameters())
     grads = _owned_grads(list(parameters))
     norm_type = float(norm_type)
@@ -71,7 +77,7 @@ def clip_grad_norm_(
     else:
         local = (torch.stack([g.detach().double().abs().pow(norm_type).sum() for g in grads]).sum() if grads
                  else torch.zeros((), dtype=torch.float64, device=device))
-    total = all_reduce_norm(local, maximum=norm_type == math.inf, group=group)
+    total = all_reduce_norm(local, maximum=norm_type == math.inf, group=group, stats=stats)
     total = (total[0] if norm_type == math.inf else total[0] ** (1.0 / norm_type)).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")

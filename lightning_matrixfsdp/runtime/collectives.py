@@ -28,6 +28,9 @@ import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, first_difference
 
+#: Phases every snapshot shows.  ``optimizer_step`` is counted by nothing: the owner step
+#: communicates nothing, and the phase is kept at zero so that users see it (the README's
+#: loop prints it, the strategy logs ``matrix_fsdp/optimizer_step_MB``).
 PHASES = ("materialize", "reduce", "replicate", "optimizer_step", "clip")
 
 

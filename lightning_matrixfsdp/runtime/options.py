@@ -175,8 +175,7 @@ def check_planner(value: Any) -> Union[str, Callable[..., Any]]:
     accepted = f"one of {', '.join(map(repr, PLANNERS))} or a callable (units, world) -> Plan"
     if isinstance(value, str):
         if value not in PLANNERS:
-            raise MatrixShardError(f"unknown planner {value!r}; choose one of {', '.join(PLANNERS)} "
-                                   "or pass a callable (units, world) -> Plan")
+            raise _refuse("planner", value, accepted, f"unknown planner {value!r}")
         return value
     if isinstance(value, (type, nn.Module)) or not callable(value):
         raise _refuse("planner", value, accepted)
@@ -186,10 +185,11 @@ def check_planner(value: Any) -> Union[str, Callable[..., Any]]:
 
 
 def check_collective(value: Any) -> str:
+    accepted = f"one of {', '.join(map(repr, COLLECTIVE_NAMES))}"
     if not isinstance(value, str):
-        raise _refuse("collective", value, f"one of {', '.join(map(repr, COLLECTIVE_NAMES))}")
+        raise _refuse("collective", value, accepted)
     if value not in COLLECTIVE_NAMES:
-        raise MatrixShardError(f"unknown collective {value!r}; choose one of {', '.join(COLLECTIVE_NAMES)}")
+        raise _refuse("collective", value, accepted, f"unknown collective {value!r}")
     return value
 
 

@@ -10,7 +10,6 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.collectives import (
     DEFAULT_COLLECTIVE,
-    COLLECTIVE_NAMES,
     CommStats,
     GradientReducer,
     ShardGroup,
@@ -18,19 +17,16 @@ from lightning_matrixfsdp.runtime.collectives import (
     make_collective,
     validate_schedule,
 )
+from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
-from lightning_matrixfsdp.runtime.planner import PLANNERS, make_plan
+from lightning_matrixfsdp.runtime.planner import make_plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import attach_state, find_state, state_of
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
 MatrixFilter = Callable[[str, nn.Parameter], bool]
-
-
-class MatrixShardError(ValueError):
-    """A model or option that matrix_shard cannot handle."""
 
 
 # ---------------------------------------------------------------------- input checks
@@ -88,32 +84,14 @@ def _select_units(root: nn.Module, wrap_policy: WrapPolicy) -> list[tuple[str, n
         marked = set()
         _mark_outermost_list_children(root, marked)
         pick = lambda name, m: id(m) in marked  # noqa: E731
-    elif isinstance(wrap_policy, (set, frozenset, list, tuple)):
+    elif isinstance(wrap_policy, (set, frozenset, list, tuple)):  # of classes: options.check_wrap_policy ran
         classes = tuple(wrap_policy)
-        if not all(isinstance(c, type) for c in classes):
-            raise MatrixShardError("wrap_policy as a collection must hold nn.Module classes")
         pick = lambda name, m: isinstance(m, classes)  # noqa: E731
-    elif callable(wrap_policy):
-        pick = wrap_policy
     else:
-        raise MatrixShardError(f"wrap_policy must be None, a set of module classes or a callable, got {wrap_policy!r}")
+        pick = wrap_policy
     units = [(name, m) for name, m in root.named_modules() if name and pick(name, m)]
     units = [(n, m) for n, m in units if any(True for _ in m.parameters())]
     return units + [("", root)]
-
-
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
-
-
-def _as_dtype(value: Union[str, torch.dtype, None], name: str) -> Optional[torch.dtype]:
-    """Accept ``torch.bfloat16`` or its name (``"bfloat16"``, ``"bf16"``) for YAML/CLI configs."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    key = str(value).replace("torch.", "")
-    if key not in _DTYPES:
-        raise MatrixShardError(f"{name}={value!r} is not a dtype; use one of {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[key]
 
 
 def _unit_of(module_name: str, unit_names: list[str]) -> str:
@@ -194,17 +172,19 @@ def matrix_shard(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
-    param_dtype, reduce_dtype = _as_dtype(param_dtype, "param_dtype"), _as_dtype(reduce_dtype, "reduce_dtype")
-    if isinstance(planner, str) and planner not in PLANNERS:
-        raise MatrixShardError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)} or pass a callable")
-    if collective not in COLLECTIVE_NAMES:
-        raise MatrixShardError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVE_NAMES)}")
+    # Every option first, before the model is touched (the strategy ran the same checks at construction).
+    opts = check_shard_options(
+        wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+        ns_steps=ns_steps, shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
+        device=device, mesh=mesh)
+    wrap_policy, planner, param_dtype, reduce_dtype = (opts[k] for k in ("wrap_policy", "planner", "param_dtype",
+                                                                           "reduce_dtype"))
+    device, shard_size = opts["device"], opts["shard_size"]
     _check_not_wrapped(module)
 
     if shard_size is not None:
-        if mesh is not None:
-            raise MatrixShardError("pass either mesh or shard_size, not both")
-        mesh = hsdp_mesh(int(shard_size), device)
+        mesh = hsdp_mesh(shard_size, device)
     shard_pg, replicate_pg = _resolve_groups(mesh)
     sg = ShardGroup(shard_pg)
     real = [p for p in module.parameters() if not p.is_meta]
