@@ -27,9 +27,9 @@ from lightning_matrixfsdp.checkpoint.formats import (
 )
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
-from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, read_sidecar
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, read_sidecar, roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
-from lightning_matrixfsdp.checkpoint.validate import check_optimizer, match_model
+from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
 
 __all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp"]
 
@@ -43,19 +43,23 @@ def load_weights(module: nn.Module, path: PathLike, strict: bool = True) -> None
 
 
 def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
-                 strict: bool = True, weights_only: Optional[bool] = None) -> Optional[dict[str, Any]]:
+                 strict: bool = True, weights_only: Optional[bool] = None, *,
+                 reset_changed_roles: bool = False) -> Optional[dict[str, Any]]:
     """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
 
     Returns the rest of a Lightning checkpoint (``meta.pt`` of a directory, or the file
     without ``state_dict``), or ``None`` for a weights-only source (a plain ``state_dict``
-    file, a DCP directory without ``meta.pt``)."""
+    file, a DCP directory of weights without ``meta.pt``).
+
+    ``reset_changed_roles``: parameters whose optimizer role changed since the save (a
+    changed ``matrix_filter``) restart their optimizer state instead of raising."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     path = agreed_path(path)
     kind = agree(_detect, path)
     index = build_index(module)
     if kind == "dir":
-        return _load_dir(module, index, path, optimizers, strict, weights_only)
-    return _load_file(module, index, path, optimizers, strict, weights_only)
+        return _load_dir(module, index, path, optimizers, strict, weights_only, reset_changed_roles)
+    return _load_file(module, index, path, optimizers, strict, weights_only, reset_changed_roles)
 
 
 def _detect(path: Path) -> str:
@@ -90,7 +94,7 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 
 
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-              strict: bool, weights_only: Optional[bool]) -> Optional[dict[str, Any]]:
+              strict: bool, weights_only: Optional[bool], reset: bool) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     what = f"checkpoint {path}"
@@ -136,17 +140,19 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         for g in saved_groups[i]:
             g["params"] = [match.from_ck.get(k, k) for k in (g.get("params") or [])]
     sclasses = [o.get("class") for o in side.get("optimizers", [])] if side else []
+    saved_roles = {match.from_ck.get(k, k): r for k, r in roles_of(side).items()}
 
-    def check() -> list[int]:
+    def check() -> tuple[list[int], set[str]]:
         ok = []
         for i in use:
             keys = [match.from_ck.get(k, k) for k in ck.state.get(i, {})]
             if check_optimizer(i, optimizers[i], current[i], saved_groups[i], keys, strict,
                                sclasses[i] if i < len(sclasses) else None, what):
                 ok.append(i)
-        return ok
+        with_state = {match.from_ck.get(k, k) for i in ok for k in ck.state.get(i, {})}
+        return ok, changed_roles(index, saved_roles, with_state, reset, what)
 
-    apply = agree(check)
+    apply, dropped = agree(check)
 
     # phase 2: tensors, straight into the resident parameters; optimizer state into fresh CPU tensors
     req2: dict[str, Any] = {}
@@ -161,6 +167,8 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         for g in optimizers[i].param_groups:
             for p in g["params"]:
                 key = index.key(p)
+                if key in dropped:
+                    continue
                 for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
                     req2[flat] = placeholder(m)
                     wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat))
@@ -199,7 +207,7 @@ def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
 
 
 def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-               strict: bool, weights_only: Optional[bool]) -> Optional[dict[str, Any]]:
+               strict: bool, weights_only: Optional[bool], reset: bool) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
 
     def read() -> tuple[Any, bool]:
@@ -226,6 +234,7 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
             warn(msg + "; restoring the first ones")
         layout = ckpt.get("matrix_fsdp_layout") if isinstance(ckpt.get("matrix_fsdp_layout"), Mapping) else {}
         sclasses = [o.get("class") for o in layout.get("optimizers", [])]
+        saved_roles = {match.from_ck.get(k, k): r for k, r in roles_of(layout).items()}
         for i, o in enumerate(optimizers[: len(saved)]):
             current = full_groups(index, o)
 
@@ -236,7 +245,10 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
                 state = {match.from_ck.get(k, k): v for k, v in state.items()}
                 ok = check_optimizer(i, o, current, groups, state, strict,
                                      sclasses[i] if i < len(sclasses) else None, what)
-                return (groups, state) if ok else None
+                if not ok:
+                    return None
+                dropped = changed_roles(index, saved_roles, state, reset, what)
+                return groups, {k: v for k, v in state.items() if k not in dropped}
 
             got = agree(prep)
             if got is not None:

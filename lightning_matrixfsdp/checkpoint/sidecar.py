@@ -19,7 +19,7 @@ from lightning_matrixfsdp.checkpoint.formats import DcpEntries, dtype_name
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_sidecar", "layout_dict", "read_sidecar",
-           "single_writer_layout", "versions"]
+           "roles_of", "single_writer_layout", "versions"]
 
 SIDECAR_NAME = "matrix_fsdp_layout.json"
 META_NAME = "meta.pt"  # Lightning's marker of a sharded checkpoint directory (fabric.utilities.load._METADATA_FILENAME)
@@ -133,3 +133,12 @@ def check_sidecar(side: Mapping[str, Any], ck: DcpEntries, what: str) -> None:
                 f"{what}: the layout sidecar does not match the saved data at {key!r} (sidecar "
                 f"{p.get('shape')}/{p.get('dtype')}, data {s[1:] if s else 'absent'}); the directory was modified "
                 "or mixed with another save")
+
+
+def roles_of(layout: Optional[Mapping[str, Any]]) -> dict[str, str]:
+    """key -> role ("matrix"/"tail") of every sharded parameter a layout record names (``{}``:
+    an older or foreign checkpoint without roles)."""
+    params = layout.get("params") if isinstance(layout, Mapping) else None
+    if not isinstance(params, Mapping):
+        return {}
+    return {k: p["role"] for k, p in params.items() if isinstance(p, Mapping) and isinstance(p.get("role"), str)}

@@ -1,8 +1,9 @@
-"""Checks of a checkpoint against the run: model keys, shapes and dtypes; optimizers.
+"""Checks of a checkpoint against the run: model keys, shapes and dtypes; optimizers; roles.
 
 Pure with respect to the model and the optimizers: nothing here writes into them.
-Each check raises the documented error under strict loading and otherwise warns;
-the callers run them through ``agree`` so every rank reaches the same verdict.
+Each check raises the documented error under strict loading (or always, where a
+load would go silently wrong) and otherwise warns; the callers run them through
+``agree`` so every rank reaches the same verdict.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointKeyError, Checkpoin
 from lightning_matrixfsdp.checkpoint.formats import dtype_name, optimizer_class
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 
-__all__ = ["ModelMatch", "check_optimizer", "match_model", "rebase"]
+__all__ = ["ModelMatch", "changed_roles", "check_optimizer", "match_model", "rebase"]
 
 # Group keys that do not tell optimizers apart: names, the scheduler's mark, and the flags
 # torch's ``Optimizer.__setstate__`` fills in with defaults when a state is loaded.
@@ -144,3 +145,28 @@ def check_optimizer(i: int, optimizer: torch.optim.Optimizer, current: Sequence[
         warn(msg + "; restoring the matching entries")
     return True
 
+
+def changed_roles(index: KeyIndex, saved_roles: Mapping[str, str], keys_with_state: Iterable[str],
+                  reset: bool, what: str) -> set[str]:
+    """Parameters (module keys) whose optimizer role differs from the saved one and that have saved
+    optimizer state. Raises unless ``reset``; with ``reset`` returns them (their state is dropped).
+
+    A role change (a changed ``matrix_filter``) moves a parameter between the matrix optimizer
+    and the AdamW tail: its saved state belongs to the other update rule and would sit unused."""
+    changed = {}
+    for key in keys_with_state:
+        e = index.entries.get(key)
+        saved = next((saved_roles[a] for a in index.aliases(e.primary) if a in saved_roles), None) if e else None
+        if e is not None and e.role is not None and saved is not None and saved != e.role:
+            changed[key] = f"{key}: {saved} -> {e.role}"
+    if not changed:
+        return set()
+    listed = "; ".join(sorted(changed.values())[:20]) + (" ..." if len(changed) > 20 else "")
+    if not reset:
+        raise CheckpointMismatchError(
+            f"{what}: the optimizer role of {len(changed)} parameter(s) changed since the save ({listed}), e.g. "
+            "through another matrix_filter; their saved optimizer state belongs to the other update rule. Use the "
+            "matrix_filter of the saved run, or pass reset_changed_roles=True (load_sharded, or "
+            "MatrixFSDPStrategy(reset_changed_roles=True)) to restart their optimizer state")
+    warn(f"{what}: restarting the optimizer state of {len(changed)} parameter(s) whose role changed: {listed}")
+    return set(changed)
