@@ -98,3 +98,65 @@ def test_missing_meta_is_an_error_naming_the_file(saved, tmp_path):
     dcp.save({"state_dict": src.state_dict()}, checkpoint_id=str(tmp_path / "weights"), no_dist=True)
     assert C.load_sharded(model, tmp_path / "weights") is None
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), src.parameters()))
+
+
+# ---------------------------------------------------------------------- checksums (B4)
+def _flip(path, offset=None) -> None:
+    """Flip one byte in the middle of a file (a disk or transfer error)."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _zip_member_offset(path, suffix: str) -> int:
+    """A byte inside the data of the zip member whose name ends with ``suffix`` (the tensor bytes)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if i.filename.endswith(suffix)), key=lambda i: i.file_size)
+    raw = path.read_bytes()
+    name_len = int.from_bytes(raw[info.header_offset + 26: info.header_offset + 28], "little")
+    extra_len = int.from_bytes(raw[info.header_offset + 28: info.header_offset + 30], "little")
+    return info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+
+
+def test_checksums_recorded_and_verified(saved, tmp_path):
+    import zlib
+
+    from lightning_matrixfsdp import checkpoint as C
+
+    side = C.read_sidecar(saved / "ok")
+    names = sorted(p.name for p in (saved / "ok").iterdir() if p.name != C.SIDECAR_NAME)
+    assert sorted(side["files"]) == names and C.META_NAME in names
+    for n, rec in side["files"].items():  # an independent CRC-32 of each whole file, from the chunks
+        data = (saved / "ok" / n).read_bytes()
+        assert rec["size"] == len(data)
+        chunk = rec["chunk"]
+        assert rec["crc32"] == [zlib.crc32(data[i:i + chunk]) for i in range(0, max(len(data), 1), chunk)]
+
+    ck = _copy(saved, tmp_path)
+    data = sorted(ck.glob("*.distcp"))[0]
+    _flip(data)
+    model, opt = _sharded(3)
+    before = snapshot(model, opt)
+    with pytest.raises(C.CheckpointCorruptError, match=rf"checksum mismatch in {data.name}"):
+        C.load_sharded(model, ck, [opt])
+    assert_bitwise_equal(snapshot(model, opt), before)
+    C.load_sharded(model, ck, [opt], verify=False)  # the switch: no verification, loads what is there
+
+    # a consolidated file: torch.save's own per-member CRC-32, checked the same way
+    C.save_sharded(model, tmp_path / "f.ckpt", [opt], full=True)
+    _flip(tmp_path / "f.ckpt", _zip_member_offset(tmp_path / "f.ckpt", "/data/0"))
+    other, o2 = _sharded(4)
+    before = snapshot(other, o2)
+    with pytest.raises(C.CheckpointCorruptError, match=r"f\.ckpt is damaged: .*data/0"):
+        C.load_sharded(other, tmp_path / "f.ckpt", [o2])
+    assert_bitwise_equal(snapshot(other, o2), before)
+    from lightning_matrixfsdp import consolidate
+
+    with pytest.raises(C.CheckpointCorruptError, match="damaged"):
+        consolidate.convert(tmp_path / "f.ckpt", tmp_path / "f_dir")
+    with pytest.raises(C.CheckpointCorruptError, match=rf"checksum mismatch in {data.name}"):
+        consolidate.convert(ck, tmp_path / "c.ckpt")
+    assert consolidate.main([str(ck), str(tmp_path / "c.ckpt"), "--no-verify"]) == 0

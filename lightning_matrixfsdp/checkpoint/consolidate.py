@@ -26,6 +26,7 @@ import torch
 
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
+from lightning_matrixfsdp.checkpoint.integrity import file_records, verify_files, verify_zip
 from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp
 from lightning_matrixfsdp.checkpoint.save import new_partial, publish, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
@@ -37,13 +38,16 @@ __all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main
 TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "loops", "callbacks")
 
 
-def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
+def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True) -> None:
     """A DCP directory -> one Lightning checkpoint file with full tensors."""
     from torch.distributed.checkpoint import FileSystemReader
 
     src, dst = Path(src), Path(dst)
     if not (src / ".metadata").is_file():
         raise CheckpointCorruptError(f"{src} has no DCP '.metadata': not a distributed checkpoint, or incomplete")
+    side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
+    if side is not None and isinstance(side.get("files"), Mapping):
+        verify_files(src, side["files"], checksums=verify, collective=False)
     md = FileSystemReader(str(src)).read_metadata()
     model_keys = list(parse_dcp(md, []).model)
     ck = parse_dcp(md, model_keys)  # second pass: optimizer keys can be split even without planner data
@@ -54,7 +58,6 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     req: dict[str, Any] = {f: placeholder(md.state_dict_metadata[f]) for f in flats}
     read_dcp(req, src, no_dist=True)
     out: dict[str, Any] = {}
-    side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
     if (src / META_NAME).is_file():
         out.update(torch.load(src / META_NAME, map_location="cpu", weights_only=safe))
     elif meta_required(side, ck):
@@ -90,13 +93,19 @@ def _model_order(sd: Mapping[str, Any], side: Optional[Mapping[str, Any]]) -> li
     return recorded + [k for k in sd if k not in set(recorded)]
 
 
-def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> None:
+def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True,
+                checksums: bool = True) -> None:
     """A consolidated Lightning checkpoint (or a plain ``state_dict``) -> a distributed checkpoint directory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     src, dst = Path(src), Path(dst)
-    ck = torch.load(src, map_location="cpu", mmap=True, weights_only=safe)
+    if verify:
+        verify_zip(src, collective=False)
+    try:
+        ck = torch.load(src, map_location="cpu", mmap=True, weights_only=safe)
+    except Exception as e:  # noqa: BLE001 - any failure is a damaged or foreign file
+        raise CheckpointCorruptError(f"{src} cannot be read by torch.load: {e}") from None
     lightning = isinstance(ck, Mapping) and isinstance(ck.get("state_dict"), Mapping)
     if not lightning and not (isinstance(ck, Mapping) and all(isinstance(k, str) for k in ck)):
         raise CheckpointCorruptError(f"{src} holds neither a Lightning checkpoint nor a state_dict")
@@ -123,11 +132,12 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         torch.save(rest, tmp / META_NAME)
     side = single_writer_layout(full_sd, [converted[k] for k in converted if k.startswith("optimizer_")], classes,
                                 layout)
+    side["files"] = file_records(tmp, [p.name for p in tmp.iterdir()], checksums, collective=False)
     (tmp / SIDECAR_NAME).write_text(json.dumps(side, indent=1, default=str))
     publish(tmp, dst)
 
 
-def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True) -> str:
+def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True) -> str:
     """Convert ``src`` to the other format at ``dst``; returns the direction taken."""
     src, dst = Path(src), Path(dst)
     if not src.exists():
@@ -135,9 +145,9 @@ def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True)
     if src.resolve() == dst.resolve():
         raise ValueError("IN and OUT must differ")
     if src.is_dir():
-        dcp_to_file(src, dst, weights_only, safe)
+        dcp_to_file(src, dst, weights_only, safe, verify)
         return "directory -> file"
-    file_to_dcp(src, dst, weights_only, safe)
+    file_to_dcp(src, dst, weights_only, safe, verify)
     return "file -> directory"
 
 
@@ -153,8 +163,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "(e.g. for inference)")
     parser.add_argument("--unsafe-load", action="store_true",
                         help="torch.load with weights_only=False (only for trusted files holding arbitrary objects)")
+    parser.add_argument("--no-verify", action="store_true", help="do not check the input's checksums")
     args = parser.parse_args(argv)
-    direction = convert(args.src, args.dst, args.weights_only, safe=not args.unsafe_load)
+    direction = convert(args.src, args.dst, args.weights_only, safe=not args.unsafe_load, verify=not args.no_verify)
     print(f"{args.src} -> {args.dst} ({direction})")
     return 0
 

@@ -26,6 +26,7 @@ from lightning_matrixfsdp.checkpoint.formats import (
     unwrap_optimizer,
 )
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
+from lightning_matrixfsdp.checkpoint.integrity import verify_files, verify_zip
 from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, read_sidecar, roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
@@ -36,14 +37,14 @@ __all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp"]
 log = logging.getLogger(__name__)
 
 
-def load_weights(module: nn.Module, path: PathLike, strict: bool = True) -> None:
+def load_weights(module: nn.Module, path: PathLike, strict: bool = True, *, verify: bool = True) -> None:
     """Load model weights only (any supported format) into an owner-sharded module; e.g. to
     fine-tune from an ordinary checkpoint in ``on_fit_start``.  Collective."""
-    load_sharded(module, path, (), strict=strict)
+    load_sharded(module, path, (), strict=strict, verify=verify)
 
 
 def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
-                 strict: bool = True, weights_only: Optional[bool] = None, *,
+                 strict: bool = True, weights_only: Optional[bool] = None, *, verify: bool = True,
                  reset_changed_roles: bool = False) -> Optional[dict[str, Any]]:
     """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
 
@@ -51,6 +52,7 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     without ``state_dict``), or ``None`` for a weights-only source (a plain ``state_dict``
     file, a DCP directory of weights without ``meta.pt``).
 
+    ``verify``: check the checksums the save recorded (sizes are always checked).
     ``reset_changed_roles``: parameters whose optimizer role changed since the save (a
     changed ``matrix_filter``) restart their optimizer state instead of raising."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
@@ -58,8 +60,8 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     kind = agree(_detect, path)
     index = build_index(module)
     if kind == "dir":
-        return _load_dir(module, index, path, optimizers, strict, weights_only, reset_changed_roles)
-    return _load_file(module, index, path, optimizers, strict, weights_only, reset_changed_roles)
+        return _load_dir(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
+    return _load_file(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
 
 
 def _detect(path: Path) -> str:
@@ -94,7 +96,7 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 
 
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-              strict: bool, weights_only: Optional[bool], reset: bool) -> Optional[dict[str, Any]]:
+              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     what = f"checkpoint {path}"
@@ -116,6 +118,8 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         return ck, side
 
     ck, side = agree(prepare)
+    if side is not None and isinstance(side.get("files"), Mapping):
+        verify_files(path, side["files"], checksums=verify)
     match = agree(match_model, index, ck.specs(), strict, what)
     if side is not None:
         _log_layout(side, index)
@@ -207,8 +211,10 @@ def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
 
 
 def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-               strict: bool, weights_only: Optional[bool], reset: bool) -> Optional[dict[str, Any]]:
+               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
+    if verify:
+        verify_zip(path)
 
     def read() -> tuple[Any, bool]:
         try:

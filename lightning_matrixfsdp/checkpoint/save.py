@@ -1,9 +1,9 @@
 """Writing a checkpoint: everything into a hidden sibling first, published by one rename.
 
 A save writes into ``.mfsdp-partial-<token>`` next to the target (same filesystem,
-so the final rename is atomic). Rank 0 writes ``meta.pt`` and the sidecar only after
-every rank's ``dcp.save`` returned, and renames the directory (or file) to its final
-name only after every rank confirmed.
+so the final rename is atomic). Rank 0 writes ``meta.pt`` and the sidecar (with every
+file's size and checksums) only after every rank's ``dcp.save`` returned, and renames
+the directory (or file) to its final name only after every rank confirmed.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch import nn
 from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, broadcast_object, world
 from lightning_matrixfsdp.checkpoint.formats import optimizer_class, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
+from lightning_matrixfsdp.checkpoint.integrity import file_records
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 
@@ -75,18 +76,23 @@ def write_file(obj: Mapping[str, Any], path: Path) -> None:
 
 
 def save_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
-                 full: bool = False, extra: Optional[Mapping[str, Any]] = None) -> None:
-    """Save outside Lightning: the module, the optimizers and ``extra`` (goes to ``meta.pt``). Collective."""
+                 full: bool = False, extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> None:
+    """Save outside Lightning: the module, the optimizers and ``extra`` (goes to ``meta.pt``). Collective.
+
+    ``checksums``: record a CRC-32 of every file a directory save writes (verified on load;
+    a consolidated file carries ``torch.save``'s own)."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     index = build_index(module)
     checkpoint = dict(extra or {})
     checkpoint["state_dict"] = sharded_model_state_dict(module, full, index)
     checkpoint["optimizer_states"] = [sharded_optimizer_state_dict(module, o, full, index) for o in optimizers]
-    write_checkpoint(module, checkpoint, path, full, [optimizer_class(o) for o in optimizers], index=index)
+    write_checkpoint(module, checkpoint, path, full, [optimizer_class(o) for o in optimizers], index=index,
+                     checksums=checksums)
 
 
 def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: PathLike, full: bool,
-                     optimizer_classes: Sequence[str] = (), *, index: Optional[KeyIndex] = None) -> None:
+                     optimizer_classes: Sequence[str] = (), *, index: Optional[KeyIndex] = None,
+                     checksums: bool = True) -> None:
     """Write what ``sharded_model_state_dict`` / ``sharded_optimizer_state_dict`` produced, crash-safely.
     Collective. ``index``: the key index the state dicts were made with (built if not given)."""
     rank = world()[0]
@@ -119,14 +125,25 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
     dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)),
              planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
 
-    def _finish() -> None:
+    def _meta() -> list[str]:
+        if rank != 0:
+            return []
+        with open(tmp / META_NAME, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return sorted(p.name for p in tmp.iterdir() if p.name != SIDECAR_NAME)
+
+    names = broadcast_object(agree(_meta))  # every rank's dcp.save has returned: all files are there
+    files = file_records(tmp, names, checksums)
+
+    def _sidecar() -> None:
         if rank == 0:
-            torch.save(checkpoint, tmp / META_NAME)
-            text = json.dumps(layout_dict(index, opt_states, optimizer_classes), indent=1, default=str)
+            text = json.dumps(layout_dict(index, opt_states, optimizer_classes, files), indent=1, default=str)
             with open(tmp / SIDECAR_NAME, "w") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
 
-    agree(_finish)  # every rank has written its files (dcp.save returned everywhere)
+    agree(_sidecar)
     agree(lambda: publish(tmp, path) if rank == 0 else None)

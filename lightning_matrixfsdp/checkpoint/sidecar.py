@@ -1,8 +1,10 @@
 """The layout sidecar ``matrix_fsdp_layout.json``: what it records, how it is read and checked.
 
 It records who owned what (shape, dtype, owner, role, tied aliases), the plans, the
-optimizers and the versions. The data is located by name, so loading does not need
-it; when present it is checked against the data beside it.
+optimizers, the files the save wrote (sizes and checksums) and the versions. The data
+is located by name, so loading does not need it; when present it is checked against
+the data beside it, and it is what tells a load which files must exist with which
+contents, which parameters changed role, and which aliases a converted file carries.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_sidec
 SIDECAR_NAME = "matrix_fsdp_layout.json"
 META_NAME = "meta.pt"  # Lightning's marker of a sharded checkpoint directory (fabric.utilities.load._METADATA_FILENAME)
 FORMAT = "lightning_matrixfsdp.checkpoint"
+# Later additions (``files``) are optional fields: readers of version 1 ignore them, and
+# this reader accepts sidecars without them.
 FORMAT_VERSION = 1
 
 
@@ -46,12 +50,12 @@ def _optimizers(optimizers: Sequence[Mapping[str, Any]], classes: Sequence[Optio
             for c, o in zip(list(classes) + [None] * len(optimizers), optimizers)]
 
 
-def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), classes: Sequence[str] = ()
-                ) -> dict[str, Any]:
-    """What the sidecar records: who owned what, shapes, dtypes, roles, plans, optimizers, versions."""
+def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), classes: Sequence[str] = (),
+                files: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """What the sidecar records: who owned what, shapes, dtypes, roles, plans, optimizers, files, versions."""
     size = world()[1]
     first = index.roots[0] if index.roots else None
-    return {
+    out = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "world_size": size,
@@ -66,6 +70,9 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
         "versions": versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if files is not None:
+        out["files"] = dict(files)
+    return out
 
 
 def single_writer_layout(sd: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]],
@@ -116,6 +123,11 @@ def read_sidecar(path: Path) -> dict[str, Any]:
                 if not (isinstance(p, dict) and isinstance(p.get("shape"), list) and isinstance(p.get("dtype"), str)):
                     problems.append(f"entry {k!r} has no shape/dtype")
                     break
+        files = d.get("files")
+        if files is not None and not (isinstance(files, dict) and all(
+                isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32", []), list)
+                for r in files.values())):
+            problems.append("'files' is not a map of file name -> {size, crc32}")
     if problems:
         raise CheckpointCorruptError(f"layout sidecar {f} is corrupted: " + "; ".join(problems))
     return d
