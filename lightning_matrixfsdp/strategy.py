@@ -40,13 +40,14 @@ from lightning_matrixfsdp.checkpoint import (
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES, DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.planner import PLANNERS
-from lightning_matrixfsdp.runtime.shard import (
-    _as_dtype,
+from lightning_matrixfsdp.runtime import (
     get_comm_stats,
     get_plan,
+    hsdp_mesh,
     matrix_shard,
     set_requires_gradient_sync,
 )
+from lightning_matrixfsdp.runtime.shard import _as_dtype  # until runtime/options replaces it (helper H4)
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 log = logging.getLogger(__name__)
@@ -215,16 +216,13 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         world = self.num_nodes * self.num_processes
         self._data_parallel_size, self._tensor_parallel_size = world, 1
         super().setup_environment()
-        from torch.distributed.device_mesh import init_device_mesh
-
         W = self.shard_size or world
         if world % W:
             raise ValueError(f"shard_size={W} must divide the world size {world}")
         if W == world:
             self._shard_mesh = self.device_mesh["data_parallel"]
         else:
-            self._shard_mesh = init_device_mesh(self.root_device.type, (world // W, W),
-                                                mesh_dim_names=("replicate", "shard"))
+            self._shard_mesh = hsdp_mesh(W, self.root_device)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._shard_mesh  # what configure_model sees as self.device_mesh
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_matrixfsdp.runtime.checks import check_model
 from lightning_matrixfsdp.runtime.collectives import (
     DEFAULT_COLLECTIVE,
     CommStats,
@@ -17,56 +18,20 @@ from lightning_matrixfsdp.runtime.collectives import (
     make_collective,
     validate_schedule,
 )
+from lightning_matrixfsdp.runtime.mesh import hsdp_mesh, shard_and_replicate_groups
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import attach_state, find_state, state_of
+from lightning_matrixfsdp.runtime.tags import attach_state
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
 MatrixFilter = Callable[[str, nn.Parameter], bool]
 
 
-# ---------------------------------------------------------------------- input checks
-def _check_not_wrapped(module: nn.Module) -> None:
-    for name, m in module.named_modules():
-        if state_of(m) is not None:
-            raise MatrixShardError(
-                f"module {name or '<root>'!r} is already sharded by matrix_shard; shard a model once"
-            )
-        cls = type(m)
-        if any(c.__name__ in ("FSDPModule", "FullyShardedDataParallel") for c in cls.__mro__):
-            raise MatrixShardError(
-                f"module {name or '<root>'!r} is already wrapped by FSDP ({cls.__name__}); "
-                "matrix_shard replaces FSDP: pass the plain, unwrapped model"
-            )
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        DTensor = ()  # type: ignore[assignment]
-    for name, p in module.named_parameters():
-        if DTensor and isinstance(p, DTensor):
-            raise MatrixShardError(
-                f"parameter {name!r} is a DTensor (tensor parallel or FSDP2). MatrixFSDP owns whole "
-                "matrices per rank and does not compose with tensor parallelism; use a plain model"
-            )
-    params = list(module.parameters())
-    devices = {p.device for p in params if not p.is_meta}
-    n_meta = sum(p.is_meta for p in params)
-    if n_meta and n_meta != len(params):
-        raise MatrixShardError(
-            f"{n_meta} of {len(params)} parameters are on the meta device and the rest on "
-            f"{sorted(map(str, devices))}; build the whole model on one device (or all on meta)"
-        )
-    if len(devices) > 1:
-        raise MatrixShardError(
-            f"parameters live on mixed devices {sorted(map(str, devices))}; move the model to one device "
-            "(or build it on the meta device) before matrix_shard"
-        )
-
-
+# ---------------------------------------------------------------------- units
 def _mark_outermost_list_children(module: nn.Module, marked: set[int]) -> None:
     """Children of ``nn.ModuleList``s not inside another list's child. A list nested in a
     block (a mixture-of-experts layer's experts) stays part of that block's unit: a unit
@@ -101,35 +66,6 @@ def _unit_of(module_name: str, unit_names: list[str]) -> str:
         if u and (module_name == u or module_name.startswith(u + ".")) and len(u) > len(best):
             best = u
     return best
-
-
-def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None) -> Any:
-    """A ``(replicate, shard)`` DeviceMesh with shard groups of ``shard_size`` consecutive ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_initialized():
-        raise MatrixShardError("shard_size needs an initialized process group")
-    world = dist.get_world_size()
-    if shard_size < 1 or world % shard_size:
-        raise MatrixShardError(f"shard_size={shard_size} must be a positive divisor of the world size {world}")
-    device_type = torch.device(device).type if device is not None else comm_device().type
-    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
-
-
-def _resolve_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
-    """(shard group, replicate group) from a DeviceMesh or None."""
-    if mesh is None:
-        return (dist.group.WORLD if dist.is_initialized() else None), None
-    names = tuple(mesh.mesh_dim_names or ())
-    if "tensor_parallel" in names:  # Lightning's (data_parallel, tensor_parallel) mesh
-        if mesh["tensor_parallel"].size() > 1:
-            raise MatrixShardError("tensor parallelism is out of scope for MatrixFSDP: use tensor_parallel_size=1")
-        mesh = mesh["data_parallel"]
-    if mesh.ndim == 1:
-        return mesh.get_group(0), None
-    if mesh.ndim == 2:
-        return mesh.get_group(1), mesh.get_group(0)
-    raise MatrixShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
 
 
 # ---------------------------------------------------------------------- entry point
@@ -181,11 +117,11 @@ def matrix_shard(
     wrap_policy, planner, param_dtype, reduce_dtype = (opts[k] for k in ("wrap_policy", "planner", "param_dtype",
                                                                            "reduce_dtype"))
     device, shard_size = opts["device"], opts["shard_size"]
-    _check_not_wrapped(module)
+    check_model(module)
 
     if shard_size is not None:
         mesh = hsdp_mesh(shard_size, device)
-    shard_pg, replicate_pg = _resolve_groups(mesh)
+    shard_pg, replicate_pg = shard_and_replicate_groups(mesh)
     sg = ShardGroup(shard_pg)
     real = [p for p in module.parameters() if not p.is_meta]
     if device is None:
@@ -282,38 +218,3 @@ def _materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: to
         if callable(reset):
             with torch.no_grad():
                 reset()
-
-
-# ---------------------------------------------------------------------- queries
-def _state(module: nn.Module) -> MatrixFSDPState:
-    st = find_state(module)
-    if st is None:
-        raise ValueError("this module was not sharded with matrix_shard")
-    return st
-
-
-def get_plan(module: nn.Module) -> Plan:
-    """The owner plan of a sharded model (``str(plan)`` prints a table)."""
-    return _state(module).plan
-
-
-def get_comm_stats(module: nn.Module, reset: bool = False) -> dict[str, dict[str, int]]:
-    """Bytes sent/received and collective calls per phase on this rank."""
-    st = _state(module)
-    snap = st.stats.snapshot()
-    if reset:
-        st.stats.reset()
-    return snap
-
-
-def set_requires_gradient_sync(module: nn.Module, value: bool) -> None:
-    """``False`` accumulates full unsharded gradients locally (no-sync micro-batches)."""
-    _state(module).set_requires_gradient_sync(value)
-
-
-def is_matrix_sharded(module: nn.Module) -> bool:
-    try:
-        _state(module)
-        return True
-    except ValueError:
-        return False

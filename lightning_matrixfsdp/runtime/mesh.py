@@ -1,0 +1,41 @@
+"""Device meshes and the process groups ``matrix_shard`` takes from them."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_matrixfsdp.runtime.collectives import comm_device
+from lightning_matrixfsdp.runtime.options import MatrixShardError
+
+
+def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None) -> Any:
+    """A ``(replicate, shard)`` DeviceMesh with shard groups of ``shard_size`` consecutive ranks
+    (HSDP), on ``device``'s type (default: where communication runs)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise MatrixShardError("shard_size needs an initialized process group")
+    world = dist.get_world_size()
+    if shard_size < 1 or world % shard_size:
+        raise MatrixShardError(f"shard_size={shard_size} must be a positive divisor of the world size {world}")
+    device_type = torch.device(device).type if device is not None else comm_device().type
+    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_and_replicate_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """(shard group, replicate group) from a DeviceMesh or None."""
+    if mesh is None:
+        return (dist.group.WORLD if dist.is_initialized() else None), None
+    names = tuple(mesh.mesh_dim_names or ())
+    if "tensor_parallel" in names:  # Lightning's (data_parallel, tensor_parallel) mesh
+        if mesh["tensor_parallel"].size() > 1:
+            raise MatrixShardError("tensor parallelism is out of scope for MatrixFSDP: use tensor_parallel_size=1")
+        mesh = mesh["data_parallel"]
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise MatrixShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
