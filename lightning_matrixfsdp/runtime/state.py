@@ -13,9 +13,6 @@ from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.schedule import Schedule
 from lightning_matrixfsdp.runtime.unit import Unit
 
-#: Transitional: only the old ``runtime/checkpoint.py`` still reads it; marks go through ``tags``.
-STATE_ATTR = "_mfsdp_state"
-
 
 class MatrixFSDPState:
     """Everything ``matrix_shard`` attaches to the root module."""
