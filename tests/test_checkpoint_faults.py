@@ -160,3 +160,99 @@ def test_checksums_recorded_and_verified(saved, tmp_path):
     with pytest.raises(C.CheckpointCorruptError, match=rf"checksum mismatch in {data.name}"):
         consolidate.convert(ck, tmp_path / "c.ckpt")
     assert consolidate.main([str(ck), str(tmp_path / "c.ckpt"), "--no-verify"]) == 0
+
+
+# ---------------------------------------------------------------------- damaged data files, 2 ranks (B4, B9)
+def _damage(ck, case: str) -> str:
+    """Damage a copy of a 2-rank checkpoint; returns the file a good error names."""
+    import json
+
+    from lightning_matrixfsdp import checkpoint as C
+
+    victim = ck / "__1_0.distcp"  # written by rank 1
+    if case == "flipped":
+        _flip(victim)
+    elif case == "truncated":
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif case in ("empty_old_sidecar", "truncated_no_sidecar"):
+        if case == "empty_old_sidecar":  # a sidecar from before checksums: no sizes to compare
+            side = json.loads((ck / C.SIDECAR_NAME).read_text())
+            del side["files"]
+            (ck / C.SIDECAR_NAME).write_text(json.dumps(side))
+            victim.write_bytes(b"")
+        else:  # a foreign directory: no sidecar at all
+            (ck / C.SIDECAR_NAME).unlink()
+            victim.write_bytes(victim.read_bytes()[: victim.stat().st_size - 100])
+    elif case == "meta_garbage_old_sidecar":
+        side = json.loads((ck / C.SIDECAR_NAME).read_text())
+        del side["files"]
+        (ck / C.SIDECAR_NAME).write_text(json.dumps(side))
+        (ck / C.META_NAME).write_bytes(b"\x80garbage")
+        return C.META_NAME
+    return victim.name
+
+
+CASES = ("flipped", "truncated", "empty_old_sidecar", "truncated_no_sidecar", "meta_garbage_old_sidecar")
+
+
+def _damaged_worker(rank, world, root):
+    import pickle
+    from pathlib import Path
+
+    from lightning_matrixfsdp import checkpoint as C
+
+    root = Path(root)
+    model, opt = _sharded(0)
+    _train(model, opt, 2)
+    C.save_sharded(model, root / "ok", [opt], extra={"global_step": 2})
+    C.save_sharded(model, root / "ok", [opt], extra={"global_step": 2})  # replaces itself cleanly
+    names = {}
+    if rank == 0:
+        for case in CASES:
+            shutil.copytree(root / "ok", root / case)
+            names[case] = _damage(root / case, case)
+    dist.barrier()
+    out = {}
+    other, o2 = _sharded(1)
+    _train(other, o2, 1)  # a live optimizer state that a failed load must not touch
+    for case in CASES:
+        before = snapshot(other, o2)
+        try:
+            C.load_sharded(other, root / case, [o2])
+            err = None
+        except BaseException as e:  # noqa: BLE001 - the test checks the class
+            err = e
+        out[case] = {"type": type(err).__name__ if err is not None else None,
+                     "is_exception": isinstance(err, Exception), "msg": str(err),
+                     "untouched": _unchanged(snapshot(other, o2), before)}
+    # the intact checkpoint still loads, and gives the saved state
+    C.load_sharded(other, root / "ok", [o2])
+    out["intact"] = _unchanged(snapshot(other, o2), snapshot(model, opt), loaded=True)
+    return pickle.dumps({"cases": out, "names": names})
+
+
+def _unchanged(a, b, loaded: bool = False) -> bool:
+    if loaded:  # torch's load_state_dict fills in ``differentiable`` with its own default
+        a, b = ({**x, "groups": [{k: v for k, v in g.items() if k != "differentiable"} for g in x["groups"]]}
+                for x in (a, b))
+    try:
+        assert_bitwise_equal(a, b)
+        return True
+    except AssertionError:
+        return False
+
+
+def test_damaged_files_raise_on_every_rank_and_leave_model_and_optimizer_untouched(tmp_path):
+    import pickle
+
+    results = [pickle.loads(r) for r in run_distributed(_damaged_worker, 2, str(tmp_path))]
+    names = results[0]["names"]
+    for rank, r in enumerate(results):
+        intact = r["cases"].pop("intact")
+        for case, got in r["cases"].items():
+            assert got["type"] == "CheckpointCorruptError" and got["is_exception"], (rank, case, got)
+            assert names[case] in got["msg"], (rank, case, got["msg"])
+            assert got["untouched"], f"rank {rank}: the failed load of {case!r} changed the model or optimizer"
+        assert intact, f"rank {rank}: the intact checkpoint did not restore the saved state"
+    assert "checksum mismatch" in results[0]["cases"]["flipped"]["msg"]
+    assert "truncated" in results[1]["cases"]["truncated"]["msg"]

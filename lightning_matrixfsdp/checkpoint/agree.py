@@ -15,11 +15,13 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from lightning_matrixfsdp.checkpoint.errors import ERROR_CLASSES, CheckpointError
 from lightning_matrixfsdp.runtime.collectives import comm_device
 
-__all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "warn", "world"]
+__all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "describe_failure", "warn",
+           "world"]
 
 
 def world() -> tuple[int, int]:
@@ -54,11 +56,16 @@ def barrier() -> None:
 
 
 def agree(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` on every rank; if it fails anywhere, raise on every rank (never leave peers hanging)."""
+    """Run ``fn`` on every rank; if it fails anywhere, raise on every rank (never leave peers hanging).
+
+    torch's ``CheckpointException`` derives from ``BaseException``; it is caught too and
+    becomes a :class:`CheckpointError`, so callers' ``except Exception`` sees it."""
     err: Optional[BaseException] = None
     out = None
     try:
         out = fn(*args, **kwargs)
+    except CheckpointException as e:
+        err = CheckpointError(f"torch.distributed.checkpoint failed: {describe_failure(e)}")
     except Exception as e:  # noqa: BLE001 - re-raised below, on all ranks
         err = e
     if world()[1] > 1:
@@ -70,6 +77,14 @@ def agree(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if err is not None:
         raise err
     return out
+
+
+def describe_failure(e: CheckpointException) -> str:
+    """The underlying error of a ``CheckpointException`` in one line (its ``str`` is a traceback)."""
+    for rank, pair in sorted(e.failures.items()):
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return str(e)
 
 
 def warn(msg: str) -> None:

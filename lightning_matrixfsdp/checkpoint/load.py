@@ -1,9 +1,12 @@
 """Loading any supported checkpoint into an owner-sharded module and its optimizers.
 
 Every step is agreed across ranks before the next, and nothing is written into the
-module before everything has been validated (keys, shapes, dtypes, optimizers). Each
-rank reads only the tensors it owns under the *current* plan, so any world size,
-shard span or planner can resume.
+module or the optimizers before everything has been validated *and read*: the files'
+sizes and checksums, the keys, shapes and dtypes, the optimizers, the parameters'
+roles, ``meta.pt``, and finally every tensor this rank will hold (into fresh CPU
+buffers). A load that fails at any point leaves the model and the optimizers as they
+were. Each rank reads only the tensors it owns under the *current* plan, so any world
+size, shard span or planner can resume.
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
-from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, warn, world
-from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, describe_failure, warn, world
+from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from lightning_matrixfsdp.checkpoint.formats import (
     DcpEntries,
     from_native,
@@ -75,15 +79,34 @@ def _detect(path: Path) -> str:
             raise CheckpointCorruptError(f"{path} is a directory without DCP '.metadata': not a distributed "
                                          "checkpoint, or its save did not finish")
         return "dir"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} is neither a file nor a directory")
     return "file"
 
 
 def read_dcp(entries: dict[str, Any], path: Path, no_dist: bool = False) -> None:
-    """``dcp.load`` of ``entries`` from directory ``path``."""
+    """``dcp.load`` of ``entries`` from directory ``path``; a failure (torch's ``CheckpointException``,
+    a ``BaseException``) becomes a :class:`CheckpointCorruptError` that names the data files."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    dcp.load(entries, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+    try:
+        dcp.load(entries, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+    except CheckpointException as e:
+        data = sorted(path.glob("*.distcp"))
+        empty = [p.name for p in data if p.stat().st_size == 0]
+        files = (f"empty data file(s) {', '.join(empty)}" if empty else
+                 "data files " + ", ".join(f"{p.name} ({p.stat().st_size} bytes)" for p in data[:16]))
+        raise CheckpointCorruptError(f"checkpoint {path}: reading the data failed ({describe_failure(e)}); "
+                                     f"{files}: one is truncated or damaged; load an intact copy or an earlier "
+                                     "checkpoint") from None
+
+
+def _read_meta(path: Path, weights_only: Optional[bool]) -> Any:
+    try:
+        return torch.load(path / META_NAME, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - any failure is a damaged or foreign file
+        raise CheckpointCorruptError(f"checkpoint {path}: {META_NAME} cannot be read: {e}") from None
 
 
 def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
@@ -120,6 +143,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     ck, side = agree(prepare)
     if side is not None and isinstance(side.get("files"), Mapping):
         verify_files(path, side["files"], checksums=verify)
+    meta = agree(_read_meta, path, weights_only) if (path / META_NAME).is_file() else None
     match = agree(match_model, index, ck.specs(), strict, what)
     if side is not None:
         _log_layout(side, index)
@@ -136,7 +160,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     req1: dict[str, Any] = {flat: placeholder(ck.meta[flat]) for i in use for g in ck.groups[i].values()
                             for flat in g.values()}
     if req1:
-        read_dcp(req1, path)
+        agree(read_dcp, req1, path)
     saved_groups: dict[int, list[dict[str, Any]]] = {}
     for i in use:
         gs = ck.groups[i]
@@ -158,12 +182,15 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
 
     apply, dropped = agree(check)
 
-    # phase 2: tensors, straight into the resident parameters; optimizer state into fresh CPU tensors
+    # phase 2: read everything this rank will hold into fresh CPU buffers; nothing is written yet
     req2: dict[str, Any] = {}
+    targets: list[tuple[torch.Tensor, str]] = []
     for key, c in match.tensors:
         e = index.entries[key]
         if e.local is not None:
-            req2[ck.model[c][0]] = e.local
+            flat = ck.model[c][0]
+            req2[flat] = placeholder(ck.meta[flat])
+            targets.append((e.local, flat))
     for key, c in match.objects:
         req2[ck.model[c][0]] = None
     wanted: dict[int, dict[str, list[tuple[tuple, str]]]] = {}
@@ -176,15 +203,18 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
                 for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
                     req2[flat] = placeholder(m)
                     wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat))
-    read_dcp(req2, path)
+    agree(read_dcp, req2, path)
+
+    # phase 3: in place (extra state first: user code that may still raise)
     if match.objects:
         module.load_state_dict({k: req2[ck.model[c][0]] for k, c in match.objects}, strict=False)
+    with torch.no_grad():
+        for local, flat in targets:
+            local.copy_(req2[flat])
     for i in apply:
         state = {key: nest((tail, req2[flat]) for tail, flat in items) for key, items in wanted.get(i, {}).items()}
         _apply_optimizer(index, optimizers[i], saved_groups[i], state)
-    if not (path / META_NAME).is_file():
-        return None
-    return agree(torch.load, path / META_NAME, map_location="cpu", weights_only=weights_only)
+    return meta
 
 
 def _log_layout(side: Mapping[str, Any], index: KeyIndex) -> None:
@@ -259,13 +289,14 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
             got = agree(prep)
             if got is not None:
                 restore.append((o, *got))
+    # in place (extra state first: user code that may still raise)
+    if match.objects:
+        module.load_state_dict({k: sd[c] for k, c in match.objects}, strict=False)
     with torch.no_grad():
         for key, c in match.tensors:
             e = index.entries[key]
             if e.local is not None:
                 e.local.copy_(sd[c])
-    if match.objects:
-        module.load_state_dict({k: sd[c] for k, c in match.objects}, strict=False)
     for o, groups, state in restore:
         held = {index.key(p) for g in o.param_groups for p in g["params"]}
         mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
