@@ -256,3 +256,102 @@ def test_damaged_files_raise_on_every_rank_and_leave_model_and_optimizer_untouch
         assert intact, f"rank {rank}: the intact checkpoint did not restore the saved state"
     assert "checksum mismatch" in results[0]["cases"]["flipped"]["msg"]
     assert "truncated" in results[1]["cases"]["truncated"]["msg"]
+
+
+# ---------------------------------------------------------------------- failed and crashed saves (E11, nothing lost)
+def _failed_save_worker(rank, world, root):
+    import pickle
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from lightning_matrixfsdp import checkpoint as C
+
+    root = Path(root)
+    model, opt = _sharded(0)
+    _train(model, opt, 1)
+    C.save_sharded(model, root / "ck", [opt], extra={"global_step": 1})
+    saved = snapshot(model, opt)
+    _train(model, opt, 1, start=1)
+    if rank == 1:  # this rank's disk fills up while it writes its shard
+        def full_disk(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+        FileSystemWriter.write_data = full_disk
+    try:
+        C.save_sharded(model, root / "ck", [opt], extra={"global_step": 2})
+        err = None
+    except BaseException as e:  # noqa: BLE001 - the test checks the class
+        err = e
+    dist.barrier()
+    left = sorted(p.name for p in root.iterdir())
+    other, o2 = _sharded(1)
+    rest = C.load_sharded(other, root / "ck", [o2])
+    return pickle.dumps({"type": type(err).__name__, "is_exception": isinstance(err, Exception), "msg": str(err),
+                         "left": left, "rest": rest, "intact": _unchanged(snapshot(other, o2), saved, loaded=True)})
+
+
+def test_failed_save_raises_everywhere_cleans_up_and_keeps_the_previous_checkpoint(tmp_path):
+    import pickle
+
+    results = [pickle.loads(r) for r in run_distributed(_failed_save_worker, 2, str(tmp_path))]
+    for rank, r in enumerate(results):
+        assert r["type"] == "CheckpointError" and r["is_exception"], (rank, r["type"], r["msg"])
+        assert str(tmp_path / "ck") in r["msg"] and "No space left on device" in r["msg"], r["msg"]
+        assert r["left"] == ["ck"], f"the failed save left {r['left']}"
+        assert r["rest"] == {"global_step": 1} and r["intact"], "the previous checkpoint must be intact"
+
+
+_CRASH = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import torch
+import torch.distributed.checkpoint as dcp
+import lightning_matrixfsdp as mf
+from lightning_matrixfsdp import checkpoint as C
+from models import TinyLM
+
+target = sys.argv[1]
+model = mf.matrix_shard(TinyLM())
+C.save_sharded(model, target, extra={{"n": 1}})
+real = dcp.save
+
+def dying(*a, **k):
+    real(*a, **k)
+    os._exit(17)  # killed after writing its files, before the save is published
+
+dcp.save = dying
+C.save_sharded(model, target, extra={{"n": 2}})
+"""
+
+
+def test_partials_of_crashed_saves_are_removed_by_the_next_save_of_the_same_target(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import clean_env
+
+    from lightning_matrixfsdp import checkpoint as C
+
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH.format(tests=str(Path(__file__).parent)))
+    root = tmp_path / "ckpts"
+    root.mkdir()
+
+    def crash(name: str) -> set[str]:
+        before = {p.name for p in root.iterdir()}
+        r = subprocess.run([sys.executable, str(script), str(root / name)], env=clean_env(PYTHONWARNINGS="ignore"),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 17, r.stderr
+        return {p.name for p in root.iterdir()} - before - {name}
+
+    left_a, left_b = crash("a.ckpt"), crash("b.ckpt")
+    assert len(left_a) == 1 and len(left_b) == 1 and all(n.startswith(C.PARTIAL_PREFIX) for n in left_a | left_b)
+    assert torch.load(root / "a.ckpt" / C.META_NAME)["n"] == 1  # the crash left the previous save intact
+    model, _ = _sharded(0)
+    C.save_sharded(model, root / "a.ckpt", extra={"n": 3})
+    assert {p.name for p in root.iterdir()} == {"a.ckpt", "b.ckpt"} | left_b, "only a.ckpt's partial goes"
+    assert C.load_sharded(model, root / "b.ckpt") == {"n": 1}
+    C.save_sharded(model, root / "b.ckpt", full=True)  # a consolidated save of b cleans b's partial too
+    assert {p.name for p in root.iterdir()} == {"a.ckpt", "b.ckpt"}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -28,7 +29,7 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
 from lightning_matrixfsdp.checkpoint.integrity import file_records, verify_files, verify_zip
 from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp
-from lightning_matrixfsdp.checkpoint.save import new_partial, publish, write_file
+from lightning_matrixfsdp.checkpoint.save import new_partial, publish, remove_stale, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
 
 __all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main"]
@@ -123,19 +124,23 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
             converted[f"optimizer_{i}"] = {"state": state, "param_groups": groups}
     tmp = new_partial(dst)
     tmp.mkdir(parents=True)
-    dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(), no_dist=True)
-    if lightning:
-        rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
-        if weights_only:
-            for k in TRAINING_STATE_KEYS:
-                rest.pop(k, None)
-        torch.save(rest, tmp / META_NAME)
-    side = single_writer_layout(full_sd, [converted[k] for k in converted if k.startswith("optimizer_")], classes,
-                                layout)
-    side["files"] = file_records(tmp, [p.name for p in tmp.iterdir()], checksums, collective=False)
-    (tmp / SIDECAR_NAME).write_text(json.dumps(side, indent=1, default=str))
-    publish(tmp, dst)
-
+    try:
+        dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(), no_dist=True)
+        if lightning:
+            rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
+            if weights_only:
+                for k in TRAINING_STATE_KEYS:
+                    rest.pop(k, None)
+            torch.save(rest, tmp / META_NAME)
+        side = single_writer_layout(full_sd, [converted[k] for k in converted if k.startswith("optimizer_")],
+                                    classes, layout)
+        side["files"] = file_records(tmp, [p.name for p in tmp.iterdir()], checksums, collective=False)
+        (tmp / SIDECAR_NAME).write_text(json.dumps(side, indent=1, default=str))
+        publish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    remove_stale(dst)
 
 def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True) -> str:
     """Convert ``src`` to the other format at ``dst``; returns the direction taken."""

@@ -1,12 +1,15 @@
 """Writing a checkpoint: everything into a hidden sibling first, published by one rename.
 
-A save writes into ``.mfsdp-partial-<token>`` next to the target (same filesystem,
-so the final rename is atomic). Rank 0 writes ``meta.pt`` and the sidecar (with every
-file's size and checksums) only after every rank's ``dcp.save`` returned, and renames
-the directory (or file) to its final name only after every rank confirmed.
+A save writes into ``.mfsdp-partial-<target>-<token>`` next to the target (same
+filesystem, so the final rename is atomic). Rank 0 writes ``meta.pt`` and the sidecar
+(with every file's size and checksums) only after every rank's ``dcp.save`` returned,
+and renames the directory (or file) to its final name only after every rank
+confirmed. A failed save removes its own partial; a successful one also removes the
+partials and set-aside copies that earlier crashed saves of the same target left.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -16,40 +19,44 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
-from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, broadcast_object, world
+from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, broadcast_object, describe_failure, world
+from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import optimizer_class, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.integrity import file_records
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 
-__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "new_partial", "publish", "save_sharded", "write_checkpoint",
-           "write_file"]
+__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "new_partial", "publish", "remove_stale", "save_sharded",
+           "write_checkpoint", "write_file"]
 
 PARTIAL_PREFIX = ".mfsdp-partial-"
 OLD_PREFIX = ".mfsdp-old-"
 PathLike = Union[str, os.PathLike]
 
 
+def _tag(path: Path) -> str:
+    """Names the target in its partials, so a later save of the same target finds them."""
+    return hashlib.sha1(path.name.encode()).hexdigest()[:12]
+
+
 def new_partial(path: Path, token: Optional[str] = None) -> Path:
     """A fresh temporary sibling of ``path`` (not created)."""
-    return path.parent / f"{PARTIAL_PREFIX}{token or secrets.token_hex(8)}"
+    return path.parent / f"{PARTIAL_PREFIX}{_tag(path)}-{token or secrets.token_hex(8)}"
 
 
 def publish(tmp: Path, path: Path) -> None:
     """Make ``tmp`` visible as ``path``.  A file replaces a file atomically; otherwise the old
-    entry is moved aside first (a crash in between leaves it as ``.mfsdp-old-<token>``)."""
+    entry is moved aside first (a crash in between leaves it as ``.mfsdp-old-<target>-<token>``)."""
     if tmp.is_file() and (path.is_file() or not path.exists()) and not path.is_symlink():
         os.replace(tmp, path)
     elif path.exists() or path.is_symlink():
-        old = path.parent / f"{OLD_PREFIX}{tmp.name[len(PARTIAL_PREFIX):]}"
+        old = path.parent / f"{OLD_PREFIX}{_tag(path)}-{secrets.token_hex(8)}"
         os.rename(path, old)
         os.rename(tmp, path)
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
+        _remove(old)
     else:
         os.rename(tmp, path)
     try:  # persist the rename
@@ -62,25 +69,49 @@ def publish(tmp: Path, path: Path) -> None:
         pass
 
 
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def remove_stale(path: Path) -> list[Path]:
+    """Remove what crashed or failed saves of ``path`` left beside it (partials, set-aside old copies).
+    Call after a successful save of ``path``, with no other save of it running."""
+    tag = _tag(path)
+    stale = [p for pre in (PARTIAL_PREFIX, OLD_PREFIX) for p in path.parent.glob(f"{pre}{tag}-*")]
+    for p in stale:
+        _remove(p)
+    return stale
+
+
 def write_file(obj: Mapping[str, Any], path: Path) -> None:
     """``torch.save`` into a partial file, fsync, then publish (this process only)."""
     if path.is_dir() and not (path / META_NAME).is_file() and not (path / ".metadata").is_file():
         raise IsADirectoryError(f"the checkpoint path exists and is a directory: {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_partial(path)
-    with open(tmp, "wb") as f:
-        torch.save(dict(obj), f)
-        f.flush()
-        os.fsync(f.fileno())
-    publish(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(dict(obj), f)
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    remove_stale(path)
 
 
 def save_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
-                 full: bool = False, extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> None:
+                 full: bool = False, extra: Optional[Mapping[str, Any]] = None, checksums: bool = True) -> None:
     """Save outside Lightning: the module, the optimizers and ``extra`` (goes to ``meta.pt``). Collective.
 
-    ``checksums``: record a CRC-32 of every file a directory save writes (verified on load;
-    a consolidated file carries ``torch.save``'s own)."""
+    ``checksums``: record a CRC-32 of every file a directory save writes (verified on load)."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     index = build_index(module)
     checkpoint = dict(extra or {})
@@ -108,9 +139,6 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
 
         agree(_file)  # also the barrier: nobody returns before the file is in place
         return
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-
     tmp = new_partial(path, broadcast_object(secrets.token_hex(8)))
 
     def _mkdir() -> None:
@@ -118,12 +146,36 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
             tmp.mkdir(parents=True)
 
     agree(_mkdir)
+    try:
+        _write_dir(index, checkpoint, path, tmp, optimizer_classes, checksums)
+    except BaseException:
+        if rank == 0:
+            _remove(tmp)
+        raise
+    if rank == 0:
+        remove_stale(path)
+
+
+def _write_dir(index: KeyIndex, checkpoint: dict[str, Any], path: Path, tmp: Path,
+               optimizer_classes: Sequence[str], checksums: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    rank = world()[0]
     converted: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict", {})}
     opt_states = checkpoint.pop("optimizer_states", [])
     for i, s in enumerate(opt_states):
         converted[f"optimizer_{i}"] = s
-    dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)),
-             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+
+    def _dcp() -> None:
+        try:
+            dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)),
+                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+        except CheckpointException as e:
+            raise CheckpointError(f"writing checkpoint {path} failed: {describe_failure(e)}; the previous "
+                                  "checkpoint at that path is unchanged") from None
+
+    agree(_dcp)
 
     def _meta() -> list[str]:
         if rank != 0:
