@@ -34,3 +34,73 @@ def test_strategy_logs_clip_traffic(tmp_path):
             if r.get("matrix_fsdp/clip_MB")]
     assert len(rows) == 2, rows
     assert all(float(r["matrix_fsdp/clip_MB"]) == 16 / 2**20 for r in rows), rows
+
+
+# ---------------------------------------------------------------------- every norm type, like torch
+NORMS = (2.0, 1.0, 3.0, 0.5, 0.0, -1.0, float("inf"), float("-inf"))
+CASES = ("finite", "nan_on_rank1", "inf_on_rank1", "zero_tensor")
+
+
+def _grad_for(fqn: str, shape: tuple, case: str, target: str) -> torch.Tensor:
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(sum(map(ord, fqn))))
+    if fqn == target:
+        if case == "nan_on_rank1":
+            g.view(-1)[1] = float("nan")
+        elif case == "inf_on_rank1":
+            g.view(-1)[0] = float("inf")
+        elif case == "zero_tensor":
+            g.zero_()
+    return g
+
+
+def _norm_types_worker(rank: int, world: int) -> list:
+    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of
+
+    torch.manual_seed(0)
+    model = mf.matrix_shard(TinyLM())
+    named = list(model.named_parameters())
+    # the first parameter owned by rank 1 (every rank reads the same plan)
+    target = next(shard_of(p).fqn for _, p in named if shard_of(p).owner == 1)
+    out = []
+    for p_norm in NORMS:
+        for case in CASES:
+            for check in (False, True):
+                # oracle: torch's own clip over the full gradients, in this one process
+                ref = [torch.nn.Parameter(torch.zeros(shard_of(p).shape)) for _, p in named]
+                for r, (_, p) in zip(ref, named):
+                    r.grad = _grad_for(shard_of(p).fqn, shard_of(p).shape, case, target)
+                try:
+                    ref_total, ref_err = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type=p_norm,
+                                                                        error_if_nonfinite=check), None
+                except RuntimeError as e:
+                    ref_total, ref_err = None, str(e)
+                for _, p in named:
+                    p.grad = _grad_for(shard_of(p).fqn, shard_of(p).shape, case, target) if is_owned(p) else None
+                try:
+                    total, err = mf.clip_grad_norm_(model, 0.5, norm_type=p_norm, error_if_nonfinite=check), None
+                except RuntimeError as e:
+                    total, err = None, str(e)
+                grads_ok = err is not None or all(
+                    torch.allclose(p.grad, r.grad, rtol=1e-5, atol=1e-7, equal_nan=True)
+                    for (_, p), r in zip(named, ref) if is_owned(p))
+                out.append(dict(norm=p_norm, case=case, check=check, total=None if total is None else total.item(),
+                                ref=None if ref_total is None else ref_total.item(), err=err, ref_err=ref_err,
+                                grads_ok=grads_ok))
+    return out
+
+
+def test_clip_matches_torch_for_every_norm_type_and_non_finite_gradient(dist_pools):
+    import math
+
+    for rank, rows in enumerate(dist_pools(2).run(_norm_types_worker, timeout=180)):
+        for r in rows:
+            what = f"rank {rank}: norm_type={r['norm']} {r['case']} error_if_nonfinite={r['check']}: {r}"
+            assert (r["err"] is None) == (r["ref_err"] is None), what
+            if r["err"] is not None:
+                assert "non-finite" in r["err"], what
+                continue
+            if math.isnan(r["ref"]):
+                assert math.isnan(r["total"]), what
+            else:
+                assert math.isclose(r["total"], r["ref"], rel_tol=1e-5, abs_tol=1e-7), what
+            assert r["grads_ok"], what

@@ -68,20 +68,57 @@ def clip_grad_norm_(
         parameters = list(parameters.parameters())
     grads = _owned_grads(list(parameters))
     norm_type = float(norm_type)
-    device = grads[0].device if grads else comm_device(group)
-    # Partial sums in float64: the owners' pieces are added in another order than a
-    # single-device norm would use, and float64 keeps that from showing in float32.
-    if norm_type == math.inf:
-        local = (torch.stack([g.detach().abs().max().double() for g in grads]).max() if grads
-                 else torch.zeros((), dtype=torch.float64, device=device))
-    else:
-        local = (torch.stack([g.detach().double().abs().pow(norm_type).sum() for g in grads]).sum() if grads
-                 else torch.zeros((), dtype=torch.float64, device=device))
-    total = all_reduce_norm(local, maximum=norm_type == math.inf, group=group, stats=stats)
-    total = (total[0] if norm_type == math.inf else total[0] ** (1.0 / norm_type)).float()
+    local, maximum = _partial_norm(grads, norm_type, grads[0].device if grads else comm_device(group))
+    total = _total_norm(all_reduce_norm(local, maximum=maximum, group=group, stats=stats), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot "
+            "be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
     return total
+
+
+# What each rank contributes to the global norm, and how the ranks' pieces combine (sum, or
+# maximum): the same total as ``torch.nn.utils.clip_grad_norm_`` over the full gradients,
+# which takes each tensor's norm and then the norm of those norms.  Partial sums are in
+# float64: the owners' pieces are added in another order than a single-device norm would
+# use, and float64 keeps that from showing in float32.  A maximum drops NaN inside the
+# all-reduce, so the NaN travels as a flag of its own.
+def _partial_norm(grads: list[torch.Tensor], p: float, device: torch.device) -> tuple[torch.Tensor, bool]:
+    f64 = dict(dtype=torch.float64, device=device)
+    if p == math.inf or p == -math.inf:
+        mags = [g.detach().abs().max() if p > 0 else g.detach().abs().min() for g in grads]
+        if mags:
+            best = torch.stack([m.double() for m in mags])
+            value = best.max() if p > 0 else -best.min()  # -min: combined by maximum as well
+            nan = torch.stack([g.detach().isnan().any() for g in grads]).any().double()
+        else:
+            value = torch.tensor(0.0 if p > 0 else -math.inf, **f64)
+            nan = torch.zeros((), **f64)
+        return torch.stack([value.to(device), nan.to(device), torch.tensor(float(bool(grads)), **f64)]), True
+    if p == 0:  # torch: the number of tensors with a non-zero (or NaN) entry
+        count = (torch.stack([(g.detach() != 0).any() for g in grads]).sum().double() if grads
+                 else torch.zeros((), **f64))
+        return count.to(device).reshape(1), False
+    value = (torch.stack([g.detach().double().abs().pow(p).sum() for g in grads]).sum() if grads
+             else torch.zeros((), **f64))
+    if p > 0:
+        return value.reshape(1), False
+    return torch.stack([value.to(device), torch.tensor(float(len(grads)), **f64)]), False
+
+
+def _total_norm(combined: torch.Tensor, p: float) -> torch.Tensor:
+    # torch.where instead of Python branches: no host synchronization on an accelerator.
+    if p == math.inf or p == -math.inf:
+        value, nan, any_grad = combined[0], combined[1], combined[2]
+        value = value if p > 0 else -value
+        value = torch.where(any_grad > 0, value, torch.zeros_like(value))  # no gradient anywhere: 0, as torch
+        return torch.where(nan > 0, torch.full_like(value, math.nan), value).float()
+    if p == 0:
+        return combined[0].float()
+    total = combined[0] ** (1.0 / p)
+    if p < 0:
+        total = torch.where(combined[1] > 0, total, torch.zeros_like(total))
+    return total.float()

@@ -461,9 +461,10 @@ class GradientReducer:
 
 def all_reduce_norm(local: torch.Tensor, maximum: bool, group: Optional[dist.ProcessGroup] = None,
                     stats: Optional[CommStats] = None) -> torch.Tensor:
-    """Combine the owners' partial norms of a global-norm clip over ``group``: the sum
-    (``maximum=False``) or the maximum.  Returns a 1-element tensor on :func:`comm_device`."""
-    total = local.to(comm_device(group)).reshape(1).clone()
+    """Combine the owners' partial norms of a global-norm clip over ``group`` (a few
+    scalars): element-wise sum (``maximum=False``) or maximum.  Returns a 1-D tensor on
+    :func:`comm_device`."""
+    total = local.to(comm_device(group)).reshape(-1).clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group)
         if stats is not None:
