@@ -350,6 +350,23 @@ def test_partials_of_crashed_saves_are_removed_by_the_next_save_of_the_same_targ
     assert len(left_a) == 1 and len(left_b) == 1 and all(n.startswith(C.PARTIAL_PREFIX) for n in left_a | left_b)
     assert torch.load(root / "a.ckpt" / C.META_NAME)["n"] == 1  # the crash left the previous save intact
     model, _ = _sharded(0)
+    # a save that fails (the disk is full) frees what the crash left and what it wrote itself
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real = FileSystemWriter.write_data
+
+    def disk_full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    FileSystemWriter.write_data = disk_full
+    try:
+        with pytest.raises(C.CheckpointError, match="No space left"):
+            C.save_sharded(model, root / "a.ckpt", extra={"n": 3})
+    finally:
+        FileSystemWriter.write_data = real
+    assert {p.name for p in root.iterdir()} == {"a.ckpt", "b.ckpt"} | left_b
+    assert torch.load(root / "a.ckpt" / C.META_NAME)["n"] == 1
+    crash("a.ckpt")
     C.save_sharded(model, root / "a.ckpt", extra={"n": 3})
     assert {p.name for p in root.iterdir()} == {"a.ckpt", "b.ckpt"} | left_b, "only a.ckpt's partial goes"
     assert C.load_sharded(model, root / "b.ckpt") == {"n": 1}

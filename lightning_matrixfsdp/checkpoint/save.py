@@ -4,8 +4,14 @@ A save writes into ``.mfsdp-partial-<target>-<token>`` next to the target (same
 filesystem, so the final rename is atomic). Rank 0 writes ``meta.pt`` and the sidecar
 (with every file's size and checksums) only after every rank's ``dcp.save`` returned,
 and renames the directory (or file) to its final name only after every rank
-confirmed. A failed save removes its own partial; a successful one also removes the
-partials and set-aside copies that earlier crashed saves of the same target left.
+confirmed.
+
+Leftovers: a save that fails on every rank alike (an agreed error) removes its own
+partial; a crash cannot, so the next save of the same target removes the partials
+of that target before it writes (they never were a checkpoint, and on a full disk
+their space is needed), and after it is published the copies a crash set aside.
+A communication failure (a peer died) leaves the partial to that next save: another
+rank may still be writing into it.
 """
 from __future__ import annotations
 
@@ -79,11 +85,15 @@ def _remove(p: Path) -> None:
             pass
 
 
-def remove_stale(path: Path) -> list[Path]:
-    """Remove what crashed or failed saves of ``path`` left beside it (partials, set-aside old copies).
-    Call after a successful save of ``path``, with no other save of it running."""
+def remove_stale(path: Path, published: bool = True) -> list[Path]:
+    """Remove what crashed or failed saves of ``path`` left beside it: their partials and, once a
+    new save of ``path`` is ``published``, the old copies a crash set aside (before that, such a
+    copy may be the only one). Call with no other save of ``path`` running."""
+    if not path.parent.is_dir():
+        return []
     tag = _tag(path)
-    stale = [p for pre in (PARTIAL_PREFIX, OLD_PREFIX) for p in path.parent.glob(f"{pre}{tag}-*")]
+    stale = [p for pre in ((PARTIAL_PREFIX, OLD_PREFIX) if published else (PARTIAL_PREFIX,))
+             for p in path.parent.glob(f"{pre}{tag}-*")]
     for p in stale:
         _remove(p)
     return stale
@@ -94,6 +104,7 @@ def write_file(obj: Mapping[str, Any], path: Path) -> None:
     if path.is_dir() and not (path / META_NAME).is_file() and not (path / ".metadata").is_file():
         raise IsADirectoryError(f"the checkpoint path exists and is a directory: {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path, published=False)
     tmp = new_partial(path)
     try:
         with open(tmp, "wb") as f:
@@ -143,12 +154,13 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
 
     def _mkdir() -> None:
         if rank == 0:
+            remove_stale(path, published=False)
             tmp.mkdir(parents=True)
 
     agree(_mkdir)
     try:
         _write_dir(index, checkpoint, path, tmp, optimizer_classes, checksums)
-    except BaseException:
+    except (CheckpointError, OSError):  # agreed: every rank is past its writes
         if rank == 0:
             _remove(tmp)
         raise
