@@ -19,6 +19,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
+from lightning_matrixfsdp.demos.schedule import WarmupCosine  # noqa: F401  (its import path before schedule.py)
+from lightning_matrixfsdp.demos.schedule import fit_schedules_to_trainer, warmup_cosine
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention; the fused qkv matrix is one Muon role."""
@@ -71,28 +74,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class WarmupCosine:
-    """LR multiplier: linear warmup, then cosine decay to ``min_ratio``.
-
-    A callable object rather than a lambda so LambdaLR can put it in a checkpoint.
-    """
-
-    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float, cosine: bool) -> None:
-        self.warmup_steps = warmup_steps
-        self.total_steps = total_steps
-        self.min_ratio = min_ratio
-        self.cosine = cosine
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if not self.cosine:
-            return 1.0
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 class GPT(LightningModule):
     """Decoder-only language model trained with ``lightning_matrixfsdp.Muon``.
 
@@ -104,7 +85,8 @@ class GPT(LightningModule):
         adamw_lr: AdamW learning rate for the non-matrix tail (norms, biases).
         weight_decay: decoupled weight decay for both.
         warmup_steps: linear warmup length in optimizer steps.
-        lr_schedule: ``"cosine"`` (decay over the run's stepping batches) or ``"constant"``.
+        lr_schedule: ``"cosine"`` (decay over the run's stepping batches, which a resumed
+            run with a larger ``max_steps`` extends) or ``"constant"``.
         min_lr_ratio: floor of the cosine decay, as a fraction of the peak.
     """
 
@@ -189,11 +171,9 @@ class GPT(LightningModule):
         return Muon(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr)
 
     def configure_optimizers(self) -> Any:
-        optimizer = self._optimizer()
         hp = self.hparams
-        if hp.lr_schedule == "constant" and hp.warmup_steps <= 0:
-            return optimizer
-        total = int(self.trainer.estimated_stepping_batches)
-        fn = WarmupCosine(max(0, hp.warmup_steps), total, hp.min_lr_ratio, cosine=hp.lr_schedule == "cosine")
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return warmup_cosine(self._optimizer(), self.trainer, hp.warmup_steps, hp.lr_schedule, hp.min_lr_ratio)
+
+    def on_train_start(self) -> None:
+        # A resumed run restored the saved schedule's length; a larger max_steps must extend it.
+        fit_schedules_to_trainer(self.trainer)
