@@ -53,7 +53,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         strategy=build_strategy(args.strategy, args.lr),
         max_steps=args.max_steps,
         log_every_n_steps=args.log_every_n_steps,
-        limit_val_batches=0,  # LightningTransformer has no validation_step
         enable_checkpointing=False,
         logger=TensorBoardLogger(save_dir=args.save_dir, name="finetune_muon"),
         callbacks=[OptimizerReport()],  # prints which optimizer class actually stepped

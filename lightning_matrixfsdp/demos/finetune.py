@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_matrixfsdp.demos.data import ByteTextDataModule
@@ -36,7 +37,9 @@ class LocalTokenDataModule(ByteTextDataModule):
     """Byte tokens of local text in LightningTransformer's batch format.
 
     Args:
-        data_dir, val_fraction, max_bytes, num_workers: as in ``ByteTextDataModule``.
+        data_dir, max_bytes, num_workers: as in ``ByteTextDataModule``.
+        val_fraction: as there; the held-out tail is left out of training, and no
+            validation loader is offered (the module has no ``validation_step``).
         seq_len: tokens per example (35 is WikiText2's block size in Lightning's demo).
         batch_size: examples per batch on each rank.
         wikitext_cache: where the untouched module's ``prepare_data`` looks for its
@@ -65,6 +68,11 @@ class LocalTokenDataModule(ByteTextDataModule):
         )
         self.wikitext_cache = wikitext_cache
         self.cache_bytes = cache_bytes
+
+    # No validation data: LightningTransformer has no validation_step, and Lightning warns
+    # ("val_dataloader but no validation_step") whenever a data module overrides this hook.
+    # The base class's hook is what "not overridden" means to Lightning.
+    val_dataloader = LightningDataModule.val_dataloader
 
     def prepare_data(self) -> None:
         """Give the module's own ``prepare_data`` a local file so it stays offline."""
