@@ -13,11 +13,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning_matrixfsdp.demos.data import ByteTextDataModule, TokenWindows, decode, encode
 from lightning_matrixfsdp.demos.finetune import LocalTokenDataModule
 from lightning_matrixfsdp.demos.gpt import GPT
+from lightning_matrixfsdp.demos.hf import HFCausalLM
 
 REPORT_PREFIX = "[matrixfsdp-demo]"
 
 __all__ = [
     "GPT",
+    "HFCausalLM",
+    "LossPrinter",
     "REPORT_PREFIX",
     "ByteTextDataModule",
     "LocalTokenDataModule",
@@ -114,3 +117,36 @@ class OptimizerReport(Callback):
             logger.log_hyperparams({"optimizer": str(summary["optimizer"]), "strategy": summary["strategy"]})
         # Leading newline: the progress bar leaves its line open on stdout.
         print(f"\n{REPORT_PREFIX} {json.dumps(summary)}", flush=True)
+
+
+class LossPrinter(Callback):
+    """Prints ``step N  train_loss X`` on rank 0 after the first step, every ``every`` steps and the last.
+
+    For runs without a progress bar (scripts, logs of batch jobs). The loss is the
+    training-step loss of rank 0's batch, as the progress bar shows it.
+    """
+
+    def __init__(self, every: int = 5) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        self._printed = -1  # last step printed: accumulation ends several batches on one step
+
+    @rank_zero_only
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        step = trainer.global_step  # optimizer steps done
+        last = trainer.max_steps > 0 and step >= trainer.max_steps
+        if not isinstance(loss, torch.Tensor) or step == self._printed or not (step == 1 or step % self.every == 0 or last):
+            return
+        self._printed = step
+        print(f"{REPORT_PREFIX} step {step:4d}  train_loss {float(loss.detach()):.4f}", flush=True)
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
+            return
+        val = float(trainer.callback_metrics["val_loss"])
+        print(f"{REPORT_PREFIX} step {trainer.global_step:4d}  val_loss {val:.4f}", flush=True)
