@@ -372,3 +372,84 @@ def test_partials_of_crashed_saves_are_removed_by_the_next_save_of_the_same_targ
     assert C.load_sharded(model, root / "b.ckpt") == {"n": 1}
     C.save_sharded(model, root / "b.ckpt", full=True)  # a consolidated save of b cleans b's partial too
     assert {p.name for p in root.iterdir()} == {"a.ckpt", "b.ckpt"}
+
+
+# ---------------------------------------------------------------------- wrong paths and foreign things
+def test_wrong_paths_are_refused_and_nothing_is_replaced(saved, tmp_path):
+    from lightning_matrixfsdp import checkpoint as C
+
+    model, opt = _sharded(5)
+    for bad in (None, 123, ""):
+        with pytest.raises(TypeError, match="checkpoint path must be"):
+            C.save_sharded(model, bad, [opt])
+        with pytest.raises(TypeError, match="checkpoint path must be"):
+            C.load_sharded(model, bad, [opt])
+    # a directory that is not a checkpoint is never replaced by a save (directory or file)
+    data = tmp_path / "my_data"
+    data.mkdir()
+    (data / "precious.txt").write_text("keep me")
+    for full in (False, True):
+        with pytest.raises(IsADirectoryError, match="not a checkpoint"):
+            C.save_sharded(model, data, [opt], full=full)
+        assert (data / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_data"], "the refused saves left files behind"
+    # a file where the parent directory should be
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(OSError, match="a_file"):
+        C.save_sharded(model, tmp_path / "a_file" / "ck", [opt])
+    # a zero-byte file, an empty directory, a sidecar whose file list is garbage, a listed file that is gone
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    with pytest.raises(C.CheckpointCorruptError, match="empty.ckpt"):
+        C.load_sharded(model, tmp_path / "empty.ckpt", [opt])
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(C.CheckpointCorruptError, match="without DCP '.metadata'"):
+        C.load_sharded(model, tmp_path / "empty_dir", [opt])
+    import json
+
+    ck = _copy(saved, tmp_path)
+    side = json.loads((ck / C.SIDECAR_NAME).read_text())
+    (ck / C.SIDECAR_NAME).write_text(json.dumps({**side, "files": ["not", "a", "map"]}))
+    with pytest.raises(C.CheckpointCorruptError, match="'files' is not a map"):
+        C.load_sharded(model, ck, [opt])
+    (ck / C.SIDECAR_NAME).write_text(json.dumps(side))
+    sorted(ck.glob("*.distcp"))[0].unlink()
+    with pytest.raises(C.CheckpointCorruptError, match=r"__0_0\.distcp is missing"):
+        C.load_sharded(model, ck, [opt])
+    # meta.pt holding an object torch.load(weights_only=True) refuses: named, and not called corrupt
+    ck2 = _copy(saved, tmp_path, "objects")
+    torch.save({"global_step": 1, "obj": _Custom()}, ck2 / C.META_NAME)
+    side = json.loads((ck2 / C.SIDECAR_NAME).read_text())
+    del side["files"]
+    (ck2 / C.SIDECAR_NAME).write_text(json.dumps(side))
+    before = snapshot(model, opt)
+    with pytest.raises(C.CheckpointError, match=r"meta\.pt.*weights_only") as info:
+        C.load_sharded(model, ck2, [opt])
+    assert not isinstance(info.value, C.CheckpointCorruptError)
+    assert_bitwise_equal(snapshot(model, opt), before)
+    assert C.load_sharded(model, ck2, [opt], weights_only=False)["global_step"] == 1
+
+
+class _Custom:
+    """An arbitrary Python object in meta.pt."""
+
+
+def _mixed_paths_worker(rank, world, root):
+    from lightning_matrixfsdp import checkpoint as C
+
+    model, opt = _sharded(0)
+    out = []
+    for path in ((f"{root}/ck", None), (f"{root}/ck", f"{root}/ck")):
+        try:  # rank 1 passes something that is not a path: every rank must raise, none may wait
+            C.save_sharded(model, path[rank], [opt])
+            out.append(None)
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(tmp_path):
+    results = run_distributed(_mixed_paths_worker, 2, str(tmp_path), timeout=120)
+    for rank, (first, second) in enumerate(results):
+        assert first is not None and first.startswith("TypeError") and "None" in first, (rank, first)
+        assert second is None, (rank, second)
+    assert (tmp_path / "ck" / ".metadata").is_file()

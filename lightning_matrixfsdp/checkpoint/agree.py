@@ -9,6 +9,7 @@ default group, on the device :func:`comm_device` picks.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -94,5 +95,11 @@ def warn(msg: str) -> None:
 
 
 def agreed_path(path: Any) -> Path:
-    """Rank 0's checkpoint path on every rank."""
-    return Path(broadcast_object(str(path)))
+    """Rank 0's checkpoint path on every rank, after every rank checked that it was given a path."""
+
+    def check() -> None:
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise TypeError(f"a checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
+
+    agree(check)
+    return Path(broadcast_object(os.fspath(path)))

@@ -28,8 +28,8 @@ import torch
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
 from lightning_matrixfsdp.checkpoint.integrity import file_records, verify_files, verify_zip
-from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp
-from lightning_matrixfsdp.checkpoint.save import new_partial, publish, remove_stale, write_file
+from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp, read_meta
+from lightning_matrixfsdp.checkpoint.save import check_target, new_partial, publish, remove_stale, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
 
 __all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main"]
@@ -60,7 +60,7 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     read_dcp(req, src, no_dist=True)
     out: dict[str, Any] = {}
     if (src / META_NAME).is_file():
-        out.update(torch.load(src / META_NAME, map_location="cpu", weights_only=safe))
+        out.update(read_meta(src, weights_only=safe))
     elif meta_required(side, ck):
         raise CheckpointCorruptError(f"{src / META_NAME} is missing: the file would lack the epoch, global step, "
                                      "loops and LR schedulers; restore it or convert an intact copy")
@@ -122,6 +122,8 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         for i, native in enumerate(ck.get("optimizer_states") or []):
             groups, state = from_native(native)  # needs param_names: this package always writes them
             converted[f"optimizer_{i}"] = {"state": state, "param_groups": groups}
+    check_target(dst)
+    remove_stale(dst, published=False)
     tmp = new_partial(dst)
     tmp.mkdir(parents=True)
     try:

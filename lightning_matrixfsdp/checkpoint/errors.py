@@ -14,15 +14,19 @@ class CheckpointKeyError(CheckpointError):
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The checkpoint does not fit the model: shapes, dtypes, another model, another optimizer."""
+    """The checkpoint does not fit the run: shapes, dtypes, another model, another optimizer,
+    parameters whose optimizer role changed."""
 
 
 class CheckpointCorruptError(CheckpointError):
-    """The checkpoint is unreadable or incomplete: bad sidecar, missing DCP metadata, partial save."""
+    """The checkpoint is unreadable, incomplete or damaged: bad sidecar, missing files,
+    truncated files, checksum mismatch, partial save."""
 
 
-#: Errors a peer may re-raise by name when another rank failed (``agree``).
+#: Errors a peer may re-raise by name when another rank failed (``agree``): the checkpoint
+#: errors, and the OS and argument errors whose meaning does not depend on the rank that met them.
 ERROR_CLASSES: dict[str, type[Exception]] = {
     c.__name__: c for c in (CheckpointError, CheckpointKeyError, CheckpointMismatchError, CheckpointCorruptError,
-                            FileNotFoundError, IsADirectoryError)
+                            FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                            PermissionError, TypeError, ValueError)
 }

@@ -11,6 +11,7 @@ size, shard span or planner can resume.
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
@@ -36,7 +37,7 @@ from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, che
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
 
-__all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp"]
+__all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp", "read_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +103,17 @@ def read_dcp(entries: dict[str, Any], path: Path, no_dist: bool = False) -> None
                                      "checkpoint") from None
 
 
-def _read_meta(path: Path, weights_only: Optional[bool]) -> Any:
+def read_meta(path: Path, weights_only: Optional[bool]) -> Any:
+    """``meta.pt`` of directory ``path``; a failure names the file, and says when it is only
+    ``weights_only=True`` refusing objects (not damage)."""
     try:
         return torch.load(path / META_NAME, map_location="cpu", weights_only=weights_only)
-    except Exception as e:  # noqa: BLE001 - any failure is a damaged or foreign file
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e):
+            raise CheckpointError(f"checkpoint {path}: {META_NAME} holds objects torch.load(weights_only=True) "
+                                  f"refuses; if you trust the file, load with weights_only=False: {e}") from None
+        raise CheckpointCorruptError(f"checkpoint {path}: {META_NAME} cannot be read: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any other failure is a damaged or foreign file
         raise CheckpointCorruptError(f"checkpoint {path}: {META_NAME} cannot be read: {e}") from None
 
 
@@ -143,7 +151,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     ck, side = agree(prepare)
     if side is not None and isinstance(side.get("files"), Mapping):
         verify_files(path, side["files"], checksums=verify)
-    meta = agree(_read_meta, path, weights_only) if (path / META_NAME).is_file() else None
+    meta = agree(read_meta, path, weights_only) if (path / META_NAME).is_file() else None
     match = agree(match_model, index, ck.specs(), strict, what)
     if side is not None:
         _log_layout(side, index)

@@ -35,7 +35,7 @@ from lightning_matrixfsdp.checkpoint.integrity import file_records
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 
-__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "new_partial", "publish", "remove_stale", "save_sharded",
+__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "check_target", "new_partial", "publish", "remove_stale", "save_sharded",
            "write_checkpoint", "write_file"]
 
 PARTIAL_PREFIX = ".mfsdp-partial-"
@@ -51,6 +51,17 @@ def _tag(path: Path) -> str:
 def new_partial(path: Path, token: Optional[str] = None) -> Path:
     """A fresh temporary sibling of ``path`` (not created)."""
     return path.parent / f"{PARTIAL_PREFIX}{_tag(path)}-{token or secrets.token_hex(8)}"
+
+
+def _is_checkpoint_dir(path: Path) -> bool:
+    return any((path / n).exists() for n in (".metadata", META_NAME, SIDECAR_NAME)) or not any(path.iterdir())
+
+
+def check_target(path: Path) -> None:
+    """Refuse to replace something that is not a checkpoint (a save replaces what is at ``path``)."""
+    if path.is_dir() and not path.is_symlink() and not _is_checkpoint_dir(path):
+        raise IsADirectoryError(f"the checkpoint path {path} is an existing directory that is not a checkpoint; "
+                                "refusing to replace it (choose another path)")
 
 
 def publish(tmp: Path, path: Path) -> None:
@@ -101,8 +112,7 @@ def remove_stale(path: Path, published: bool = True) -> list[Path]:
 
 def write_file(obj: Mapping[str, Any], path: Path) -> None:
     """``torch.save`` into a partial file, fsync, then publish (this process only)."""
-    if path.is_dir() and not (path / META_NAME).is_file() and not (path / ".metadata").is_file():
-        raise IsADirectoryError(f"the checkpoint path exists and is a directory: {path}")
+    check_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path, published=False)
     tmp = new_partial(path)
@@ -154,6 +164,7 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
 
     def _mkdir() -> None:
         if rank == 0:
+            check_target(path)
             remove_stale(path, published=False)
             tmp.mkdir(parents=True)
 
