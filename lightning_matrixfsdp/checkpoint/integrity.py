@@ -21,13 +21,14 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, broadcast_object, world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 
-__all__ = ["CHUNK_BYTES", "file_records", "verify_files", "verify_zip"]
+__all__ = ["CHUNK_BYTES", "checksum_threads", "file_records", "verify_files", "verify_zip"]
 
 CHUNK_BYTES = 64 * 2**20
 _WRITER = re.compile(r"__(\d+)_")  # DCP's file-name prefix of the rank that wrote a file
 
 
-def _threads() -> int:
+def checksum_threads() -> int:
+    """Threads each rank uses for checksums (up to 8, sharing the cores with the node's other ranks)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -60,7 +61,7 @@ def _local(fn: Any, *args: Any) -> Any:
 def _run(tasks: Sequence[tuple[Any, ...]], fn: Any) -> list[Any]:
     if not tasks:
         return []
-    with ThreadPoolExecutor(max_workers=min(_threads(), len(tasks))) as pool:
+    with ThreadPoolExecutor(max_workers=min(checksum_threads(), len(tasks))) as pool:
         return list(pool.map(lambda t: fn(*t), tasks))
 
 
