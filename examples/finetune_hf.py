@@ -9,8 +9,8 @@ What makes a Hugging Face model train well under the strategy:
 - ``wrap_policy=LlamaDecoderLayer``: one unit per decoder layer, the root unit takes the
   embeddings, the final norm and the LM head;
 - ``activation_checkpointing_policy=LlamaDecoderLayer`` with the config's
-  ``use_cache=False`` (``HFCausalLM`` sets it): a KV cache that grows when a layer is
-  recomputed makes torch's checkpoint fail;
+  ``use_cache=False`` (``HFCausalLM`` sets it): the KV cache grows again when a layer
+  is recomputed, and with transformers up to 5.3 torch's checkpoint then fails;
 - tied embeddings (``--tied``) need nothing.
 
     pip install torch==2.13.0 -e ".[hf]"

@@ -46,9 +46,10 @@ class HFCausalLM(LightningModule):
         weight_decay: decoupled weight decay for both.
         warmup_steps, lr_schedule, min_lr_ratio: the schedule, as in ``demos.GPT``.
 
-    The config's ``use_cache`` is turned off: a KV cache is for generation, and one that
-    grows when activation checkpointing recomputes a layer makes torch's checkpoint fail
-    ("Recomputed values ... have different metadata").
+    The config's ``use_cache`` is turned off: a KV cache is for generation. In training it
+    grows again each time activation checkpointing recomputes a layer, and with
+    transformers up to 5.3 torch's checkpoint then fails ("Recomputed values ... have
+    different metadata"); see docs/huggingface.md.
     """
 
     def __init__(
