@@ -1,10 +1,12 @@
-"""An ordinary run of the fine-tuning demo prints no warning that the demo itself causes."""
+"""Ordinary runs of the demos and the bench print no warning that this package's own code causes."""
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
 
 import pytest
+
+from _dist import run_distributed
 
 
 def test_finetune_demo_data_gives_no_validation_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,3 +29,27 @@ def test_finetune_demo_data_gives_no_validation_warning(tmp_path: Path, monkeypa
     assert trainer.global_step == 2
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "val_dataloader" in m or "validation_step" in m], messages
+
+
+def _bench_ddp_worker(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_matrixfsdp.bench.config import BenchConfig
+    from lightning_matrixfsdp.bench.modes import ModeContext, apply_ddp
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))  # a buffer to (not) sync
+    ctx = ModeContext(cfg=BenchConfig(), device=torch.device("cpu"), group=dist.group.WORLD,
+                      mesh=init_device_mesh("cpu", (world,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = apply_ddp(model, ctx)
+    sync = getattr(ddp, "forward_sync_buffers", None)
+    return {"warnings": [str(w.message) for w in caught], "sync": ddp.broadcast_buffers if sync is None else sync}
+
+
+def test_bench_ddp_baseline_builds_without_deprecation_warning() -> None:
+    for r in run_distributed(_bench_ddp_worker, 2, timeout=120):
+        assert not [m for m in r["warnings"] if "broadcast_buffers" in m], r["warnings"]
+        assert r["sync"] is False  # still no buffer broadcast before each forward

@@ -10,6 +10,7 @@ skips it consistently.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +130,16 @@ def apply_fsdp2(model: Decoder, ctx: ModeContext) -> Decoder:
     return model
 
 
+def no_buffer_sync() -> dict[str, bool]:
+    """DDP's option for no buffer broadcast before each forward: the bench models have no changing buffers.
+
+    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old
+    name; torch 2.11 knows only the old one.
+    """
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+
+
 def apply_ddp(model: Decoder, ctx: ModeContext) -> nn.Module:
     """Full replicas with bucketed, backward-overlapped gradient all-reduce (averaged)."""
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
@@ -136,8 +147,8 @@ def apply_ddp(model: Decoder, ctx: ModeContext) -> nn.Module:
         model,
         device_ids=device_ids,
         process_group=ctx.group,
-        broadcast_buffers=False,
         gradient_as_bucket_view=True,
+        **no_buffer_sync(),
     )
 
 
