@@ -22,10 +22,12 @@ from lightning_matrixfsdp.checkpoint import (
     save_sharded,
 )
 from lightning_matrixfsdp.strategy import MatrixFSDPStrategy, register
+from lightning_matrixfsdp.fabric import MatrixFSDPFabricStrategy, register_fabric
 
 __version__ = "0.1.0"
 
 register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
+register_fabric()  # and Fabric(strategy="matrix_fsdp")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
            "load_sharded", "load_weights", "save_sharded", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan", "clip_grad_norm_", "get_comm_stats", "get_plan",

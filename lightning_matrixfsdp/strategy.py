@@ -9,7 +9,6 @@ checkpoints and observability.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 import types
@@ -27,6 +26,14 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from lightning_matrixfsdp.adapter import (
+    build_replacement,
+    check_precision,
+    clip_group,
+    is_sharded,
+    set_gradient_sync,
+    shard_module,
+)
 from lightning_matrixfsdp.checkpoint import (
     CheckpointError,
     KeyIndex,
@@ -44,8 +51,6 @@ from lightning_matrixfsdp.runtime import (
     get_comm_stats,
     get_plan,
     hsdp_mesh,
-    matrix_shard,
-    set_requires_gradient_sync,
 )
 from lightning_matrixfsdp.runtime.shard import _as_dtype  # until runtime/options replaces it (helper H4)
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
@@ -189,11 +194,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:  # type: ignore[override]
         if plugin is not None:
-            if getattr(plugin, "precision", None) == "16-mixed":
-                raise ValueError(
-                    "precision='16-mixed' needs a gradient scaler whose inf checks span the owner shards; "
-                    "MatrixFSDPStrategy does not provide one. Use precision='bf16-mixed' or 'bf16-true'."
-                )
+            check_precision(getattr(plugin, "precision", None), "MatrixFSDPStrategy")
             if not isinstance(plugin, _GlobalNormClip):
                 cls = type(plugin)
                 plugin.__class__ = type(f"MatrixFSDP{cls.__name__}", (_GlobalNormClip, cls), {})
@@ -243,12 +244,13 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             raise TypeError("Found FSDP1-wrapped modules; MatrixFSDPStrategy needs the plain model.")
         if not self._is_sharded(module):
             self.model = self.precision_plugin.convert_module(self.model)
-            self._apply_activation_checkpointing(module)
-            matrix_shard(
-                module, mesh=self._shard_mesh, wrap_policy=self.wrap_policy, planner=self.planner,
-                collective=self.collective, matrix_filter=self.matrix_filter, param_dtype=self.param_dtype,
-                reduce_dtype=self.reduce_dtype, reshard_after_forward=self.reshard_after_forward,
-                device=self.root_device, prefetch=self.prefetch, zero_missing_grads=self.zero_missing_grads,
+            shard_module(
+                module, mesh=self._shard_mesh, device=self.root_device,
+                activation_checkpointing_policy=self.activation_checkpointing_policy,
+                wrap_policy=self.wrap_policy, planner=self.planner, collective=self.collective,
+                matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
+                zero_missing_grads=self.zero_missing_grads,
             )
         self.model_to_device()  # buffers and anything outside the shard
         self._install_clip_group()
@@ -267,14 +269,9 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _is_sharded(self, module: nn.Module) -> bool:
-        from torch.distributed.tensor import DTensor
-
-        if any(isinstance(p, DTensor) for p in module.parameters()):
-            raise TypeError(
-                "configure_model applied FSDP2/tensor parallelism (DTensor parameters); MatrixFSDPStrategy shards "
-                "the model itself: remove fully_shard/parallelize_module, or call lightning_matrixfsdp.matrix_shard"
-            )
-        return bool(sharded_roots(module))
+        return is_sharded(module, "configure_model applied FSDP2/tensor parallelism; MatrixFSDPStrategy shards "
+                                  "the model itself: remove fully_shard/parallelize_module, or call "
+                                  "lightning_matrixfsdp.matrix_shard")
 
     def _sharded_roots(self) -> list[nn.Module]:
         assert self.lightning_module is not None
@@ -283,30 +280,11 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
     def _plans(self) -> list:
         return [get_plan(m) for m in self._sharded_roots()]
 
-    def _apply_activation_checkpointing(self, module: nn.Module) -> None:
-        policy = self.activation_checkpointing_policy
-        if not policy:
-            return
-        pick = (lambda m: isinstance(m, tuple(policy))) if isinstance(policy, set) else (lambda m: policy(m))
-        from torch.utils.checkpoint import checkpoint
-
-        for m in module.modules():
-            if m is not module and pick(m):
-                forward = m.forward
-
-                @functools.wraps(forward)
-                def run(*args: Any, __f=forward, **kwargs: Any) -> Any:
-                    return checkpoint(__f, *args, use_reentrant=False, **kwargs)
-
-                m.forward = run
-
     def _install_clip_group(self) -> None:
-        roots = self._sharded_roots()
         plugin = self.precision_plugin
-        if roots and isinstance(plugin, _GlobalNormClip):
-            state = state_of(roots[0])
-            plugin._mfsdp_clip_group = state.sg.group
-            plugin._mfsdp_clip_stats = state.stats
+        if self._sharded_roots() and isinstance(plugin, _GlobalNormClip):
+            assert self.lightning_module is not None
+            plugin._mfsdp_clip_group, plugin._mfsdp_clip_stats = clip_group(self.lightning_module)
 
     def _install_summary(self, trainer: Any) -> None:
         from lightning.pytorch.callbacks import ModelSummary
@@ -335,9 +313,10 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             )
         old = self.optimizers[0] if self.optimizers else None
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        new = self.optimizer_factory(params)  # type: ignore[misc]
-        if not isinstance(new, Optimizer):
-            raise MisconfigurationException(f"the optimizer factory returned {type(new).__name__}, not an Optimizer")
+        try:
+            new = build_replacement(self.optimizer_factory, params, 1, "MatrixFSDPStrategy")  # type: ignore[arg-type]
+        except TypeError as e:
+            raise MisconfigurationException(str(e)) from None
         kept = []
         for cfg in self.lr_scheduler_configs:
             sched = cfg.scheduler
@@ -421,14 +400,12 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if not self.accumulation_no_sync:
             yield
             return
-        roots = self._sharded_roots()
-        for r in roots:
-            set_requires_gradient_sync(r, False)
+        assert self.lightning_module is not None
+        set_gradient_sync(self.lightning_module, False)
         try:
             yield
         finally:
-            for r in roots:
-                set_requires_gradient_sync(r, True)
+            set_gradient_sync(self.lightning_module, True)
 
     # ------------------------------------------------------------------ steps through the root unit
     def _through_root(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -509,10 +486,12 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         module = self._checkpoint_module()
         rest = load_sharded(module, checkpoint_path, self.optimizers,
                             strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only)
-        if rest is None:
-            import lightning.pytorch as pl
+        import lightning.pytorch as pl
 
-            rest = {"pytorch-lightning_version": pl.__version__, "lr_schedulers": []}
+        # A weights-only source, or a Fabric checkpoint (no loops in it): everything else restarts fresh.
+        rest = dict(rest or {})
+        rest.setdefault("pytorch-lightning_version", pl.__version__)
+        rest.setdefault("lr_schedulers", [])
         return rest
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
