@@ -179,6 +179,8 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
         def __init__(self) -> None:
             super().__init__()
             self.model = build(cfg["model"], **cfg.get("config", {}))
+            if cfg.get("hf_checkpointing"):  # the library's own checkpointing instead of the strategy's
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.seen: list[torch.Tensor] = []
             self.losses: list[float] = []
 
@@ -245,6 +247,8 @@ TRAINER_CASES = {
     # use_cache=False given per call instead of in the config
     "gpt2_checkpointing_use_cache_per_call": {"model": "gpt2", "use_cache": False, "layer_policies": True},
     "litgpt_checkpointing": {"model": "litgpt", "layer_policies": True},
+    # Hugging Face's own gradient_checkpointing_enable() (it turns the cache off itself)
+    "gpt2_hf_gradient_checkpointing": {"model": "gpt2", "hf_checkpointing": True},
     # embeddings and the (tied) head on AdamW: the oracle's Muon gets the other matrices only
     "llama_tied_embeddings_on_adamw": {"model": "llama", "config": {"tie_word_embeddings": True},
                                        "strategy": {"matrix_filter": embeddings_to_adamw}},
