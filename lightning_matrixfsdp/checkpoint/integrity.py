@@ -28,13 +28,14 @@ _WRITER = re.compile(r"__(\d+)_")  # DCP's file-name prefix of the rank that wro
 
 
 def checksum_threads() -> int:
-    """Threads each rank uses for checksums (up to 8, sharing the cores with the node's other ranks)."""
+    """Threads each rank uses for checksums: its share of the node's cores (a save or load
+    blocks training, so the cores are free), at most 32."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, min(8, cpus // max(1, local)))
+    return max(1, min(32, cpus // max(1, local)))
 
 
 def _crc(path: Path, start: int, length: int) -> int:
