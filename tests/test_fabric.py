@@ -336,3 +336,17 @@ def test_options_are_validated_like_the_trainer_strategy() -> None:
         if word != "accumulation_no_sync":  # the Trainer strategy refuses these too
             with pytest.raises(Exception, match=word):
                 mf.MatrixFSDPStrategy(**kw)
+
+
+def test_example_runs_on_two_cpu_processes(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "fabric_loop.py")
+    out = subprocess.run([sys.executable, script, "--steps", "2", "--checkpoint", str(tmp_path / "c.ckpt")],
+                         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "step   1  loss" in out.stdout and "saved and reloaded" in out.stdout, out.stdout[-2000:]
+    assert (tmp_path / "c.ckpt" / "matrix_fsdp_layout.json").is_file()
