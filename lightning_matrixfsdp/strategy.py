@@ -46,6 +46,7 @@ from lightning_matrixfsdp.checkpoint import (
 )
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES, DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.options import check_bool
 from lightning_matrixfsdp.runtime.planner import PLANNERS
 from lightning_matrixfsdp.runtime import (
     get_comm_stats,
@@ -124,6 +125,12 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: directory of per-rank files (default) or one
             consolidated file.
         log_plan: log the owner plan at fit start (rank 0).
+        verify_checkpoints: record a checksum of every file a checkpoint directory holds
+            and verify them (and a consolidated file's own) on load; ``False`` skips
+            both (sizes are still checked).
+        reset_changed_roles: on load, restart the optimizer state of parameters whose
+            role (matrix or tail) changed since the save, e.g. through another
+            ``matrix_filter``, instead of raising ``CheckpointMismatchError``.
     """
 
     strategy_name = "matrix_fsdp"
@@ -148,6 +155,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         tensor_parallel_size: int = 1,
         log_plan: bool = True,
+        verify_checkpoints: bool = True,
+        reset_changed_roles: bool = False,
     ) -> None:
         if tensor_parallel_size != 1:
             raise ValueError(
@@ -183,6 +192,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.zero_missing_grads = zero_missing_grads
         self.log_plan = log_plan
         self._shard_mesh: Any = None
+        self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
+        self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
         self._last_stats: dict[str, dict[str, int]] = {}
         self._opt_marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
 
@@ -477,7 +488,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
         index, self._checkpoint_index = self._checkpoint_index, None
         write_checkpoint(self._checkpoint_module(), checkpoint, filepath, full=not self._save_distributed_checkpoint,
-                         optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index)
+                         optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index,
+                         checksums=self.verify_checkpoints)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks)
@@ -485,7 +497,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         ``state_dict`` file) restarts everything else fresh."""
         module = self._checkpoint_module()
         rest = load_sharded(module, checkpoint_path, self.optimizers,
-                            strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only)
+                            strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only,
+                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
         import lightning.pytorch as pl
 
         # A weights-only source, or a Fabric checkpoint (no loops in it): everything else restarts fresh.

@@ -89,3 +89,47 @@ def test_role_change_raises_on_every_rank_or_resets_when_asked(tmp_path):
         assert set(got["state"]) == set(ref["state"]) - set(CHANGED), "only the changed parameters restart"
         kept = {n: s for n, s in ref["state"].items() if n not in CHANGED}
         assert_same_state({**got, "params": {}}, {**ref, "params": {}, "state": kept})
+
+
+def _trainer_worker(rank, world, root):
+    from lightning.pytorch import Trainer
+
+    import lightning_matrixfsdp as mf
+    from lit import LitTiny
+
+    def run(tail, steps, ckpt=None, **strategy_kw):
+        torch.manual_seed(0)
+        lit = LitTiny()
+        strategy = mf.MatrixFSDPStrategy(matrix_filter=lambda fqn, p: fqn.split("model.", 1)[-1] not in tail,
+                                         log_plan=False, **strategy_kw)
+        trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=root)
+        trainer.fit(lit, ckpt_path=ckpt)
+        return trainer
+
+    t = run(SAVED_TAIL, 2)
+    t.save_checkpoint(f"{root}/a.ckpt")
+    out = {}
+    try:
+        run(LOADED_TAIL, 3, f"{root}/a.ckpt")
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["resumed_step"] = run(LOADED_TAIL, 3, f"{root}/a.ckpt", reset_changed_roles=True).global_step
+    t = run(SAVED_TAIL, 1, verify_checkpoints=False)
+    t.save_checkpoint(f"{root}/unverified.ckpt")
+    return pickle.dumps(out)
+
+
+def test_strategy_options_reset_changed_roles_and_verify_checkpoints(tmp_path):
+    from lightning_matrixfsdp import checkpoint as C
+
+    results = [pickle.loads(r) for r in run_distributed(_trainer_worker, 2, str(tmp_path), timeout=300)]
+    for rank, r in enumerate(results):
+        assert r["error"] and r["error"].startswith("CheckpointMismatchError"), (rank, r["error"])
+        assert "model.blocks.0.qkv.weight: matrix -> tail" in r["error"] and "reset_changed_roles=True" in r["error"]
+        assert r["resumed_step"] == 3
+    checked = C.read_sidecar(tmp_path / "a.ckpt")["files"]
+    unchecked = C.read_sidecar(tmp_path / "unverified.ckpt")["files"]
+    assert all(f["crc32"] for f in checked.values()) and not any("crc32" in f for f in unchecked.values())
