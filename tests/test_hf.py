@@ -81,6 +81,17 @@ def _skip_without(name: str) -> None:
     pytest.importorskip(PACKAGE[name])
 
 
+@pytest.fixture(scope="module")
+def pool():
+    """Two gloo workers for this file only: the library imports and the Trainer runs stay out of
+    the session's shared pools."""
+    from _dist import DistPool
+
+    workers = DistPool(2)
+    yield workers
+    workers.close()
+
+
 # ---------------------------------------------------------------------- matrix_shard
 def shard_worker(rank: int, world: int, cfg: dict) -> dict:
     """matrix_shard(model, wrap_policy=<library layer>) next to the oracle, step by step."""
@@ -149,10 +160,10 @@ SHARD_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SHARD_CASES))
-def test_matrix_shard_equals_ddp_muon(case: str, dist_pools) -> None:
+def test_matrix_shard_equals_ddp_muon(case: str, pool) -> None:
     cfg = SHARD_CASES[case]
     _skip_without(cfg["model"])
-    res = dist_pools(2).run(shard_worker, cfg, timeout=240)
+    res = pool.run(shard_worker, cfg, timeout=240)
     r = res[0]
     assert r["layers"] == 2 and len(r["units"]) == 3, r["units"]  # one unit per decoder layer + the root
     assert r["losses"][-1] != r["losses"][0], "did not train"
@@ -256,12 +267,12 @@ TRAINER_CASES = {
 
 
 @pytest.mark.parametrize("case", list(TRAINER_CASES))
-def test_trainer_strategy_equals_ddp_muon(case: str, tmp_path) -> None:
+def test_trainer_strategy_equals_ddp_muon(case: str, tmp_path, pool) -> None:
     cfg = dict(TRAINER_CASES[case], root=str(tmp_path))
     _skip_without(cfg["model"])
     if cfg.pop("layer_policies", False):
         cfg["strategy"] = {"wrap_policy": LAYER[cfg["model"]], "activation_checkpointing_policy": {LAYER[cfg["model"]]}}
-    res = run_distributed(trainer_worker, 2, cfg, timeout=240)
+    res = pool.run(trainer_worker, cfg, timeout=240)
     for r in res:
         assert r["steps"] == 4
         assert r["losses"] == r["oracle_losses"], (r["losses"], r["oracle_losses"])
