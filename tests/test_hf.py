@@ -96,6 +96,7 @@ def pool():
 def shard_worker(rank: int, world: int, cfg: dict) -> dict:
     """matrix_shard(model, wrap_policy=<library layer>) next to the oracle, step by step."""
     import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.tags import is_owned
     from equiv import EXACT, close, compare, count_collectives, full_params, make_sharded_optimizer, maxdiff
     from models import batch_for, lm_loss
     from oracle import allreduce_mean_grads, oracle_optimizers
@@ -125,7 +126,7 @@ def shard_worker(rank: int, world: int, cfg: dict) -> dict:
         allreduce_mean_grads(oracle)
         o_params = dict(oracle.named_parameters())
         for n, p in sharded.named_parameters():
-            if not p._mfsdp_owned:
+            if not is_owned(p):
                 assert p.grad is None, f"non-owner holds a gradient for {n}"
                 continue
             og = o_params[n].grad
