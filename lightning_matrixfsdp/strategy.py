@@ -45,15 +45,13 @@ from lightning_matrixfsdp.checkpoint import (
     write_checkpoint,
 )
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
-from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES, DEFAULT_COLLECTIVE
-from lightning_matrixfsdp.runtime.options import check_bool
-from lightning_matrixfsdp.runtime.planner import PLANNERS
+from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
 from lightning_matrixfsdp.runtime import (
     get_comm_stats,
     get_plan,
     hsdp_mesh,
 )
-from lightning_matrixfsdp.runtime.shard import _as_dtype  # until runtime/options replaces it (helper H4)
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 log = logging.getLogger(__name__)
@@ -62,26 +60,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 #: Optimizer-step timings kept between two metric logs (older ones are dropped).
 _MAX_TIMED_STEPS = 1000
-
-
-def _as_classes(policy: Any, name: str) -> Any:
-    """Accept class objects or dotted import paths (handy in YAML configs)."""
-    if policy is None or callable(policy) and not isinstance(policy, (set, list, tuple, frozenset)):
-        return policy
-    out = set()
-    for c in policy:
-        if isinstance(c, str):
-            import importlib
-
-            mod, _, attr = c.rpartition(".")
-            try:
-                c = getattr(importlib.import_module(mod), attr)
-            except (ImportError, AttributeError, ValueError) as e:
-                raise ValueError(f"{name}: cannot import module class {c!r}: {e}") from None
-        if not (isinstance(c, type) and issubclass(c, nn.Module)):
-            raise ValueError(f"{name} must hold nn.Module classes, got {c!r}")
-        out.add(c)
-    return out
 
 
 class _GlobalNormClip:
@@ -158,39 +136,35 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         verify_checkpoints: bool = True,
         reset_changed_roles: bool = False,
     ) -> None:
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size}: MatrixFSDP keeps every matrix whole on one rank and "
-                "does not compose with tensor parallelism; use tensor_parallel_size=1 (data parallel over all ranks)"
-            )
-        if not callable(planner) and planner not in PLANNERS:
-            raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
-        if collective not in COLLECTIVE_NAMES:
-            raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVE_NAMES)}")
-        if optimizer is not None and not callable(optimizer):
-            raise ValueError(f"optimizer must be a callable params -> Optimizer (e.g. functools.partial), got {optimizer!r}")
-        if shard_size is not None and int(shard_size) < 1:
-            raise ValueError(f"shard_size must be a positive integer, got {shard_size!r}")
+        # Every option is checked here, at construction, so a wrong one fails where it was written.
+        opts = check_strategy_options(
+            wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            activation_checkpointing_policy=activation_checkpointing_policy, optimizer=optimizer,
+            reshard_after_forward=reshard_after_forward, accumulation_no_sync=accumulation_no_sync,
+            shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
+            save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
+            timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
+        )
         super().__init__(
             data_parallel_size="auto", tensor_parallel_size="auto",
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend, timeout=timeout,
+            save_distributed_checkpoint=opts["save_distributed_checkpoint"],
+            process_group_backend=opts["process_group_backend"], timeout=opts["timeout"],
         )
-        self.wrap_policy = _as_classes(wrap_policy, "wrap_policy")
-        self.planner = planner
-        self.collective = collective
-        self.matrix_filter = matrix_filter
-        self.param_dtype = _as_dtype(param_dtype, "param_dtype")
-        self.reduce_dtype = _as_dtype(reduce_dtype, "reduce_dtype")
-        self.activation_checkpointing_policy = _as_classes(activation_checkpointing_policy,
-                                                           "activation_checkpointing_policy")
-        self.optimizer_factory = optimizer
-        self.reshard_after_forward = reshard_after_forward
-        self.accumulation_no_sync = accumulation_no_sync
-        self.shard_size = int(shard_size) if shard_size is not None else None
-        self.prefetch = prefetch
-        self.zero_missing_grads = zero_missing_grads
-        self.log_plan = log_plan
+        self.wrap_policy = opts["wrap_policy"]
+        self.planner = opts["planner"]
+        self.collective = opts["collective"]
+        self.matrix_filter = opts["matrix_filter"]
+        self.param_dtype = opts["param_dtype"]
+        self.reduce_dtype = opts["reduce_dtype"]
+        self.activation_checkpointing_policy = opts["activation_checkpointing_policy"]
+        self.optimizer_factory = opts["optimizer"]
+        self.reshard_after_forward = opts["reshard_after_forward"]
+        self.accumulation_no_sync = opts["accumulation_no_sync"]
+        self.shard_size = opts["shard_size"]
+        self.prefetch = opts["prefetch"]
+        self.zero_missing_grads = opts["zero_missing_grads"]
+        self.log_plan = opts["log_plan"]
         self._shard_mesh: Any = None
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
         self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
