@@ -115,6 +115,16 @@ def build_replacement(factory: Callable[[Iterable[nn.Parameter]], Optimizer], pa
     return new
 
 
+def replacement_note(new: Optimizer, old: Optional[Optimizer]) -> str:
+    """The status line for an ``optimizer=`` replacement, also when the classes are the same."""
+    name = type(new).__name__
+    if old is None:
+        return f"training with {name} from optimizer= (the module returned no optimizer)"
+    if type(old) is type(new):
+        return f"training with the {name} built by optimizer=; the module's own {name} is not used"
+    return f"training with {name} from optimizer= instead of the module's {type(old).__name__}"
+
+
 def check_optimizers_follow(modules: Sequence[nn.Module], optimizers: Sequence[Optimizer]) -> None:
     """Refuse optimizers holding tensors that are not parameters of the sharded ``modules``
     (built before sharding on a meta-device model, or over a model that was not set up).

@@ -38,6 +38,7 @@ from lightning_matrixfsdp.adapter import (
     check_precision,
     clip_gradients_norm,
     is_sharded,
+    replacement_note,
     route_optimizers,
     set_gradient_sync,
     shard_module,
@@ -205,9 +206,9 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         check_optimizers_follow(self._modules, [optimizer])
         if self.optimizer_factory is not None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            old = type(optimizer).__name__
+            old = optimizer
             optimizer = build_replacement(self.optimizer_factory, params, 1, type(self).__name__)
-            rank_zero_info(f"{type(self).__name__}: training with {type(optimizer).__name__} (replacing {old})")
+            rank_zero_info(f"{type(self).__name__}: {replacement_note(optimizer, old)}")
         route_optimizers([optimizer])
         return optimizer
 

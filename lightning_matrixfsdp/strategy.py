@@ -31,6 +31,7 @@ from lightning_matrixfsdp.adapter import (
     check_precision,
     clip_group,
     is_sharded,
+    replacement_note,
     set_gradient_sync,
     shard_module,
 )
@@ -314,6 +315,11 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 factor = go["lr"] / go.get("initial_lr", go["lr"]) if go.get("initial_lr") else 1.0
                 gn["initial_lr"] = gn["lr"]
                 gn["lr"] = gn["lr"] * factor
+            if not kept:
+                # Schedulers wrap their optimizer's step() when built, to check the call order; one
+                # moved to ``new`` would warn that step() "has been overridden". Building one on
+                # ``new`` installs that wrapper; its constant factor 1 leaves every LR as it is.
+                torch.optim.lr_scheduler.LambdaLR(new, lambda _: 1.0)
             sched.optimizer = new
             sched.base_lrs = [g["initial_lr"] for g in new.param_groups]
             if hasattr(sched, "_last_lr"):
@@ -323,8 +329,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             kept.append(cfg)
         self.lr_scheduler_configs = kept
         self.optimizers = [new]
-        rank_zero_info(f"MatrixFSDPStrategy: training with {type(new).__name__} "
-                       f"(replacing {type(old).__name__ if old is not None else 'no optimizer'})")
+        rank_zero_info(f"MatrixFSDPStrategy: {replacement_note(new, old)}")
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -129,7 +130,9 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
 
         tk["logger"] = CSVLogger(tk["default_root_dir"], name="csv", version=0)
     trainer = Trainer(strategy=strategy, **tk)
-    trainer.fit(lit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(lit)
     full = gather_full(lit.model)
 
     # ---- oracle: DDP Muon replaying exactly the batches every rank saw
@@ -183,7 +186,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     return {"losses": lit.losses, "oracle_losses": oracle_losses, "param_diff": max(diffs.values()),
             "worst_param": max(diffs, key=diffs.get), "steps": trainer.global_step,
             "optimizer": type(trainer.optimizers[0]).__name__,
-            "lrs": lit.lrs, "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
+            "lrs": lit.lrs, "warnings": [str(w.message) for w in caught], "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
 
 
 def _other_rank_first(x: torch.Tensor) -> torch.Tensor:

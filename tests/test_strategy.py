@@ -114,6 +114,8 @@ def test_optimizer_replacement_keeps_the_modules_lr_schedule():
                                               "strategy": {"optimizer": opt}})
     _exact(res)  # the oracle runs the same LambdaLR on Muon's own lr (0.02), not on SGD's 0.1
     assert res[0]["lrs"] == [MUON_DEFAULTS["lr"] * 0.5 ** s for s in range(4)]
+    # The scheduler moved to the new optimizer must not think step() was overridden.
+    assert not [w for r in res for w in r["warnings"] if "overridden" in w], res[0]["warnings"]
 
 
 def test_plan_and_traffic_are_logged(tmp_path):
