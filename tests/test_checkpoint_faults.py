@@ -433,14 +433,24 @@ class _Custom:
     """An arbitrary Python object in meta.pt."""
 
 
-def _mixed_paths_worker(rank, world, root):
+def _mixed_arguments_worker(rank, world, root):
     from lightning_matrixfsdp import checkpoint as C
 
     model, opt = _sharded(0)
+    ck = f"{root}/ck"
+    calls = [  # rank 1 passes something else than rank 0: every rank must raise, none may wait
+        lambda: C.save_sharded(model, (ck, None)[rank], [opt]),
+        lambda: C.save_sharded(model, ck, [opt], full=rank == 1),
+        lambda: C.save_sharded(model, ck, [opt][: 1 - rank]),
+        lambda: C.save_sharded(model, ck, [opt]),  # agreed: saves
+        lambda: C.load_sharded(model, ck, [opt], strict=rank == 0),
+        lambda: C.load_sharded(model, ck, [opt], reset_changed_roles=rank == 1),
+        lambda: C.load_sharded(model, ck, [opt]),  # agreed: loads
+    ]
     out = []
-    for path in ((f"{root}/ck", None), (f"{root}/ck", f"{root}/ck")):
-        try:  # rank 1 passes something that is not a path: every rank must raise, none may wait
-            C.save_sharded(model, path[rank], [opt])
+    for call in calls:
+        try:
+            call()
             out.append(None)
         except Exception as e:  # noqa: BLE001
             out.append(f"{type(e).__name__}: {e}")
@@ -448,8 +458,11 @@ def _mixed_paths_worker(rank, world, root):
 
 
 def test_a_bad_argument_on_one_rank_raises_on_every_rank(tmp_path):
-    results = run_distributed(_mixed_paths_worker, 2, str(tmp_path), timeout=120)
-    for rank, (first, second) in enumerate(results):
-        assert first is not None and first.startswith("TypeError") and "None" in first, (rank, first)
-        assert second is None, (rank, second)
+    results = run_distributed(_mixed_arguments_worker, 2, str(tmp_path), timeout=120)
+    for rank, got in enumerate(results):
+        assert got[0] is not None and got[0].startswith("TypeError") and "None" in got[0], (rank, got[0])
+        for i, what in ((1, "full"), (2, "optimizers"), (4, "strict"), (5, "reset_changed_roles")):
+            assert got[i] is not None and got[i].startswith("ValueError"), (rank, i, got[i])
+            assert f"ranks disagree on {what}" in got[i], (rank, got[i])
+        assert got[3] is None and got[6] is None, (rank, got)
     assert (tmp_path / "ck" / ".metadata").is_file()

@@ -94,12 +94,20 @@ def warn(msg: str) -> None:
         warnings.warn(msg, UserWarning, stacklevel=3)
 
 
-def agreed_path(path: Any) -> Path:
-    """Rank 0's checkpoint path on every rank, after every rank checked that it was given a path."""
-
-    def check() -> None:
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise TypeError(f"a checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
-
-    agree(check)
-    return Path(broadcast_object(os.fspath(path)))
+def agreed_path(path: Any, **options: Any) -> Path:
+    """Rank 0's checkpoint path on every rank, once every rank was given a path and the same
+    ``options`` (flags, numbers of optimizers): a rank that disagrees would enter other
+    collectives than its peers and leave them waiting. Raises on every rank otherwise."""
+    ok = isinstance(path, (str, os.PathLike)) and bool(os.fspath(path))
+    mine = (os.fspath(path) if ok else None, None if ok else repr(path), options)
+    everyone = all_gather_object(mine)
+    bad = [(r, given) for r, (_, given, _) in enumerate(everyone) if given is not None]
+    if bad:
+        r, given = bad[0]
+        raise TypeError(f"a checkpoint path must be a non-empty str or os.PathLike, got {given} (on rank {r})")
+    for name, value in options.items():
+        values = [o[name] for _, _, o in everyone]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"ranks disagree on {name}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values))
+                             + "; call the checkpoint function with the same arguments on every rank")
+    return Path(everyone[0][0])

@@ -61,7 +61,8 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     ``reset_changed_roles``: parameters whose optimizer role changed since the save (a
     changed ``matrix_filter``) restart their optimizer state instead of raising."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
-    path = agreed_path(path)
+    path = agreed_path(path, optimizers=len(optimizers), strict=bool(strict), weights_only=weights_only,
+                       verify=bool(verify), reset_changed_roles=bool(reset_changed_roles))
     kind = agree(_detect, path)
     index = build_index(module)
     if kind == "dir":
@@ -215,13 +216,13 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
 
     # phase 3: in place (extra state first: user code that may still raise)
     if match.objects:
-        module.load_state_dict({k: req2[ck.model[c][0]] for k, c in match.objects}, strict=False)
+        agree(module.load_state_dict, {k: req2[ck.model[c][0]] for k, c in match.objects}, strict=False)
     with torch.no_grad():
         for local, flat in targets:
             local.copy_(req2[flat])
     for i in apply:
         state = {key: nest((tail, req2[flat]) for tail, flat in items) for key, items in wanted.get(i, {}).items()}
-        _apply_optimizer(index, optimizers[i], saved_groups[i], state)
+        agree(_apply_optimizer, index, optimizers[i], saved_groups[i], state)
     return meta
 
 
@@ -299,7 +300,7 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
                 restore.append((o, *got))
     # in place (extra state first: user code that may still raise)
     if match.objects:
-        module.load_state_dict({k: sd[c] for k, c in match.objects}, strict=False)
+        agree(module.load_state_dict, {k: sd[c] for k, c in match.objects}, strict=False)
     with torch.no_grad():
         for key, c in match.tensors:
             e = index.entries[key]
@@ -309,7 +310,7 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
         held = {index.key(p) for g in o.param_groups for p in g["params"]}
         mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
                 for k, s in state.items() if k in held}
-        _apply_optimizer(index, o, groups, mine)
+        agree(_apply_optimizer, index, o, groups, mine)
     if not lightning:
         return None
     rest = dict(ckpt)

@@ -134,6 +134,8 @@ def save_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
 
     ``checksums``: record a CRC-32 of every file a directory save writes (verified on load)."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
+    # before the first collective: a rank with other arguments would enter other collectives
+    path = agreed_path(path, full=bool(full), checksums=bool(checksums), optimizers=len(optimizers))
     index = build_index(module)
     checkpoint = dict(extra or {})
     checkpoint["state_dict"] = sharded_model_state_dict(module, full, index)
@@ -148,7 +150,8 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
     """Write what ``sharded_model_state_dict`` / ``sharded_optimizer_state_dict`` produced, crash-safely.
     Collective. ``index``: the key index the state dicts were made with (built if not given)."""
     rank = world()[0]
-    path = agreed_path(path)
+    path = agreed_path(path, full=bool(full), checksums=bool(checksums),
+                       optimizers=len(checkpoint.get("optimizer_states") or []))
     index = index if index is not None else build_index(module)
     checkpoint = dict(checkpoint)
     if full:
