@@ -466,3 +466,21 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(tmp_path):
             assert f"ranks disagree on {what}" in got[i], (rank, got[i])
         assert got[3] is None and got[6] is None, (rank, got)
     assert (tmp_path / "ck" / ".metadata").is_file()
+
+
+def test_failed_file_save_keeps_the_previous_file(tmp_path, monkeypatch):
+    from lightning_matrixfsdp import checkpoint as C
+
+    model, opt = _sharded(0)
+    C.save_sharded(model, tmp_path / "f.ckpt", [opt], full=True, extra={"n": 1})
+
+    def full_disk(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file "
+                           "data/3: file write failed")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(C.CheckpointError, match=r"writing checkpoint .*f\.ckpt failed: .*file write failed"):
+        C.save_sharded(model, tmp_path / "f.ckpt", [opt], full=True, extra={"n": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.ckpt"]
+    assert torch.load(tmp_path / "f.ckpt", weights_only=True)["n"] == 1

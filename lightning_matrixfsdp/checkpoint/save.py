@@ -122,6 +122,13 @@ def write_file(obj: Mapping[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         publish(tmp, path)
+    except OSError:
+        _remove(tmp)
+        raise
+    except Exception as e:  # torch.save reports a full disk as a RuntimeError
+        _remove(tmp)
+        raise CheckpointError(f"writing checkpoint {path} failed: {e}; the previous checkpoint at that path is "
+                              "unchanged") from e
     except BaseException:
         _remove(tmp)
         raise
