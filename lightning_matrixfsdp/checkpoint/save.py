@@ -136,7 +136,7 @@ def write_file(obj: Mapping[str, Any], path: Path) -> None:
 
 
 def save_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
-                 full: bool = False, extra: Optional[Mapping[str, Any]] = None, checksums: bool = True) -> None:
+                 full: bool = False, extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> None:
     """Save outside Lightning: the module, the optimizers and ``extra`` (goes to ``meta.pt``). Collective.
 
     ``checksums``: record a CRC-32 of every file a directory save writes (verified on load)."""
