@@ -5,7 +5,6 @@ The single-process cases run in this process (world 1); the cross-rank ones on 2
 """
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest

@@ -35,8 +35,8 @@ from lightning_matrixfsdp.checkpoint.integrity import file_records
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 
-__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "check_target", "new_partial", "publish", "remove_stale", "save_sharded",
-           "write_checkpoint", "write_file"]
+__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "check_target", "new_partial", "publish", "remove_stale",
+           "save_sharded", "write_checkpoint", "write_file"]
 
 PARTIAL_PREFIX = ".mfsdp-partial-"
 OLD_PREFIX = ".mfsdp-old-"
