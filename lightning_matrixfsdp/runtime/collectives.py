@@ -26,7 +26,8 @@ from typing import Callable, ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, first_difference
+from lightning_matrixfsdp.runtime.placement import MatrixShard
+from lightning_matrixfsdp.runtime.waits import wait_works
 
 #: Phases every snapshot shows.  ``optimizer_step`` is counted by nothing: the owner step
 #: communicates nothing, and the phase is kept at zero so that users see it (the README's
@@ -56,15 +57,25 @@ class CommStats:
 
 @dataclass
 class PendingOp:
-    """Communication in flight; ``wait()`` finishes it and returns the result."""
+    """Communication in flight; ``wait()`` finishes it and returns the result.
+
+    ``blocking``: the works block the host while waited for (gloo), so the wait goes
+    through :func:`waits.wait_works`, which SIGINT and SIGTERM can end; ``what`` names
+    the operation in that case's error.
+    """
 
     works: list = field(default_factory=list)
     finish: Optional[Callable[[], object]] = None
+    blocking: bool = False
+    what: str = "a collective"
 
     def wait(self) -> object:
-        for w in self.works:
-            if w is not None:
-                w.wait()
+        if self.blocking:
+            wait_works(self.works, self.what)
+        else:
+            for w in self.works:
+                if w is not None:
+                    w.wait()
         self.works = []
         fin, self.finish = self.finish, None
         return fin() if fin is not None else None
@@ -81,6 +92,11 @@ class ShardGroup:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)]
+
+    @property
+    def blocks_host(self) -> bool:
+        """Waiting for this group's communication blocks the host (gloo, not NCCL)."""
+        return self.size > 1 and comm_device(self.group).type == "cpu"
 
     def g(self, r: int) -> int:
         return self.global_ranks[r]
@@ -118,6 +134,9 @@ class OwnerCollective(ABC):
         sum on the owner and ``None`` elsewhere.  ``grads`` may be overwritten."""
 
     # -- shared helpers
+    def _pending(self, works: list, finish: Optional[Callable[[], object]] = None) -> PendingOp:
+        return PendingOp(works, finish, blocking=self.sg.blocks_host)
+
     def _owner_copies(self, shards: Sequence[MatrixShard], sources, outs) -> None:
         for s, src, out in zip(shards, sources, outs):
             if s.owner == self.sg.rank:
@@ -176,7 +195,7 @@ class P2PCollective(OwnerCollective):
                 for i, off in theirs:
                     outs[i].copy_(buf[off:off + outs[i].numel()].view(outs[i].shape))
 
-        return PendingOp(dist.batch_isend_irecv(ops) if ops else [], finish)
+        return self._pending(dist.batch_isend_irecv(ops) if ops else [], finish)
 
     def _materialize_direct(self, shards, outs) -> PendingOp:
         sg = self.sg
@@ -192,7 +211,7 @@ class P2PCollective(OwnerCollective):
                 ops.append(dist.P2POp(dist.irecv, out, sg.g(s.owner), sg.group))
                 recv += _nbytes(out)
         self.stats.add("materialize", sent, recv, calls=len(ops))
-        return PendingOp(dist.batch_isend_irecv(ops) if ops else [])
+        return self._pending(dist.batch_isend_irecv(ops) if ops else [])
 
     def _reduce_direct(self, shards, grads) -> PendingOp:
         sg = self.sg
@@ -226,7 +245,7 @@ class P2PCollective(OwnerCollective):
                 out[i] = total
             return out
 
-        return PendingOp(works, finish)
+        return self._pending(works, finish)
 
     def start_reduce(self, shards, grads) -> PendingOp:
         sg = self.sg
@@ -270,7 +289,7 @@ class P2PCollective(OwnerCollective):
                     out[i] = total[off:off + grads[i].numel()].view(grads[i].shape)
             return out
 
-        return PendingOp(works, finish)
+        return self._pending(works, finish)
 
 
 def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -297,7 +316,7 @@ class BroadcastCollective(OwnerCollective):
             else:
                 recv += _nbytes(out)
         self.stats.add("materialize", sent, recv, calls=len(works))
-        return PendingOp(works)
+        return self._pending(works)
 
     def start_reduce(self, shards, grads) -> PendingOp:
         sg = self.sg
@@ -313,7 +332,7 @@ class BroadcastCollective(OwnerCollective):
                 sent += _nbytes(g)
         self.stats.add("reduce", sent, recv, calls=len(works))
         me = sg.rank
-        return PendingOp(works, lambda: [g if s.owner == me else None for s, g in zip(shards, grads)])
+        return self._pending(works, lambda: [g if s.owner == me else None for s, g in zip(shards, grads)])
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> object:
@@ -373,7 +392,7 @@ class PaddedAllGatherCollective(OwnerCollective):
                         n = outs[i].numel()
                         outs[i].copy_(gathered[o * seg + off:o * seg + off + n].view(outs[i].shape))
 
-        return PendingOp(works, finish)
+        return self._pending(works, finish)
 
     def start_reduce(self, shards, grads) -> PendingOp:
         sg = self.sg
@@ -401,7 +420,7 @@ class PaddedAllGatherCollective(OwnerCollective):
                         res[i] = out[off:off + grads[i].numel()].view(grads[i].shape)
             return res
 
-        return PendingOp(works, finish)
+        return self._pending(works, finish)
 
 
 class GradientReducer:
@@ -419,23 +438,29 @@ class GradientReducer:
         self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.dp_size = self.sg.size * self.replicate_size
 
-    def globally_used(self, used: list[bool]) -> list[bool]:
-        """Which parameters got a gradient on at least one rank (DDP leaves the rest None)."""
+    def globally_used(self, used: list[bool], what: str = "the used-gradient flags") -> tuple[list[bool], list[bool]]:
+        """Which parameters got a gradient on at least one rank (DDP leaves the rest None), and
+        which got one on some ranks but not on others (the same lists on every rank)."""
         if self.dp_size == 1:
-            return used
-        t = torch.tensor([int(u) for u in used], dtype=torch.int32, device=comm_device(self.sg.group))
-        if self.sg.size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sg.group)
-        if self.replicate_group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.replicate_group)
-        return [bool(x) for x in t.tolist()]
+            return used, [False] * len(used)
+        # one MAX all-reduce of "used here" and "unused here": both set means the ranks differ
+        flags = [int(u) for u in used] + [int(not u) for u in used]
+        t = torch.tensor(flags, dtype=torch.int32, device=comm_device(self.sg.group))
+        for group, size in ((self.sg.group, self.sg.size), (self.replicate_group, self.replicate_size)):
+            if group is not None and size > 1:
+                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+                _wait(work, comm_device(group), what)
+        n = len(used)
+        both = t.tolist()
+        return [bool(x) for x in both[:n]], [bool(a and b) for a, b in zip(both[:n], both[n:])]
 
     def start(self, shards: Sequence[MatrixShard], grads: Sequence[torch.Tensor],
-              keep: Sequence[bool]) -> PendingOp:
+              keep: Sequence[bool], what: str = "a gradient reduction") -> PendingOp:
         """Issue the reduction to owners; ``wait()`` returns, per gradient, the mean on its
         owner where ``keep`` is set and None elsewhere.  ``keep`` must agree across ranks
         (it decides the replica all-reduces)."""
         pending = self.collective.start_reduce(shards, grads)
+        pending.what = what
 
         def finish() -> list[Optional[torch.Tensor]]:
             out: list[Optional[torch.Tensor]] = []
@@ -454,7 +479,8 @@ class GradientReducer:
         """HSDP: sum an owner's (already divided) gradient across replicas."""
         if self.replicate_group is None or self.replicate_size == 1:
             return
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.replicate_group)
+        work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True)
+        _wait(work, grad.device, "the replica sum of a gradient")
         b = _nbytes(grad)
         self.stats.add("replicate", b, b)
 
@@ -466,10 +492,20 @@ def all_reduce_norm(local: torch.Tensor, maximum: bool, group: Optional[dist.Pro
     :func:`comm_device`."""
     total = local.to(comm_device(group)).reshape(-1).clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group)
+        work = dist.all_reduce(total, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group,
+                               async_op=True)
+        _wait(work, total.device, "the global-norm all-reduce of a gradient clip")
         if stats is not None:
             stats.add("clip", _nbytes(total), _nbytes(total))
     return total
+
+
+def _wait(work: object, device: torch.device, what: str) -> None:
+    """Wait for a work item; on the CPU (gloo) where SIGINT and SIGTERM can end the wait."""
+    if device.type == "cpu":
+        wait_works([work], what)
+    else:
+        work.wait()  # type: ignore[attr-defined]
 
 
 COLLECTIVES: dict[str, type[OwnerCollective]] = {
@@ -491,39 +527,3 @@ def make_collective(name: str, sg: ShardGroup, stats: CommStats) -> OwnerCollect
     except KeyError:
         raise ValueError(f"unknown collective {name!r}; choose one of {', '.join(COLLECTIVE_NAMES)}") from None
     return cls(sg, stats)
-
-
-def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup) -> None:
-    """Compare plan and schedule across the shard group before any data moves.
-
-    Every rank receives every digest, so on a mismatch every rank raises the same
-    error instead of some of them waiting in a collective that never matches.
-    """
-    if sg.size == 1:
-        return
-    import hashlib
-    import json
-
-    mine = hashlib.sha256((plan.digest() + json.dumps(schedule, sort_keys=True)).encode()).hexdigest()
-    digests: list = [None] * sg.size
-    dist.all_gather_object(digests, mine, group=sg.group)
-    if all(d == digests[0] for d in digests):
-        return
-    payload = {"plan": plan.to_dict(), "schedule": schedule}
-    everyone: list = [None] * sg.size
-    dist.all_gather_object(everyone, payload, group=sg.group)
-    ref = everyone[0]
-    for r in range(1, sg.size):
-        if digests[r] == digests[0]:
-            continue
-        other = everyone[r]
-        if other["schedule"] != ref["schedule"]:
-            keys = [k for k in ref["schedule"] if ref["schedule"].get(k) != other["schedule"].get(k)]
-            where = "schedule option(s) " + ", ".join(
-                f"{k}: {ref['schedule'].get(k)!r} vs {other['schedule'].get(k)!r}" for k in keys)
-        else:
-            where = first_difference(ref["plan"], other["plan"])
-        raise RuntimeError(
-            f"MatrixFSDP plan mismatch between shard-group rank 0 and rank {r}: {where}. "
-            "Every rank must build the same model and call matrix_shard with the same options."
-        )

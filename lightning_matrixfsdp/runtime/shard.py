@@ -16,8 +16,8 @@ from lightning_matrixfsdp.runtime.collectives import (
     ShardGroup,
     comm_device,
     make_collective,
-    validate_schedule,
 )
+from lightning_matrixfsdp.runtime.consensus import make_sequence_check, sequence_check_wanted, validate_schedule
 from lightning_matrixfsdp.runtime.mesh import hsdp_mesh, shard_and_replicate_groups
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
 from lightning_matrixfsdp.runtime.param import ShardedParam
@@ -178,6 +178,7 @@ def matrix_shard(
         "replicate": replicate_size,
         "prefetch": prefetch,
         "zero_missing_grads": bool(zero_missing_grads),
+        "sequence_check": sequence_check_wanted(sg),
     }
     validate_schedule(plan, schedule, sg)
     if replicate_pg is not None:  # HSDP: every replica must hold the same layout too
@@ -189,16 +190,20 @@ def matrix_shard(
     reducer = GradientReducer(coll, replicate_pg)
     options = dict(schedule, planner=plan.planner, ns_steps=ns_steps, prefetch=prefetch)
     state = MatrixFSDPState(module, plan, reducer, options)
+    check = make_sequence_check(sg, [u.fqn for u in plan.units]) if schedule["sequence_check"] else None
+    if check is not None:
+        check.describe = state.describe_waiting
     fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
-    for layout, (_, umod) in zip(plan.units, units):
+    for index, (layout, (_, umod)) in enumerate(zip(plan.units, units)):
         sparams = []
         for shard in layout.shards:
             pid = fqn_to_pid[shard.fqn]
             sparams.append(ShardedParam(shard, param_objs[pid], regs[pid], sg.rank, device, param_dtype, reduce_dtype))
         is_root = umod is module
         state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
-                            reshard_after_forward and not is_root, zero_missing_grads=bool(zero_missing_grads)))
+                            reshard_after_forward and not is_root, zero_missing_grads=bool(zero_missing_grads),
+                            index=index, check=check))
     _materialize_meta(module, meta_modules, device)
     attach_state(module, state)
     return module

@@ -66,6 +66,11 @@ class MatrixFSDPState:
         for unit in self.units:
             unit.end_iteration()
 
+    def describe_waiting(self) -> str:
+        """Units that got some of their gradients but not all, for a divergence error."""
+        return "; ".join(f"unit {u.fqn or '<root>'!r} got gradients except for {', '.join(missing)}"
+                         for u in self.units if (missing := u.missing_gradients()))
+
     def set_requires_gradient_sync(self, value: bool) -> None:
         for u in self.units:
             u.requires_gradient_sync = value

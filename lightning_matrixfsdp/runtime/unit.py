@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.collectives import GradientReducer, OwnerCollective
+from lightning_matrixfsdp.runtime.consensus import AGREE_USED, MATERIALIZE, REDUCE
+from lightning_matrixfsdp.runtime.errors import RankDivergenceError
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import UnitLayout
 from lightning_matrixfsdp.runtime.schedule import Schedule
@@ -90,8 +92,13 @@ class Unit:
         schedule: "Schedule[Unit]",
         reshard_after_forward: bool,
         zero_missing_grads: bool = False,
+        index: int = 0,
+        check: Optional[Callable[[int, int], None]] = None,
     ) -> None:
         self.module = module
+        self.index = index  # in the plan, the same on every rank
+        # the sequence check (consensus.SequenceCheck): (operation, unit index) before communicating
+        self._check = check
         self.layout = layout
         self.fqn = layout.fqn
         self.params = params
@@ -130,6 +137,13 @@ class Unit:
     def is_materialized(self) -> bool:
         return any(p.materialized for p in self.params)
 
+    def missing_gradients(self) -> list[str]:
+        """Trainable parameters still without a gradient in a unit whose other gradients
+        arrived (backward reached it) and that has not reduced."""
+        if not self._ready or self.training_state is TrainingState.POST_BACKWARD:
+            return []
+        return [self.params[i].shard.fqn for i in self.trainable if i not in self._ready]
+
     # ------------------------------------------------------------------ materialize / reshard
     def start_unshard(self) -> None:
         """Allocate the pinned buffers and issue materialization (no wait): also the prefetch."""
@@ -138,12 +152,15 @@ class Unit:
         todo = [p for p in self.params if not p.materialized]
         if not todo:
             return
+        if self._check is not None:
+            self._check(MATERIALIZE, self.index)
         for p in todo:
             p.alloc()
         with torch.no_grad():
             self._pending_unshard = self.collective.start_materialize(
                 [p.shard for p in todo], [p.source() for p in todo], [p.data for p in todo]
             )
+        self._pending_unshard.what = f"the materialization of unit {self.fqn or '<root>'!r}"
         self._pending_params = todo
 
     def wait_unshard(self) -> None:
@@ -310,15 +327,28 @@ class Unit:
         else:
             used = [g is not None for g in local]
             if flush:
-                used = self.reducer.globally_used(used)
+                if self._check is not None:
+                    self._check(AGREE_USED, self.index)
+                used, mixed = self.reducer.globally_used(
+                    used, f"the used-gradient flags of unit {self.fqn or '<root>'!r}")
+                if any(mixed):
+                    raise RankDivergenceError(
+                        f"parameters of unit {self.fqn or '<root>'!r} got a gradient on some ranks but not on "
+                        f"others: {', '.join(p.shard.fqn for p, m in zip(params, mixed) if m)}. Without "
+                        "zero_missing_grads every rank must leave the same parameters without a gradient; for "
+                        "input-dependent branches or per-rank expert routing pass zero_missing_grads=True "
+                        "(to MatrixFSDPStrategy or matrix_shard)")
         grads = [
             g if g is not None else torch.zeros(p.shape, dtype=p.reduce_dtype, device=p.device)
             for g, p in zip(local, params)
         ]
         for p in params:
             p.unsharded.grad = None
+        if self._check is not None:
+            self._check(REDUCE, self.index)
         with torch.no_grad():
-            pending = self.reducer.start([p.shard for p in params], grads, used)
+            pending = self.reducer.start([p.shard for p in params], grads, used,
+                                         f"the gradient reduction of unit {self.fqn or '<root>'!r}")
 
         @torch.no_grad()
         def finish() -> None:

@@ -1,0 +1,133 @@
+"""The ranks of a shard group agree before they communicate differently.
+
+Two checks, both "agree first, then raise on every rank": :func:`validate_schedule`
+compares plan and options once, when ``matrix_shard`` runs; :class:`SequenceCheck`
+compares, before every unit operation, which operation each rank is about to start,
+so that a unit skipped or run on some ranks only, or gradients given to different
+parameters, raise :class:`RankDivergenceError` naming the units and ranks instead of
+hanging or aborting inside a mismatched collective.
+
+The sequence check costs one small all-gather per unit operation on a CPU (gloo)
+group, on the host.  It is on where the shard group itself runs on gloo, and off on
+NCCL unless ``MATRIX_FSDP_CHECK_SEQUENCE=1`` (then a gloo group beside the shard group
+carries it); ``MATRIX_FSDP_CHECK_SEQUENCE=0`` turns it off everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_matrixfsdp.runtime.collectives import ShardGroup
+from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+from lightning_matrixfsdp.runtime.placement import Plan, first_difference
+from lightning_matrixfsdp.runtime.waits import wait_works
+
+#: ``1``: check the sequence on every backend; ``0``: nowhere; unset: where the shard group is gloo.
+CHECK_ENV = "MATRIX_FSDP_CHECK_SEQUENCE"
+#: What a rank is about to do to a unit, by operation code (:data:`MATERIALIZE` ...).
+OPS = ("materialize", "reduce the gradients of", "agree on the used gradients of")
+MATERIALIZE, REDUCE, AGREE_USED = range(len(OPS))
+
+
+def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup) -> None:
+    """Compare plan and schedule across the shard group before any data moves.
+
+    Every rank receives every digest, so on a mismatch every rank raises the same
+    error instead of some of them waiting in a collective that never matches.
+    """
+    if sg.size == 1:
+        return
+    mine = hashlib.sha256((plan.digest() + json.dumps(schedule, sort_keys=True)).encode()).hexdigest()
+    digests: list = [None] * sg.size
+    dist.all_gather_object(digests, mine, group=sg.group)
+    if all(d == digests[0] for d in digests):
+        return
+    payload = {"plan": plan.to_dict(), "schedule": schedule}
+    everyone: list = [None] * sg.size
+    dist.all_gather_object(everyone, payload, group=sg.group)
+    ref = everyone[0]
+    for r in range(1, sg.size):
+        if digests[r] == digests[0]:
+            continue
+        other = everyone[r]
+        if other["schedule"] != ref["schedule"]:
+            keys = [k for k in ref["schedule"] if ref["schedule"].get(k) != other["schedule"].get(k)]
+            where = "schedule option(s) " + ", ".join(
+                f"{k}: {ref['schedule'].get(k)!r} vs {other['schedule'].get(k)!r}" for k in keys)
+        else:
+            where = first_difference(ref["plan"], other["plan"])
+        raise RuntimeError(
+            f"MatrixFSDP plan mismatch between shard-group rank 0 and rank {r}: {where}. "
+            "Every rank must build the same model and call matrix_shard with the same options."
+        )
+
+
+def sequence_check_wanted(sg: ShardGroup) -> bool:
+    """Whether this shard group runs the sequence check (see the module docstring)."""
+    setting = os.environ.get(CHECK_ENV, "").strip()
+    if sg.size == 1 or setting == "0":
+        return False
+    return setting == "1" or sg.blocks_host
+
+
+class SequenceCheck:
+    """Before each unit operation every rank says which one it is about to start; all must agree."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], unit_names: list[str]) -> None:
+        self.group = group  # a gloo group over the shard group's ranks
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.names = unit_names
+        self.count = 0
+        #: what each rank reports on a divergence (the root sets it: units waiting for gradients)
+        self.describe: Callable[[], str] = lambda: ""
+
+    def __call__(self, op: int, unit: int) -> None:
+        """``op``: :data:`MATERIALIZE`, :data:`REDUCE` or :data:`AGREE_USED`; ``unit``: its index in the plan."""
+        header = torch.tensor([self.count, op, unit], dtype=torch.int64)
+        rows = [torch.empty_like(header) for _ in range(self.size)]
+        work = dist.all_gather(rows, header, group=self.group, async_op=True)
+        wait_works([work], f"the sequence check before it would {self._what(op, unit)}")
+        self.count += 1
+        seen = [r.tolist() for r in rows]
+        if any(s != seen[0] for s in seen):
+            raise self._diverged(seen)
+
+    def _what(self, op: int, unit: int) -> str:
+        name = self.names[unit] if 0 <= unit < len(self.names) else f"#{unit}"
+        return f"{OPS[op] if 0 <= op < len(OPS) else f'op {op}'} unit {name or '<root>'!r}"
+
+    def _diverged(self, seen: list[list[int]]) -> RankDivergenceError:
+        # Every rank holds the same rows, so every rank gets here: one more collective is safe.
+        notes: list = [None] * self.size
+        dist.all_gather_object(notes, self.describe(), group=self.group)
+        counts = {n for n, _, _ in seen}
+        doing = "; ".join(f"rank {r} is about to {self._what(op, unit)}"
+                          + (f" (its operation #{n} on this model)" if len(counts) > 1 else "")
+                          for r, (n, op, unit) in enumerate(seen))
+        waiting = "; ".join(f"on rank {r}, {note}" for r, note in enumerate(notes) if note)
+        return RankDivergenceError(
+            f"MatrixFSDP ranks diverged: {doing}. Every rank must run the same units in the same order "
+            "(no unit skipped or called on some ranks only, no submodule of a unit called on its own) and, "
+            "unless zero_missing_grads=True, give gradients to the same parameters (a branch or expert used "
+            "on some ranks only needs zero_missing_grads=True)."
+            + (f" Gradients missing: {waiting}." if waiting else ""))
+
+
+def make_sequence_check(sg: ShardGroup, unit_names: list[str]) -> SequenceCheck:
+    """The sequence check of this shard group (where :func:`sequence_check_wanted`).
+    Collective over the whole world when the shard group is not gloo: a gloo group is
+    created beside every shard group."""
+    if sg.blocks_host:
+        return SequenceCheck(sg.group, unit_names)
+    spans: list = [None] * dist.get_world_size()
+    dist.all_gather_object(spans, sg.global_ranks)
+    unique = [list(s) for s in dict.fromkeys(tuple(s) for s in spans)]
+    group, _ = dist.new_subgroups_by_enumeration(unique, backend="gloo")
+    return SequenceCheck(group, unit_names)

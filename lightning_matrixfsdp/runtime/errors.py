@@ -1,0 +1,19 @@
+"""Errors the runtime raises while training, so that users can catch them by class.
+
+(``MatrixShardError``, for a model or option ``matrix_shard`` cannot take, lives with
+the option checks in ``options.py``.)
+"""
+
+from __future__ import annotations
+
+
+class RankDivergenceError(RuntimeError):
+    """The ranks of a shard group are about to communicate differently: a unit skipped or
+    run on some ranks only, or parameters given gradients on some ranks only.  Every rank
+    raises it, with the same message, before any data of the mismatched step moves."""
+
+
+class CollectiveInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while this rank waited in a MatrixFSDP collective that did
+    not finish (a peer is stuck or gone).  A ``KeyboardInterrupt``, so Lightning shuts down
+    as after Ctrl-C; the process then leaves without waiting for the collective."""

@@ -1,0 +1,199 @@
+"""Ranks that would communicate differently raise the same error on every rank, naming the
+units and parameters, instead of hanging or aborting inside a mismatched collective; a rank
+left waiting by a stuck peer ends on SIGINT and SIGTERM."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+import lightning_matrixfsdp as mf
+from _dist import run_distributed
+from conftest import clean_env
+from models import TinyLM, batch_for, lm_loss
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _divergence_worker(rank: int, world: int, case: str, env: dict) -> str:
+    os.environ.update(env)
+    torch.manual_seed(0)
+    model = TinyLM(experts=2 if case == "expert_on_some_ranks" else 0, extra_branch=case == "flush_flags_differ")
+    if case == "flush_flags_differ":
+        # a frozen root parameter keeps the root's reduction for the end-of-backward flush on every rank
+        model.pos.requires_grad_(False)
+    mf.matrix_shard(model)
+    if case == "expert_on_some_ranks":
+        for blk in model.blocks:  # rank 0 runs both experts, rank 1 only the first
+            blk.route = None if rank == 0 else 0
+    if case == "flush_flags_differ" and rank == 1:
+        model.use_branch = False
+    if case == "unit_skipped" and rank == 1:
+        def skip_first_block(self, idx):
+            x = self.tok(idx) + self.pos[: idx.shape[1]]
+            return self.head(self.ln_f(self.blocks[1](x)))
+
+        model.forward = types.MethodType(skip_first_block, model)
+    try:
+        for step in range(2):
+            if case == "unit_called_directly" and rank == 1:
+                with torch.no_grad():
+                    model.blocks[0](torch.zeros(2, 16, 32))
+            batch = batch_for(step, rank)
+            lm_loss(model(batch), batch).backward()
+    except mf.RankDivergenceError as e:
+        return str(e)
+    return "no error"
+
+
+def _same_error_everywhere(case: str, env: dict | None = None) -> str:
+    msgs = run_distributed(_divergence_worker, 2, case, env or {}, timeout=120)
+    assert msgs[0] == msgs[1] != "no error", msgs
+    return msgs[0]
+
+
+def test_unit_skipped_on_one_rank_names_both_units():
+    msg = _same_error_everywhere("unit_skipped")
+    assert "rank 0 is about to materialize unit 'blocks.0'" in msg, msg
+    assert "rank 1 is about to materialize unit 'blocks.1'" in msg, msg
+
+
+def test_unit_called_directly_on_one_rank_names_it():
+    msg = _same_error_everywhere("unit_called_directly")
+    assert "rank 0 is about to materialize unit '<root>'" in msg, msg
+    assert "rank 1 is about to materialize unit 'blocks.0'" in msg, msg
+
+
+def test_expert_used_on_some_ranks_names_its_parameters_and_the_option():
+    msg = _same_error_everywhere("expert_on_some_ranks")
+    assert "blocks.1.experts.1.weight" in msg and "zero_missing_grads=True" in msg, msg
+
+
+@pytest.mark.parametrize("sequence_check", ["auto", "0"])
+def test_used_flags_that_differ_in_the_flush_raise(sequence_check):
+    env = {} if sequence_check == "auto" else {"MATRIX_FSDP_CHECK_SEQUENCE": sequence_check}
+    msg = _same_error_everywhere("flush_flags_differ", env)
+    assert "unit '<root>' got a gradient on some ranks but not on others: branch.weight, branch.bias" in msg, msg
+    assert "zero_missing_grads=True" in msg, msg
+
+
+# ---------------------------------------------------------------------- signals
+RUNTIME_SCRIPT = """
+    import os, signal, sys, time
+    import torch.distributed as dist
+    import lightning_matrixfsdp as mf
+    from models import TinyLM, batch_for
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # as Lightning does: a Python SIGTERM handler that only takes note
+    signal.signal(signal.SIGTERM, lambda signum, frame: print("noted SIGTERM", flush=True))
+    model = mf.matrix_shard(TinyLM())
+    print(f"rank {rank} pid {os.getpid()} waits", flush=True)
+    if rank == 1:
+        time.sleep(600)  # a stuck peer
+    model(batch_for(0, rank))
+"""
+
+LIGHTNING_SCRIPT = """
+    import os, sys, time
+    import torch
+    from lightning.pytorch import LightningModule, Trainer
+    import lightning_matrixfsdp as mf
+    from models import TinyLM, batch_for, lm_loss
+
+
+    class Lit(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = TinyLM()
+
+        def training_step(self, batch, i):
+            print(f"rank {self.global_rank} pid {os.getpid()} waits", flush=True)
+            if self.global_rank == 1:
+                time.sleep(600)  # a stuck peer
+            return lm_loss(self.model(batch), batch)
+
+        def configure_optimizers(self):
+            return mf.Muon(self.parameters(), lr=0.02)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.stack([batch_for(i, 0)[0] for i in range(8)]), batch_size=2)
+
+
+    if __name__ == "__main__":
+        Trainer(accelerator="cpu", devices=2, strategy="matrix_fsdp", max_steps=2, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(Lit())
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("launch", ["runtime", "lightning"])
+def test_rank_waiting_for_a_stuck_peer_ends_on_signal(tmp_path, launch, sig):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(RUNTIME_SCRIPT if launch == "runtime" else LIGHTNING_SCRIPT))
+    env = clean_env(PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    if launch == "runtime":  # both ranks started here
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+        procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)), cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    else:  # Lightning's launcher starts rank 1 from rank 0
+        procs = [subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    lines: list[str] = []
+    for p in procs:
+        threading.Thread(target=lambda p=p: lines.extend(p.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        # both ranks print to one pipe under Lightning's launcher: lines may interleave
+        while len(waiting := re.findall(r"rank (\d) pid (\d+) waits", "".join(lines))) < 2:
+            assert time.monotonic() < deadline and procs[0].poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        pids = {int(r): int(pid) for r, pid in waiting}
+        time.sleep(2)  # rank 0 is now waiting for rank 1 in the runtime's first collective
+        start = time.monotonic()
+        procs[0].send_signal(getattr(signal, sig))
+        rc = procs[0].wait(timeout=20)
+        took = time.monotonic() - start
+        time.sleep(0.5)
+        out = "".join(lines)
+        assert rc != 0 and took < 10, (rc, took, out[-3000:])
+        assert "CollectiveInterrupted" in out or "Detected KeyboardInterrupt" in out, out[-3000:]
+        if launch == "lightning":  # Lightning's shutdown also ends the stuck rank it started
+            end = time.monotonic() + 10
+            while _alive(pids[1]) and time.monotonic() < end:
+                time.sleep(0.1)
+            assert not _alive(pids[1]), out[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for pid in (locals().get("pids") or {}).values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
