@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU batch behind docs/benchmarks.md: run on 2 x H200 (device tool) from the repo root.
-#   OUT=<dir> BENCH_GIT_REVISION=<rev> bash scripts/bench_h200.sh [quick|tune|full]
+#   OUT=<dir> BENCH_GIT_REVISION=<rev> bash scripts/bench_h200.sh [quick|check|tune|full]
 # Carried wheels in .whl/ (muon-fsdp2) are installed to /tmp/site when present.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -21,6 +21,12 @@ case "${1:-full}" in
       --out "$OUT/quick" --no-plot --timeout 120 2>&1 | tail -25 ;;
   tune)
     timeout 500 python3 scripts/tune_owner_step.py "$OUT" ${2:-momentum,blocks,trace,step} 2>&1 | tail -80 ;;
+  check)
+    # The restructure check: default p2p against stock FSDP2 + Muon in one invocation, short.
+    # (The checkpoint checksum cost: scripts/gpu_checkpoint_verify.py, see its docstring.)
+    timeout 200 torchrun --nproc-per-node "$N" -m lightning_matrixfsdp.bench --preset onenode \
+      --modes matrix_fsdp_p2p fsdp2_muon --warmup 2 --steps 6 --out "$OUT/bench" --timeout 120 --no-plot 2>&1 \
+      | grep -v Warning | tail -12 ;;
   full)
     timeout 200 python3 -m lightning_matrixfsdp.bench.orthogonalizers --out "$OUT" 2>&1 | tail -20
     timeout 240 python3 scripts/profile_owner_step.py "$OUT" > "$OUT/profile.log" 2>&1
