@@ -47,6 +47,7 @@ from lightning_matrixfsdp.checkpoint import (
 )
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.join import EvalJoin
 from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
 from lightning_matrixfsdp.runtime import (
     get_comm_stats,
@@ -426,20 +427,63 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             _restore()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        join = self._join()
+        if join is not None:
+            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+            join.check_training_step(True, bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
         with self.precision_plugin.train_step_context():
             return self._through_root("training_step", *args, **kwargs)
 
+    # ------------------------------------------------------------------ uneven inputs (runtime/join.py)
+    _eval_join: Optional[EvalJoin] = None
+
+    def _join(self) -> Optional[EvalJoin]:
+        """The join of the sharded models (None on one rank or without one)."""
+        roots = self._sharded_roots() if self.lightning_module is not None else []
+        if not roots or self.world_size == 1:
+            return None
+        states = [state_of(r) for r in roots]
+        if self._eval_join is None or self._eval_join.states != states:
+            self._eval_join = EvalJoin(states)
+        return self._eval_join
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Every dataloader goes through the join: a rank with no batch at all still follows the
+        other ranks' evaluation steps, or takes part in the training check."""
+        join = self._join()
+        if join is None:
+            return dataloader
+        from lightning.pytorch.trainer.states import RunningStage
+
+        stage = self.lightning_module.trainer.state.stage  # type: ignore[union-attr]
+        return join.wrap(dataloader, training=stage == RunningStage.TRAINING)  # type: ignore[arg-type]
+
+    def _joined_step(self, name: str, loop: Any, *args: Any, **kwargs: Any) -> Any:
+        """An evaluation step under the join: ranks with fewer batches follow the others'
+        remaining steps after their last (``loop``: the running loop, for its last-batch flag)."""
+        join = self._join()
+        if join is None:
+            return self._through_root(name, *args, **kwargs)
+        join.begin_step()
+        out = self._through_root(name, *args, **kwargs)
+        join.end_step(bool(loop.batch_progress.is_last_batch))
+        return out
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == "fit" else trainer.validate_loop
         with self.precision_plugin.val_step_context():
-            return self._through_root("validation_step", *args, **kwargs)
+            return self._joined_step("validation_step", loop, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._through_root("test_step", *args, **kwargs)
+            return self._joined_step("test_step", self.lightning_module.trainer.test_loop,  # type: ignore[union-attr]
+                                     *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._through_root("predict_step", *args, **kwargs)
+            return self._joined_step("predict_step", self.lightning_module.trainer.predict_loop,  # type: ignore[union-attr]
+                                     *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     # Lightning's checkpoint dump asks for the model's state, then each optimizer's, then saves:

@@ -500,6 +500,19 @@ def all_reduce_norm(local: torch.Tensor, maximum: bool, group: Optional[dist.Pro
     return total
 
 
+def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup] = None,
+                what: str = "a small all-gather") -> list[list[int]]:
+    """Every rank's ``values`` (the same length everywhere), in rank order of ``group``: the
+    evaluation join's "has a batch" agreement and its announcements."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [mine.tolist()]
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+    _wait(work, mine.device, what)
+    return [r.tolist() for r in rows]
+
+
 def _wait(work: object, device: torch.device, what: str) -> None:
     """Wait for a work item; on the CPU (gloo) where SIGINT and SIGTERM can end the wait."""
     if device.type == "cpu":

@@ -29,6 +29,9 @@ class Schedule(Generic[U]):
         self._forward_order: list[U] = []  # last iteration's, used for prefetching
         self._order_now: list[U] = []
         self._pending_reduces: list[Callable[[], None]] = []
+        #: called with a unit's index before it materializes, while ranks without a batch
+        #: follow an evaluation step (``runtime/join.py``); None otherwise
+        self.announce: Optional[Callable[[int], None]] = None
 
     # ------------------------------------------------------------------ order and prefetch
     def record_forward(self, unit: U) -> None:

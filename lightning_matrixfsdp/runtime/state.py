@@ -71,6 +71,23 @@ class MatrixFSDPState:
         return "; ".join(f"unit {u.fqn or '<root>'!r} got gradients except for {', '.join(missing)}"
                          for u in self.units if (missing := u.missing_gradients()))
 
+    def materialize_for_peers(self, index: int) -> None:
+        """Take part in materializing unit ``index`` for the other ranks, then release it at
+        once (a rank following an evaluation step it has no batch for)."""
+        unit = self.units[index]
+        announce, self.schedule.announce = self.schedule.announce, None
+        try:
+            unit.unshard()
+        finally:
+            self.schedule.announce = announce
+        unit.reshard()
+
+    def release_all(self) -> None:
+        """Reshard every unit still materialized (local: no communication)."""
+        for unit in self.units:
+            if unit.is_materialized:
+                unit.reshard()
+
     def set_requires_gradient_sync(self, value: bool) -> None:
         for u in self.units:
             u.requires_gradient_sync = value

@@ -152,6 +152,8 @@ class Unit:
         todo = [p for p in self.params if not p.materialized]
         if not todo:
             return
+        if self.schedule.announce is not None:
+            self.schedule.announce(self.index)
         if self._check is not None:
             self._check(MATERIALIZE, self.index)
         for p in todo:

@@ -1,0 +1,171 @@
+"""Uneven inputs: ranks without a batch follow the others' evaluation steps.
+
+Under owner sharding even an evaluation forward communicates: every unit is
+materialized from its owners, so a rank that ran out of batches must still take
+part in every materialization of the ranks that have one (as torch's ``Join``
+keeps a finished DDP rank answering the all-reduces).
+
+The protocol, per evaluation step, in ``EvalJoin``:
+
+1. every rank says whether it has a batch (one small all-gather over the world);
+   nobody has one: the evaluation is over on every rank;
+2. if some rank has none, the step runs in *join mode*: a rank that is about to
+   materialize a unit first announces it (an all-gather of ``(op, root, unit)``
+   over its shard group); a rank without a batch, or one whose own step is done,
+   answers with "idle"/"done" and materializes the announced unit with the others,
+   releasing it at once; the step ends when nobody announces any more.
+
+Why announcements rather than replaying a recorded forward or a rank's last batch:
+a replay is exact only if every forward runs the same units in the same order
+(``predict_step`` loops, data-dependent branches, a rank with no batch at all to
+replay); following the ranks that compute is exact whatever they run, and costs
+one tiny all-gather per materialization only in the steps where some rank is idle.
+Steps where every rank has a batch cost the one flag all-gather.
+
+Training cannot be joined this way (the idle rank has no gradients to contribute,
+and DDP hangs too): :meth:`EvalJoin.check_training_step` makes every rank raise
+:class:`UnevenInputsError` at the first step where the ranks' batch counts differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch.distributed as dist
+
+from lightning_matrixfsdp.runtime.collectives import gather_ints
+from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+
+IDLE, DONE, MATERIALIZE = range(3)
+
+
+class UnevenInputsError(RuntimeError):
+    """Ranks have different numbers of training batches."""
+
+
+class EvalJoin:
+    """Keeps the ranks of sharded models in step through evaluation loops of unequal length."""
+
+    def __init__(self, states: Sequence[MatrixFSDPState]) -> None:
+        self.states = list(states)
+        # every root of one strategy shards over the same ranks: the first one's group carries announcements
+        self.group = self.states[0].sg.group
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.steps = 0  # evaluation steps this rank ran since the last drain
+        self.joining = False
+
+    # ------------------------------------------------------------------ evaluation steps
+    def begin_step(self) -> None:
+        """Before this rank's evaluation step: agree on who has a batch; join mode if not everyone."""
+        self.steps += 1
+        have = self._count_batches(True)
+        self.joining = have < self.world
+        if self.joining:
+            for i, state in enumerate(self.states):
+                state.schedule.announce = (lambda unit, root=i: self._announce(root, unit))
+
+    def end_step(self, is_last: bool) -> None:
+        """After this rank's evaluation step; ``is_last``: it had no further batch, so it
+        follows the others' steps until every rank is done."""
+        if self.joining:
+            for state in self.states:
+                state.schedule.announce = None
+            self._serve(DONE)
+            self.joining = False
+        if is_last:
+            self.drain()
+
+    def drain(self) -> None:
+        """Out of batches: follow the other ranks' steps until no rank has a batch."""
+        while self._count_batches(False):
+            self._serve(IDLE)
+        for state in self.states:
+            state.release_all()
+        self.steps = 0
+
+    def wrap(self, iterable: Iterable[Any], training: bool = False) -> "JoinedLoader":
+        """A dataloader whose rank, if it yields no batch at all, still follows the others'
+        evaluation steps, or (``training``) takes part in the uneven-inputs check."""
+        return JoinedLoader(iterable, self, training)
+
+    # ------------------------------------------------------------------ training
+    def check_training_step(self, has_batch: bool, is_last: bool) -> None:
+        """Raise :class:`UnevenInputsError` on every rank where ranks disagree on whether this
+        training batch is their last (their batch counts differ)."""
+        rows = gather_ints([int(has_batch), int(is_last)], None, "the uneven-inputs check of a training step")
+        if all(r == rows[0] for r in rows):
+            return
+        state = "; ".join(f"rank {r}: " + ("no batch" if not h else "its last batch" if last else "more batches")
+                          for r, (h, last) in enumerate(rows))
+        raise UnevenInputsError(
+            f"MatrixFSDP: the ranks have different numbers of training batches ({state}). Every rank "
+            "must run the same number of training steps (as under DDP): keep use_distributed_sampler=True "
+            "(Lightning's DistributedSampler pads to equal lengths), give every rank the same number of "
+            "batches, or set max_steps/limit_train_batches to at most the smallest count.")
+
+    # ------------------------------------------------------------------ protocol
+    def _count_batches(self, have: bool) -> int:
+        rows = gather_ints([int(have)], None, "the evaluation join's has-a-batch agreement")
+        return sum(r[0] for r in rows)
+
+    def _announce(self, root: int, unit: int) -> None:
+        rows = gather_ints([MATERIALIZE, root, unit], self.group, "the evaluation join's announcement")
+        self._wanted(rows)
+
+    def _serve(self, status: int) -> None:
+        """Answer announcements with ``status`` and materialize what they name, until none comes."""
+        while True:
+            rows = gather_ints([status, -1, -1], self.group, "the evaluation join's announcement")
+            wanted = self._wanted(rows)
+            if wanted is None:
+                return
+            self.states[wanted[0]].materialize_for_peers(wanted[1])
+
+    def _wanted(self, rows: list[list[int]]) -> Optional[tuple[int, int]]:
+        want = {(r, u) for op, r, u in rows if op == MATERIALIZE}
+        if len(want) > 1:  # every rank holds the same rows: every rank raises
+            doing = "; ".join(f"rank {i} materializes unit {self._name(r, u)}" for i, (op, r, u) in enumerate(rows)
+                              if op == MATERIALIZE)
+            raise RankDivergenceError(
+                f"MatrixFSDP ranks diverged in an evaluation step: {doing}. Every rank with a batch must run "
+                "the same units in the same order.")
+        return next(iter(want), None)
+
+    def _name(self, root: int, unit: int) -> str:
+        try:
+            return repr(self.states[root].units[unit].fqn or "<root>")
+        except IndexError:
+            return f"#{unit}"
+
+
+class JoinedLoader:
+    """An evaluation dataloader, passed through; a rank whose iterator yields nothing follows
+    the other ranks' steps right away (no step of its own would ever end with :meth:`EvalJoin.end_step`)."""
+
+    def __init__(self, loader: Iterable[Any], join: EvalJoin, training: bool = False) -> None:
+        self.loader = loader
+        self.join = join
+        self.training = training
+
+    def __iter__(self) -> Iterator[Any]:
+        yielded = False
+        for batch in self.loader:
+            yielded = True
+            yield batch
+        if yielded:
+            return
+        if self.training:
+            self.join.check_training_step(False, True)
+        elif self.join.steps == 0:
+            self.join.drain()
+
+    def __len__(self) -> int:
+        # at least 1: Lightning skips an evaluation loop of length 0, and a skipped rank could not follow
+        return max(1, len(self.loader))  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("loader", "join", "training"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
