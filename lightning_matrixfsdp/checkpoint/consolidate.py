@@ -1,6 +1,7 @@
 """Convert between the two checkpoint formats, in one process, without a GPU or a process group.
 
     python -m lightning_matrixfsdp.consolidate IN OUT
+    python -m lightning_matrixfsdp.consolidate IN OUT --format safetensors [--strip-prefix model.]
 
 * ``IN`` a directory (this package's distributed checkpoint, or one written by
   Lightning's ``ModelParallelStrategy`` with FSDP2) -> ``OUT`` one consolidated
@@ -8,6 +9,8 @@
   Tied weights appear under every name the layout sidecar records.
 * ``IN`` a file (a consolidated Lightning checkpoint, or a plain ``state_dict``)
   -> ``OUT`` a distributed checkpoint directory that any world size can load.
+* ``--format safetensors``: ``IN`` either -> the weights as one ``model.safetensors`` for
+  Hugging Face ``from_pretrained`` (``lightning_matrixfsdp.checkpoint.export``).
 
 Why a separate tool: exporting for inference, or moving a run between formats,
 should not need the job's cluster.  The consolidated file holds every tensor, so
@@ -26,6 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
+from lightning_matrixfsdp.checkpoint.export import DTYPES, export_safetensors, model_order
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
 from lightning_matrixfsdp.checkpoint.integrity import file_records, verify_files, verify_zip
 from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp, read_meta
@@ -68,7 +72,7 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     for key, p in ((side or {}).get("params") or {}).items():  # tied weights: every name the model has
         if isinstance(p, Mapping) and p.get("alias_of") in sd and key not in sd:
             sd[key] = sd[p["alias_of"]]
-    out["state_dict"] = {k: sd[k] for k in _model_order(sd, side)}
+    out["state_dict"] = {k: sd[k] for k in model_order(sd, side)}
     if not weights_only and ck.groups:
         states = []
         for i in range(1 + max(ck.groups)):
@@ -86,12 +90,6 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     if side is not None:
         out["matrix_fsdp_layout"] = side
     write_file(out, dst)
-
-
-def _model_order(sd: Mapping[str, Any], side: Optional[Mapping[str, Any]]) -> list[str]:
-    """The keys in the model's ``state_dict`` order where the sidecar records it (aliases in place)."""
-    recorded = [k for k in ((side or {}).get("params") or {}) if k in sd]
-    return recorded + [k for k in sd if k not in set(recorded)]
 
 
 def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True,
@@ -158,22 +156,61 @@ def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True,
     return "file -> directory"
 
 
+#: ``--format`` values; leaving it out converts between the directory and the file format.
+FORMATS = ("safetensors",)
+_EXPORT_OPTIONS = ("strip_prefix", "add_prefix", "dtype", "config")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line of ``python -m lightning_matrixfsdp.consolidate``."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_matrixfsdp.consolidate",
-        description="Convert a distributed checkpoint directory to one consolidated file, or back.")
+        description="Convert a distributed checkpoint directory to one consolidated file, or back; or export "
+                    "its weights as model.safetensors for Hugging Face from_pretrained (--format safetensors).")
     parser.add_argument("src", metavar="IN", type=Path, help="checkpoint directory or file")
-    parser.add_argument("dst", metavar="OUT", type=Path, help="where to write the other format")
+    parser.add_argument("dst", metavar="OUT", type=Path,
+                        help="where to write the other format; with --format safetensors a directory (receives "
+                             "model.safetensors) or a file path ending in .safetensors")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="safetensors: export the weights for Hugging Face (leave out to convert between the "
+                             "directory and the file format)")
     parser.add_argument("--weights-only", action="store_true",
                         help="keep the weights only: drop optimizer states, LR schedulers, loops and callbacks "
-                             "(e.g. for inference)")
+                             "(e.g. for inference; implied by --format safetensors)")
+    parser.add_argument("--strip-prefix", default=None, metavar="PREFIX",
+                        help="safetensors: export only the keys starting with PREFIX, without it (e.g. 'model.' "
+                             "for a LightningModule holding the Hugging Face model as self.model)")
+    parser.add_argument("--add-prefix", default=None, metavar="PREFIX",
+                        help="safetensors: put PREFIX in front of every exported name (after --strip-prefix)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                        help="safetensors: cast floating-point weights (default: as stored)")
+    parser.add_argument("--config", type=Path, default=None, metavar="PATH",
+                        help="safetensors: copy this config.json (or the one in directory PATH) next to the export")
     parser.add_argument("--unsafe-load", action="store_true",
                         help="torch.load with weights_only=False (only for trusted files holding arbitrary objects)")
     parser.add_argument("--no-verify", action="store_true", help="do not check the input's checksums")
     args = parser.parse_args(argv)
-    direction = convert(args.src, args.dst, args.weights_only, safe=not args.unsafe_load, verify=not args.no_verify)
-    print(f"{args.src} -> {args.dst} ({direction})")
+    if args.format is None:
+        given = [f"--{o.replace('_', '-')}" for o in _EXPORT_OPTIONS if getattr(args, o) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} only apply with --format safetensors")
+        direction = convert(args.src, args.dst, args.weights_only, safe=not args.unsafe_load,
+                            verify=not args.no_verify)
+        print(f"{args.src} -> {args.dst} ({direction})")
+        return 0
+    res = export_safetensors(args.src, args.dst, strip_prefix=args.strip_prefix, add_prefix=args.add_prefix,
+                             dtype=args.dtype, config=args.config, safe=not args.unsafe_load,
+                             verify=not args.no_verify)
+    print(f"{args.src} -> {res.path} ({len(res.names)} tensors)")
+    for alias, stored in res.tied.items():
+        print(f"  tied: {alias} is stored once, as {stored}")
+    if res.dropped:
+        more = f" ... ({len(res.dropped)} in all)" if len(res.dropped) > 5 else ""
+        print(f"  left out (not under --strip-prefix {args.strip_prefix!r}): {', '.join(res.dropped[:5])}{more}")
+    if res.config is not None:
+        print(f"  config: {res.config}")
+    elif not (res.path.parent / "config.json").is_file():
+        print(f"  note: from_pretrained({str(res.path.parent)!r}) needs a config.json there (--config PATH)")
     return 0
 
 
