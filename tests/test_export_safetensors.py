@@ -177,6 +177,10 @@ def test_add_prefix_and_plain_state_dict_with_shared_storage(tmp_path: Path) -> 
     assert torch.equal(stored["backbone.emb.weight"], w.half())
     assert torch.equal(stored["backbone.part.b"], big[6:].half())
     assert stored["backbone.steps"].dtype == torch.int64
+    # without a cast the views still share memory: each is written as its own contiguous copy
+    torch.save({"a": big[:6], "b": big[6:], "w": w, "wt": w.t()}, tmp_path / "views.pt")
+    stored = _stored(export_safetensors(tmp_path / "views.pt", tmp_path / "views.safetensors").path)
+    assert torch.equal(stored["b"], big[6:]) and torch.equal(stored["wt"], w.t()) and torch.equal(stored["w"], w)
 
 
 def test_errors(trained, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
