@@ -476,14 +476,14 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             return self._joined_step("validation_step", loop, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        loop = self.lightning_module.trainer.test_loop  # type: ignore[union-attr]
         with self.precision_plugin.test_step_context():
-            return self._joined_step("test_step", self.lightning_module.trainer.test_loop,  # type: ignore[union-attr]
-                                     *args, **kwargs)
+            return self._joined_step("test_step", loop, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        loop = self.lightning_module.trainer.predict_loop  # type: ignore[union-attr]
         with self.precision_plugin.predict_step_context():
-            return self._joined_step("predict_step", self.lightning_module.trainer.predict_loop,  # type: ignore[union-attr]
-                                     *args, **kwargs)
+            return self._joined_step("predict_step", loop, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     # Lightning's checkpoint dump asks for the model's state, then each optimizer's, then saves:
