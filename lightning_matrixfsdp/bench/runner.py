@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_matrixfsdp.runtime.consensus import CHECK_ENV
 from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
 
 from .comm import CommCounter
@@ -337,6 +338,10 @@ def metadata(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any] | None:
     """Entry point for every rank; rank 0 returns (and writes) the results."""
+    # The bench measures the data path: the runtime's rank-divergence check (on by default
+    # on gloo) would add its own small all-gathers to the counted bytes and to the step
+    # time. Set the variable to 1 to measure a run with it.
+    os.environ.setdefault(CHECK_ENV, "0")
     device = resolve_device(cfg.run.device)
     init_distributed(device, cfg.run.collective_timeout_s)
     # Longer than the work timeout, so ranks waiting here outlive a peer stuck in a collective.
