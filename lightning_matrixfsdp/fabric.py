@@ -46,7 +46,7 @@ from lightning_matrixfsdp.adapter import (
 from lightning_matrixfsdp.checkpoint import load_sharded, save_sharded
 from lightning_matrixfsdp.runtime import get_plan, hsdp_mesh, is_matrix_sharded
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
-from lightning_matrixfsdp.runtime.options import check_strategy_options
+from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 
 __all__ = ["MatrixFSDPFabricStrategy", "register_fabric"]
@@ -126,6 +126,8 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         tensor_parallel_size: int = 1,
         log_plan: bool = True,
+        verify_checkpoints: bool = True,
+        reset_changed_roles: bool = False,
     ) -> None:
         opts = check_strategy_options(
             wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
@@ -155,6 +157,8 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         self.prefetch = opts["prefetch"]
         self.zero_missing_grads = opts["zero_missing_grads"]
         self.log_plan = opts["log_plan"]
+        self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
+        self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
         self._backward_sync_control = _OwnerBackwardSyncControl(self.accumulation_no_sync)
         self._shard_mesh: Any = None
         self._modules: list[nn.Module] = []  # the models set up so far (optimizers must follow them)
@@ -264,7 +268,8 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         if clash:
             raise ValueError(f"fabric.save: the state keys {clash} are reserved by the checkpoint layout; rename them")
         extra = {k: (state[k].state_dict() if _is_stateful(state[k]) else state[k]) for k in others}
-        save_sharded(module, path, optimizers, full=not self._save_distributed_checkpoint, extra=extra)
+        save_sharded(module, path, optimizers, full=not self._save_distributed_checkpoint, extra=extra,
+                     checksums=self.verify_checkpoints)
 
     def load_checkpoint(self, path: _PATH, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -277,10 +282,11 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
             raise NotImplementedError("loading an optimizer alone is not supported; pass {'model': model, "
                                       "'optimizer': optimizer}")
         if isinstance(state, nn.Module):
-            load_sharded(state, path, (), strict=strict, weights_only=weights_only)
+            load_sharded(state, path, (), strict=strict, weights_only=weights_only, verify=self.verify_checkpoints)
             return {}
         module, optimizers, others = self._split_state(state, "load")
-        meta = load_sharded(module, path, optimizers, strict=strict, weights_only=weights_only)
+        meta = load_sharded(module, path, optimizers, strict=strict, weights_only=weights_only,
+                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
         rest = {k: v for k, v in (meta or {}).items() if k not in _RESTORED_KEYS}
         missing = [k for k in others if k not in rest]
         if strict and missing:

@@ -330,12 +330,16 @@ def test_options_are_validated_like_the_trainer_strategy() -> None:
 
     for kw, word in [({"planner": "nope"}, "planner"), ({"collective": "x"}, "collective"),
                      ({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"shard_size": 0}, "shard_size"),
-                     ({"accumulation_no_sync": "yes"}, "accumulation_no_sync")]:
+                     ({"accumulation_no_sync": "yes"}, "accumulation_no_sync"),
+                     ({"verify_checkpoints": "no"}, "verify_checkpoints"),
+                     ({"reset_changed_roles": 1}, "reset_changed_roles")]:
         with pytest.raises(Exception, match=word):
             mf.MatrixFSDPFabricStrategy(**kw)
         if word != "accumulation_no_sync":  # the Trainer strategy refuses these too
             with pytest.raises(Exception, match=word):
                 mf.MatrixFSDPStrategy(**kw)
+    opts = mf.MatrixFSDPFabricStrategy(verify_checkpoints=False, reset_changed_roles=True)
+    assert (opts.verify_checkpoints, opts.reset_changed_roles) == (False, True)
 
 
 def test_example_runs_on_two_cpu_processes(tmp_path) -> None:
