@@ -98,7 +98,10 @@ def _eval_worker(rank: int, world: int) -> dict:
         want = [lm_loss(oracle(b), b).item() for b in batches]
         want_logits = [oracle(b) for b in batches]
     return {"fit_val": lit.val_losses, "test": lit.test_losses,
-            "preds": [p.detach() for p in preds or []], "want": want, "want_logits": want_logits,
+            # plain lists: tensors would cross the process boundary through shared memory that the
+            # exiting worker may already have released
+            "preds": [p.detach().tolist() for p in preds or []], "want": want,
+            "want_logits": [w.tolist() for w in want_logits],
             "fit_s": time.monotonic() - t0, "n": n}
 
 
@@ -109,7 +112,7 @@ def test_uneven_evaluation_completes_and_matches_unsharded(world):
         assert len(r["test"]) == r["n"] and len(r["preds"]) == r["n"]
         torch.testing.assert_close(torch.tensor(r["test"]), torch.tensor(r["want"]), rtol=1e-5, atol=1e-6)
         for got, want in zip(r["preds"], r["want_logits"]):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
         # fit: one sanity batch (if any), then the whole validation set after training moved the weights
         assert len(r["fit_val"]) == min(r["n"], 1) + r["n"]
         if r["n"]:
