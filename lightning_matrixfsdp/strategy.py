@@ -64,6 +64,17 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 _MAX_TIMED_STEPS = 1000
 
 
+def _evenly_sampled(dataloader: object) -> bool:
+    """True when torch's ``DistributedSampler`` (or a subclass, as Lightning's wrappers are)
+    picks the batches: it pads or truncates to the same count on every rank."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = getattr(dataloader, "sampler", None)
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    return isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None),
+                                                                 DistributedSampler)
+
+
 class _GlobalNormClip:
     """Precision-plugin mixin: clip by the global norm of owner-sharded gradients."""
 
@@ -428,7 +439,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         join = self._join()
-        if join is not None:
+        if join is not None and self._train_counts_may_differ:
             trainer = self.lightning_module.trainer  # type: ignore[union-attr]
             join.check_training_step(True, bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
         with self.precision_plugin.train_step_context():
@@ -436,6 +447,10 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ uneven inputs (runtime/join.py)
     _eval_join: Optional[EvalJoin] = None
+    # Whether training batch counts can differ between ranks: not under torch's
+    # DistributedSampler (Lightning's default), which gives every rank the same count. Only
+    # then does each training step pay the check's small all-gather (a host sync on NCCL).
+    _train_counts_may_differ: bool = True
 
     def _join(self) -> Optional[EvalJoin]:
         """The join of the sharded models (None on one rank or without one)."""
@@ -456,7 +471,12 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         from lightning.pytorch.trainer.states import RunningStage
 
         stage = self.lightning_module.trainer.state.stage  # type: ignore[union-attr]
-        return join.wrap(dataloader, training=stage == RunningStage.TRAINING)  # type: ignore[arg-type]
+        training = stage == RunningStage.TRAINING
+        if training:
+            self._train_counts_may_differ = not _evenly_sampled(dataloader)
+            if not self._train_counts_may_differ:
+                return dataloader
+        return join.wrap(dataloader, training=training)  # type: ignore[arg-type]
 
     def _joined_step(self, name: str, loop: Any, *args: Any, **kwargs: Any) -> Any:
         """An evaluation step under the join: ranks with fewer batches follow the others'

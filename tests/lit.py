@@ -186,7 +186,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     return {"losses": lit.losses, "oracle_losses": oracle_losses, "param_diff": max(diffs.values()),
             "worst_param": max(diffs, key=diffs.get), "steps": trainer.global_step,
             "optimizer": type(trainer.optimizers[0]).__name__,
-            "lrs": lit.lrs, "warnings": [str(w.message) for w in caught], "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
+            "lrs": lit.lrs, "uneven_check": trainer.strategy._train_counts_may_differ, "warnings": [str(w.message) for w in caught], "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
 
 
 def _other_rank_first(x: torch.Tensor) -> torch.Tensor:
