@@ -137,7 +137,7 @@ def test_uneven_validate_matches_unsharded():
 
 
 def _uneven_train_worker(rank: int, world: int, counts: list[int]) -> str:
-    from lightning_matrixfsdp.runtime.join import UnevenInputsError
+    from lightning_matrixfsdp.runtime.errors import UnevenInputsError
 
     torch.manual_seed(0)
     lit = LitEval(1, rank, train_n=counts[rank])

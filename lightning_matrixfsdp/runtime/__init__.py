@@ -5,7 +5,7 @@
 plan and traffic and switch gradient synchronization.  The errors a training run can
 raise (errors.py) are importable from here too.
 """
-from lightning_matrixfsdp.runtime.errors import CollectiveInterrupted, RankDivergenceError
+from lightning_matrixfsdp.runtime.errors import CollectiveInterrupted, RankDivergenceError, UnevenInputsError
 from lightning_matrixfsdp.runtime.mesh import hsdp_mesh
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, UnitLayout
@@ -13,5 +13,5 @@ from lightning_matrixfsdp.runtime.queries import get_comm_stats, get_plan, is_ma
 from lightning_matrixfsdp.runtime.shard import matrix_shard
 
 __all__ = ["CollectiveInterrupted", "MatrixShard", "MatrixShardError", "Plan", "RankDivergenceError", "RoleKind",
-           "UnitLayout", "get_comm_stats", "get_plan", "hsdp_mesh", "is_matrix_sharded", "matrix_shard",
+           "UnevenInputsError", "UnitLayout", "get_comm_stats", "get_plan", "hsdp_mesh", "is_matrix_sharded", "matrix_shard",
            "set_requires_gradient_sync"]

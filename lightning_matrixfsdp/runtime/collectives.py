@@ -513,6 +513,16 @@ def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup] = None
     return [r.tolist() for r in rows]
 
 
+def gather_objects(obj: object, group: Optional[dist.ProcessGroup] = None) -> list:
+    """Every rank's picklable ``obj``, in rank order of ``group`` (setup-time agreement and
+    error reports; never on a training step's path)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def _wait(work: object, device: torch.device, what: str) -> None:
     """Wait for a work item; on the CPU (gloo) where SIGINT and SIGTERM can end the wait."""
     if device.type == "cpu":

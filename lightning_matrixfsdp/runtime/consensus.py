@@ -20,13 +20,11 @@ import json
 import os
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import ShardGroup
+from lightning_matrixfsdp.runtime.collectives import ShardGroup, gather_ints, gather_objects
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError
 from lightning_matrixfsdp.runtime.placement import Plan, first_difference
-from lightning_matrixfsdp.runtime.waits import wait_works
 
 #: ``1``: check the sequence on every backend; ``0``: nowhere; unset: where the shard group is gloo.
 CHECK_ENV = "MATRIX_FSDP_CHECK_SEQUENCE"
@@ -44,13 +42,11 @@ def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup) -> None:
     if sg.size == 1:
         return
     mine = hashlib.sha256((plan.digest() + json.dumps(schedule, sort_keys=True)).encode()).hexdigest()
-    digests: list = [None] * sg.size
-    dist.all_gather_object(digests, mine, group=sg.group)
+    digests = gather_objects(mine, sg.group)
     if all(d == digests[0] for d in digests):
         return
     payload = {"plan": plan.to_dict(), "schedule": schedule}
-    everyone: list = [None] * sg.size
-    dist.all_gather_object(everyone, payload, group=sg.group)
+    everyone = gather_objects(payload, sg.group)
     ref = everyone[0]
     for r in range(1, sg.size):
         if digests[r] == digests[0]:
@@ -90,12 +86,9 @@ class SequenceCheck:
 
     def __call__(self, op: int, unit: int) -> None:
         """``op``: :data:`MATERIALIZE`, :data:`REDUCE` or :data:`AGREE_USED`; ``unit``: its index in the plan."""
-        header = torch.tensor([self.count, op, unit], dtype=torch.int64)
-        rows = [torch.empty_like(header) for _ in range(self.size)]
-        work = dist.all_gather(rows, header, group=self.group, async_op=True)
-        wait_works([work], f"the sequence check before it would {self._what(op, unit)}")
+        seen = gather_ints([self.count, op, unit], self.group,
+                           f"the sequence check before it would {self._what(op, unit)}")
         self.count += 1
-        seen = [r.tolist() for r in rows]
         if any(s != seen[0] for s in seen):
             raise self._diverged(seen)
 
@@ -105,8 +98,7 @@ class SequenceCheck:
 
     def _diverged(self, seen: list[list[int]]) -> RankDivergenceError:
         # Every rank holds the same rows, so every rank gets here: one more collective is safe.
-        notes: list = [None] * self.size
-        dist.all_gather_object(notes, self.describe(), group=self.group)
+        notes = gather_objects(self.describe(), self.group)
         counts = {n for n, _, _ in seen}
         doing = "; ".join(f"rank {r} is about to {self._what(op, unit)}"
                           + (f" (its operation #{n} on this model)" if len(counts) > 1 else "")
@@ -126,8 +118,7 @@ def make_sequence_check(sg: ShardGroup, unit_names: list[str]) -> SequenceCheck:
     created beside every shard group."""
     if sg.blocks_host:
         return SequenceCheck(sg.group, unit_names)
-    spans: list = [None] * dist.get_world_size()
-    dist.all_gather_object(spans, sg.global_ranks)
+    spans = gather_objects(sg.global_ranks)
     unique = [list(s) for s in dict.fromkeys(tuple(s) for s in spans)]
     group, _ = dist.new_subgroups_by_enumeration(unique, backend="gloo")
     return SequenceCheck(group, unit_names)

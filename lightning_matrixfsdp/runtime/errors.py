@@ -17,3 +17,9 @@ class CollectiveInterrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived while this rank waited in a MatrixFSDP collective that did
     not finish (a peer is stuck or gone).  A ``KeyboardInterrupt``, so Lightning shuts down
     as after Ctrl-C; the process then leaves without waiting for the collective."""
+
+
+class UnevenInputsError(RuntimeError):
+    """Ranks have different numbers of training batches (evaluation handles uneven inputs;
+    training, as under DDP, cannot).  Every rank raises it at the first step where the
+    counts differ."""

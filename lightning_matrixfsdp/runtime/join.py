@@ -34,14 +34,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.collectives import gather_ints
-from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+from lightning_matrixfsdp.runtime.errors import RankDivergenceError, UnevenInputsError
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 
 IDLE, DONE, MATERIALIZE = range(3)
-
-
-class UnevenInputsError(RuntimeError):
-    """Ranks have different numbers of training batches."""
 
 
 class EvalJoin:
