@@ -56,15 +56,17 @@ def clip_grad_norm_(
 
     Each gradient lives on exactly one rank of the shard group, so summing the
     owners' partial sums over the shard group gives the norm DDP would see.
-    Pass ``group`` for the shard group (default: the whole world; replicas of HSDP
-    hold equal gradients, so use the shard group there).  The all-reduce is counted
-    under the ``clip`` phase of ``stats`` (default: the sharded model's when
-    ``parameters`` is a module that ``matrix_shard`` sharded).
+    ``group`` is the shard group. When ``parameters`` is a module that ``matrix_shard``
+    sharded, the default is that module's shard group (under HSDP the replicas hold equal
+    gradients, and summing over the world would count each of them once per replica);
+    otherwise the whole world. The all-reduce is counted under the ``clip`` phase of
+    ``stats`` (default: the sharded module's).
     """
     if isinstance(parameters, torch.nn.Module):
-        if stats is None:
-            state = find_state(parameters)
-            stats = state.stats if state is not None else None
+        state = find_state(parameters)
+        if state is not None:
+            stats = state.stats if stats is None else stats
+            group = state.sg.group if group is None else group
         parameters = list(parameters.parameters())
     grads = _owned_grads(list(parameters))
     norm_type = float(norm_type)
