@@ -205,8 +205,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         ``ModelParallelStrategy`` configures none in processes it did not start itself (the
         children of its own launch, torchrun, SLURM), so they skip Lightning's
         ``OMP_NUM_THREADS`` setting: on CPU the children then ran with one thread per core
-        and the ranks oversubscribed the machine (the CPU example was 1.6x slower than
-        under DDP). The launcher starts no process where the environment already did.
+        and the ranks oversubscribed the machine (CHANGELOG, "Fixed", has the measured
+        cost). The launcher starts no process where the environment already did.
         """
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
