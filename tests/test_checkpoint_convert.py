@@ -123,3 +123,22 @@ def test_weights_only_conversion_drops_training_state(tmp_path):
     assert not [k for k in training if k in meta], sorted(meta)
     assert (meta["epoch"], meta["global_step"]) == (3, 7)
     assert not C.read_sidecar(tmp_path / "wd")["optimizers"]
+
+
+def test_one_process_save_load_and_convert_print_no_dcp_warning(tmp_path):
+    # One process is a supported use (conversion, a single-rank run); DCP's "torch.distributed
+    # is disabled" warning would only alarm there.
+    import warnings
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.checkpoint.consolidate import convert
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    mf.matrix_shard(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mf.save_sharded(m, tmp_path / "ck")
+        mf.load_sharded(m, tmp_path / "ck")
+        convert(tmp_path / "ck", tmp_path / "ck.pt")
+        convert(tmp_path / "ck.pt", tmp_path / "ck2")
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]

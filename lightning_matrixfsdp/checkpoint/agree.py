@@ -9,6 +9,7 @@ default group, on the device :func:`comm_device` picks.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -21,8 +22,8 @@ from torch.distributed.checkpoint import CheckpointException
 from lightning_matrixfsdp.checkpoint.errors import ERROR_CLASSES, CheckpointError
 from lightning_matrixfsdp.runtime.collectives import comm_device
 
-__all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "describe_failure", "warn",
-           "world"]
+__all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "describe_failure",
+           "single_process_quiet", "warn", "world"]
 
 
 def world() -> tuple[int, int]:
@@ -111,3 +112,14 @@ def agreed_path(path: Any, **options: Any) -> Path:
             raise ValueError(f"ranks disagree on {name}: " + ", ".join(f"rank {r} {v!r}" for r, v in enumerate(values))
                              + "; call the checkpoint function with the same arguments on every rank")
     return Path(everyone[0][0])
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Any:
+    """DCP warns that "torch.distributed is disabled" whenever no process group exists. One
+    process is a supported use here (conversion, a single-rank save or load), so the warning
+    would only alarm; with a process group nothing is silenced."""
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled", category=UserWarning)
+        yield

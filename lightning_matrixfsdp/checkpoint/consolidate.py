@@ -28,6 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from lightning_matrixfsdp.checkpoint.agree import single_process_quiet
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.export import DTYPES, export_safetensors, model_order
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
@@ -125,7 +126,8 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     tmp = new_partial(dst)
     tmp.mkdir(parents=True)
     try:
-        dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(), no_dist=True)
+        with single_process_quiet():
+            dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(), no_dist=True)
         if lightning:
             rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
             if weights_only:

@@ -19,7 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
-from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, describe_failure, warn, world
+from lightning_matrixfsdp.checkpoint.agree import (
+    agree,
+    agreed_path,
+    describe_failure,
+    single_process_quiet,
+    warn,
+    world,
+)
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from lightning_matrixfsdp.checkpoint.formats import (
     DcpEntries,
@@ -93,7 +100,8 @@ def read_dcp(entries: dict[str, Any], path: Path, no_dist: bool = False) -> None
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        dcp.load(entries, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
+        with single_process_quiet():
+            dcp.load(entries, storage_reader=FileSystemReader(str(path)), no_dist=no_dist)
     except CheckpointException as e:
         data = sorted(path.glob("*.distcp"))
         empty = [p.name for p in data if p.stat().st_size == 0]

@@ -27,7 +27,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
-from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, broadcast_object, describe_failure, world
+from lightning_matrixfsdp.checkpoint.agree import (
+    agree,
+    agreed_path,
+    broadcast_object,
+    describe_failure,
+    single_process_quiet,
+    world,
+)
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import optimizer_class, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
@@ -202,8 +209,9 @@ def _write_dir(index: KeyIndex, checkpoint: dict[str, Any], path: Path, tmp: Pat
 
     def _dcp() -> None:
         try:
-            dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)),
-                     planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+            with single_process_quiet():
+                dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)),
+                         planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
         except CheckpointException as e:
             raise CheckpointError(f"writing checkpoint {path} failed: {describe_failure(e)}; the previous "
                                   "checkpoint at that path is unchanged") from None
