@@ -309,7 +309,11 @@ def test_scaling_cli_single_process(tmp_path: Path) -> None:
     """The scaling entry point end to end at W=1 (in this process: no spawn cost)."""
     from lightning_matrixfsdp.bench import scaling
 
+    before = os.environ.get("MATRIX_FSDP_CHECK_SEQUENCE")
     assert scaling.main(["--world", "1", "--layers", "1", "--modes", "fsdp2_adamw", "--out", str(tmp_path)]) == 0
+    # The bench turns the runtime's divergence check off for itself only: later tests in this
+    # process (and the workers they spawn) must keep the default.
+    assert os.environ.get("MATRIX_FSDP_CHECK_SEQUENCE") == before
     study = json.loads((tmp_path / "scaling.json").read_text())
     (row,) = study["rows"]
     assert row["status"] == "ok" and row["measured"]["forward"] == 0  # nothing to gather alone

@@ -340,8 +340,20 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any] | None:
     """Entry point for every rank; rank 0 returns (and writes) the results."""
     # The bench measures the data path: the runtime's rank-divergence check (on by default
     # on gloo) would add its own small all-gathers to the counted bytes and to the step
-    # time. Set the variable to 1 to measure a run with it.
+    # time. Set the variable to 1 to measure a run with it. Restored afterwards: the caller
+    # (a test process, a notebook) keeps its own setting.
+    before = os.environ.get(CHECK_ENV)
     os.environ.setdefault(CHECK_ENV, "0")
+    try:
+        return _run_benchmark(cfg)
+    finally:
+        if before is None:
+            os.environ.pop(CHECK_ENV, None)
+        else:
+            os.environ[CHECK_ENV] = before
+
+
+def _run_benchmark(cfg: BenchConfig) -> dict[str, Any] | None:
     device = resolve_device(cfg.run.device)
     init_distributed(device, cfg.run.collective_timeout_s)
     # Longer than the work timeout, so ranks waiting here outlive a peer stuck in a collective.
