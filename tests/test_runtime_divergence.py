@@ -72,6 +72,25 @@ def test_unit_called_directly_on_one_rank_names_it():
     assert "rank 1 is about to materialize unit 'blocks.0'" in msg, msg
 
 
+def _submodule_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = TinyLM()
+    mf.matrix_shard(model)
+    try:
+        if rank == 1:  # a submodule of unit blocks.0, outside the unit's forward
+            with torch.no_grad():
+                model.blocks[0].fc(torch.zeros(2, 32))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_submodule_called_outside_its_unit_names_it_on_that_rank():
+    msgs = run_distributed(_submodule_worker, 2, timeout=120)
+    assert msgs[0] == "no error", msgs
+    assert "'blocks.0.fc.weight' ran on rank 1 while its unit 'blocks.0' was not materialized" in msgs[1], msgs
+
+
 def test_expert_used_on_some_ranks_names_its_parameters_and_the_option():
     msg = _same_error_everywhere("expert_on_some_ranks")
     assert "blocks.1.experts.1.weight" in msg and "zero_missing_grads=True" in msg, msg

@@ -118,6 +118,17 @@ class Unit:
         for i, p in enumerate(params):
             self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
             p.unsharded.requires_grad_(p.requires_grad)
+        # A submodule that holds this unit's parameters and runs while the unit is not
+        # materialized was called outside the unit's forward: on a non-owner its weights are
+        # empty placeholders and torch would fail with a bare shape error (and the owner would
+        # go on alone). Say so, on the rank where it happens.
+        inner: dict[int, tuple[nn.Module, str]] = {}
+        for p in params:
+            for sub, name in p.registrations:
+                if sub is not module:
+                    inner.setdefault(id(sub), (sub, p.shard.fqn))
+        for sub, fqn in inner.values():
+            self._handles.append(sub.register_forward_pre_hook(self._outside_call_hook(fqn)))
         self._reset_iteration()
 
     # ------------------------------------------------------------------ bookkeeping
@@ -143,6 +154,23 @@ class Unit:
         if not self._ready or self.training_state is TrainingState.POST_BACKWARD:
             return []
         return [self.params[i].shard.fqn for i in self.trainable if i not in self._ready]
+
+    def _outside_call_hook(self, fqn: str) -> Callable[..., None]:
+        unit_ref = weakref.ref(self)  # hooks must not keep the model alive (see _grad_ready_hook)
+
+        def hook(sub: nn.Module, args: Any) -> None:
+            unit = unit_ref()
+            if unit is None or unit.is_materialized:
+                return
+            where = unit.fqn or "<root>"
+            raise RuntimeError(
+                f"{type(sub).__name__} holding {fqn!r} ran on rank {unit.collective.sg.rank} while its unit "
+                f"{where!r} was not materialized: it was called outside the unit's forward (directly, or after "
+                f"the unit's forward returned). Ranks that do not own a parameter hold an empty placeholder "
+                f"between forwards. Call the unit {where!r} itself, or choose units with wrap_policy so that "
+                "the call happens inside one")
+
+        return hook
 
     # ------------------------------------------------------------------ materialize / reshard
     def start_unshard(self) -> None:
