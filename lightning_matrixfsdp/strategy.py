@@ -315,23 +315,27 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             new = build_replacement(self.optimizer_factory, params, 1, "MatrixFSDPStrategy")  # type: ignore[arg-type]
         except TypeError as e:
             raise MisconfigurationException(str(e)) from None
-        kept = []
+        movable = [cfg for cfg in self.lr_scheduler_configs if old is not None and hasattr(cfg.scheduler, "base_lrs")
+                   and len(old.param_groups) == len(new.param_groups)]
         for cfg in self.lr_scheduler_configs:
-            sched = cfg.scheduler
-            if old is None or len(old.param_groups) != len(new.param_groups) or not hasattr(sched, "base_lrs"):
-                rank_zero_warn(f"MatrixFSDPStrategy(optimizer=...): dropping LR scheduler {type(sched).__name__}, "
-                               "which cannot follow the replacement optimizer's param groups")
-                continue
+            if cfg not in movable:
+                rank_zero_warn(f"MatrixFSDPStrategy(optimizer=...): dropping LR scheduler "
+                               f"{type(cfg.scheduler).__name__}, which cannot follow the replacement optimizer's "
+                               "param groups")
+        if movable:
+            assert old is not None
+            # Schedulers wrap their optimizer's step() when built, to check the call order; one
+            # moved to ``new`` would warn that step() "has been overridden". Building one on ``new``
+            # (before the rescale below: it sets each LR to its initial value times 1) installs it.
+            torch.optim.lr_scheduler.LambdaLR(new, lambda _: 1.0)
             # Keep the schedule's shape (its factor so far) on the new optimizer's own learning rates.
             for go, gn in zip(old.param_groups, new.param_groups):
                 factor = go["lr"] / go.get("initial_lr", go["lr"]) if go.get("initial_lr") else 1.0
                 gn["initial_lr"] = gn["lr"]
                 gn["lr"] = gn["lr"] * factor
-            if not kept:
-                # Schedulers wrap their optimizer's step() when built, to check the call order; one
-                # moved to ``new`` would warn that step() "has been overridden". Building one on
-                # ``new`` installs that wrapper; its constant factor 1 leaves every LR as it is.
-                torch.optim.lr_scheduler.LambdaLR(new, lambda _: 1.0)
+        kept = []
+        for cfg in movable:
+            sched = cfg.scheduler
             sched.optimizer = new
             sched.base_lrs = [g["initial_lr"] for g in new.param_groups]
             if hasattr(sched, "_last_lr"):
@@ -526,7 +530,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         return sharded_optimizer_state_dict(self._checkpoint_module(), optimizer,
                                             full=not self._save_distributed_checkpoint, index=self._checkpoint_index)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
         index, self._checkpoint_index = self._checkpoint_index, None

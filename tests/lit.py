@@ -71,12 +71,19 @@ class LitTiny(LightningModule):  # noqa: D101
             opt = mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
         if not self.scheduler:
             return opt
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, SCHEDULES[self.scheduler])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 def schedule(step: int) -> float:
     return 0.5 ** step
+
+
+def warmup(step: int) -> float:  # a factor other than 1 at step 0
+    return (step + 1) / 4
+
+
+SCHEDULES = {True: schedule, "warmup": warmup}
 
 
 class SelfShardingLitTiny(LitTiny):
@@ -142,7 +149,8 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     zero_missing = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.zero_missing_grads
     oracle = initial
     opts = oracle_optimizers(oracle)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts] if cfg.get("scheduler") else []
+    scheds = ([torch.optim.lr_scheduler.LambdaLR(o, SCHEDULES[cfg["scheduler"]]) for o in opts]
+              if cfg.get("scheduler") else [])
     seen = lit.seen
     oracle_losses = []
     for step in range(len(seen) // acc):

@@ -109,13 +109,15 @@ def test_configure_model_calling_matrix_shard_is_respected():
     assert res[0]["planner"] == "scope_greedy"  # the module's own choice, not the strategy default
 
 
-def test_optimizer_replacement_keeps_the_modules_lr_schedule():
+@pytest.mark.parametrize("scheduler", [True, "warmup"], ids=["decay", "warmup"])
+def test_optimizer_replacement_keeps_the_modules_lr_schedule(scheduler):
     a = ADAMW_DEFAULTS
     opt = dict(adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
-    res = run_distributed(trainer_worker, 2, {"steps": 4, "module_optimizer": "sgd", "scheduler": True,
+    res = run_distributed(trainer_worker, 2, {"steps": 4, "module_optimizer": "sgd", "scheduler": scheduler,
                                               "strategy": {"optimizer": opt}})
     _exact(res)  # the oracle runs the same LambdaLR on Muon's own lr (0.02), not on SGD's 0.1
-    assert res[0]["lrs"] == [MUON_DEFAULTS["lr"] * 0.5 ** s for s in range(4)]
+    factor = (lambda s: 0.5 ** s) if scheduler is True else (lambda s: (s + 1) / 4)
+    assert res[0]["lrs"] == pytest.approx([MUON_DEFAULTS["lr"] * factor(s) for s in range(4)], rel=1e-12)
     # The scheduler moved to the new optimizer must not think step() was overridden.
     assert not [w for r in res for w in r["warnings"] if "overridden" in w], res[0]["warnings"]
 
