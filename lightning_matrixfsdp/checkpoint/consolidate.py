@@ -32,8 +32,8 @@ from lightning_matrixfsdp.checkpoint.agree import single_process_quiet
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.export import DTYPES, export_safetensors, model_order
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
-from lightning_matrixfsdp.checkpoint.integrity import file_records, verify_files, verify_zip
-from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp, read_meta
+from lightning_matrixfsdp.checkpoint.integrity import file_records, verify_files
+from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp, read_file, read_meta
 from lightning_matrixfsdp.checkpoint.save import check_target, new_partial, publish, remove_stale, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
 
@@ -100,16 +100,7 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     src, dst = Path(src), Path(dst)
-    if verify:
-        verify_zip(src, collective=False)
-    try:
-        ck = torch.load(src, map_location="cpu", mmap=True, weights_only=safe)
-    except Exception as e:  # noqa: BLE001 - any failure is a damaged or foreign file
-        raise CheckpointCorruptError(f"{src} cannot be read by torch.load: {e}") from None
-    lightning = isinstance(ck, Mapping) and isinstance(ck.get("state_dict"), Mapping)
-    if not lightning and not (isinstance(ck, Mapping) and all(isinstance(k, str) for k in ck)):
-        raise CheckpointCorruptError(f"{src} holds neither a Lightning checkpoint nor a state_dict")
-    layout = ck.get("matrix_fsdp_layout") if lightning and isinstance(ck.get("matrix_fsdp_layout"), Mapping) else None
+    ck, lightning, layout = read_file(src, verify, safe)
     full_sd = dict(ck["state_dict"] if lightning else ck)
     sd = dict(full_sd)
     for key, p in ((layout or {}).get("params") or {}).items():  # tied weights are stored once, by their first name

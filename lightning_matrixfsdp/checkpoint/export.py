@@ -22,8 +22,8 @@ import torch
 
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.formats import parse_dcp, placeholder
-from lightning_matrixfsdp.checkpoint.integrity import verify_files, verify_zip
-from lightning_matrixfsdp.checkpoint.load import read_dcp
+from lightning_matrixfsdp.checkpoint.integrity import verify_files
+from lightning_matrixfsdp.checkpoint.load import read_dcp, read_file
 from lightning_matrixfsdp.checkpoint.save import new_partial, publish, remove_stale
 from lightning_matrixfsdp.checkpoint.sidecar import SIDECAR_NAME, read_sidecar
 
@@ -87,17 +87,8 @@ def read_weights(src: Union[str, os.PathLike], safe: bool = True, verify: bool =
             if stored in sd and alias not in sd:
                 sd[alias] = sd[stored]
         return {k: sd[k] for k in model_order(sd, side)}, aliases
-    if verify:
-        verify_zip(src, collective=False)
-    try:
-        ck = torch.load(src, map_location="cpu", mmap=True, weights_only=safe)
-    except Exception as e:  # noqa: BLE001 - any failure is a damaged or foreign file
-        raise CheckpointCorruptError(f"{src} cannot be read by torch.load: {e}") from None
-    lightning = isinstance(ck, Mapping) and isinstance(ck.get("state_dict"), Mapping)
-    if not lightning and not (isinstance(ck, Mapping) and all(isinstance(k, str) for k in ck)):
-        raise CheckpointCorruptError(f"{src} holds neither a Lightning checkpoint nor a state_dict")
-    layout = ck.get("matrix_fsdp_layout") if lightning else None
-    return dict(ck["state_dict"] if lightning else ck), _aliases(layout if isinstance(layout, Mapping) else None)
+    ck, lightning, layout = read_file(src, verify, safe)
+    return dict(ck["state_dict"]) if lightning else ck, _aliases(layout)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:

@@ -44,7 +44,7 @@ from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, che
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
 
-__all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp", "read_meta"]
+__all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,25 @@ def read_dcp(entries: dict[str, Any], path: Path, no_dist: bool = False) -> None
         raise CheckpointCorruptError(f"checkpoint {path}: reading the data failed ({describe_failure(e)}); "
                                      f"{files}: one is truncated or damaged; load an intact copy or an earlier "
                                      "checkpoint") from None
+
+
+def read_file(src: Path, verify: bool = True,
+              safe: bool = True) -> tuple[dict[str, Any], bool, Optional[Mapping]]:
+    """A consolidated file in one process: (the whole object as a dict, whether it is a
+    Lightning checkpoint rather than a plain ``state_dict``, its layout record or None).
+    Verified against the zip CRC-32s unless ``verify=False``; a file that is neither a
+    Lightning checkpoint nor a plain ``state_dict`` raises :class:`CheckpointCorruptError`."""
+    if verify:
+        verify_zip(src, collective=False)
+    try:
+        ck = torch.load(src, map_location="cpu", mmap=True, weights_only=safe)
+    except Exception as e:  # noqa: BLE001 - any failure is a damaged or foreign file
+        raise CheckpointCorruptError(f"{src} cannot be read by torch.load: {e}") from None
+    lightning = isinstance(ck, Mapping) and isinstance(ck.get("state_dict"), Mapping)
+    if not lightning and not (isinstance(ck, Mapping) and all(isinstance(k, str) for k in ck)):
+        raise CheckpointCorruptError(f"{src} holds neither a Lightning checkpoint nor a state_dict")
+    layout = ck.get("matrix_fsdp_layout") if lightning else None
+    return dict(ck), lightning, layout if isinstance(layout, Mapping) else None
 
 
 def read_meta(path: Path, weights_only: Optional[bool]) -> Any:
