@@ -300,6 +300,7 @@ def check_shard_options(
     shard_size: Any = None,
     prefetch: Any = True,
     zero_missing_grads: Any = False,
+    replica_split: Any = False,
     device: Any = None,
     mesh: Any = None,
 ) -> dict[str, Any]:
@@ -319,6 +320,7 @@ def check_shard_options(
         "shard_size": check_positive_int(shard_size, "shard_size", optional=True),
         "prefetch": check_bool(prefetch, "prefetch"),
         "zero_missing_grads": check_bool(zero_missing_grads, "zero_missing_grads"),
+        "replica_split": check_bool(replica_split, "replica_split"),
         "device": check_device(device),
         "mesh": check_mesh(mesh),
     }
@@ -345,6 +347,7 @@ def check_strategy_options(
     timeout: Any,
     tensor_parallel_size: Any,
     log_plan: Any,
+    replica_split: Any = False,
 ) -> dict[str, Any]:
     """Every option of ``MatrixFSDPStrategy``, checked and normalized (same keys)."""
     if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
@@ -354,7 +357,8 @@ def check_strategy_options(
     shard = check_shard_options(
         wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
-        shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads)
+        shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
+        replica_split=replica_split)
     for key in ("ns_steps", "device", "mesh"):  # matrix_shard's own; the strategy sets them
         del shard[key]
     return dict(

@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 
 class RoleKind(str, Enum):
@@ -151,6 +151,10 @@ class Plan:
 
     ``loads_bytes`` / ``loads_flops`` are per-rank resident bytes (params, grads and
     optimizer state) and optimizer FLOPs per step as the cost model estimates them.
+
+    ``steppers`` (``replica_split`` under HSDP, else empty): parameter fqn -> the replica
+    that steps its role and alone holds its optimizer state; ``replica_flops[k][r]``:
+    optimizer FLOPs per step of shard rank ``r`` in replica ``k`` under that assignment.
     """
 
     world: int
@@ -160,6 +164,8 @@ class Plan:
     loads_flops: list[int]
     replicate: int = 1
     options: dict[str, Any] = field(default_factory=dict)
+    steppers: dict[str, int] = field(default_factory=dict)
+    replica_flops: list[list[int]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ queries
     def shards(self) -> Iterable[MatrixShard]:
@@ -175,6 +181,15 @@ class Plan:
             if s.fqn == fqn:
                 return s
         raise KeyError(fqn)
+
+    @property
+    def replica_split(self) -> bool:
+        """Whether each role is stepped by one replica only (``steppers`` set)."""
+        return bool(self.steppers)
+
+    def stepper(self, fqn: str) -> Optional[int]:
+        """The replica that steps ``fqn``'s role; None without ``replica_split`` (every replica)."""
+        return self.steppers.get(fqn) if self.steppers else None
 
     @property
     def memory_imbalance(self) -> float:
@@ -205,6 +220,8 @@ class Plan:
             "memory_imbalance": self.memory_imbalance,
             "compute_imbalance": self.compute_imbalance,
             "gamma": self.gammas,
+            **({"steppers": dict(self.steppers), "replica_flops": [list(r) for r in self.replica_flops]}
+               if self.steppers else {}),
         }
 
     def to_json(self, **kw: Any) -> str:
@@ -218,6 +235,8 @@ class Plan:
             loads_bytes=[int(x) for x in d["loads_bytes"]],
             loads_flops=[int(x) for x in d["loads_flops"]],
             replicate=int(d.get("replicate", 1)), options=dict(d.get("options", {})),
+            steppers={str(k): int(v) for k, v in (d.get("steppers") or {}).items()},
+            replica_flops=[[int(x) for x in r] for r in (d.get("replica_flops") or [])],
         )
 
     @staticmethod
@@ -226,8 +245,10 @@ class Plan:
 
     def digest(self) -> str:
         """A short hash of the placement (not of the printed figures)."""
-        core = {"world": self.world, "replicate": self.replicate,
-                "units": [u.to_dict() for u in self.units]}
+        core: dict[str, Any] = {"world": self.world, "replicate": self.replicate,
+                                "units": [u.to_dict() for u in self.units]}
+        if self.steppers:  # absent without replica_split, so earlier digests stay valid
+            core["steppers"] = self.steppers
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ display
@@ -246,6 +267,11 @@ class Plan:
                 f"{r:>4} | {self.loads_bytes[r] / 2**20:>12.2f} | "
                 f"{self.loads_flops[r] / 1e9:>15.3f} | {n_mat[r]:>8}"
             )
+        if self.steppers:
+            per = ", ".join(f"replica {k}: " + " ".join(f"{f / 1e9:.3f}" for f in row)
+                            for k, row in enumerate(self.replica_flops))
+            lines.append(f"replica_split: each role stepped by one of {self.replicate} replicas; "
+                         f"optimizer GFLOP per rank: {per}")
         lines.append(
             f"imbalance (max/avg): memory {self.memory_imbalance:.3f}, "
             f"optimizer compute {self.compute_imbalance:.3f}; max unit gamma {self.max_gamma:.3f}"
@@ -287,4 +313,9 @@ def first_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
                 diffs = [k for k in p if p.get(k) != q.get(k)]
                 return (f"unit {x['fqn']!r}, parameter {p['fqn']!r}: "
                         + ", ".join(f"{k} {p.get(k)!r} vs {q.get(k)!r}" for k in diffs))
+    sa, sb = a.get("steppers") or {}, b.get("steppers") or {}
+    if sa != sb:
+        for k in sorted(set(sa) | set(sb)):
+            if sa.get(k) != sb.get(k):
+                return f"parameter {k!r}: stepping replica {sa.get(k)!r} vs {sb.get(k)!r} (replica_split)"
     return "collective schedule or options differ"
