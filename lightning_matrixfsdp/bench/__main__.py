@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m lightning_matrixfsdp.bench --preset onenode
     python -m lightning_matrixfsdp.bench --preset tiny --nproc 2      # CPU, gloo
+    python -m lightning_matrixfsdp.bench predict --help               # the step-time predictor
 
 A preset fixes every default; the flags below override single fields.
 """
@@ -69,6 +70,11 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["predict"]:  # the analytic predictor: no GPU, no process group
+        from .predict_cli import main as predict_main
+
+        return predict_main(argv[1:])
     from .launch import launched_by_torchrun, spawn
     from .report import check_plot_available
     from .runner import run_benchmark

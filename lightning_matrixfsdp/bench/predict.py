@@ -1,0 +1,405 @@
+"""Analytic step-time and memory model of every benchmark mode (`python -m lightning_matrixfsdp.bench predict`).
+
+From a model shape, the plan of the real planner (`runtime.planner.make_plan`, and
+`runtime.replicas.assign_steppers` for ``replica_split``) and a `Cluster`, it predicts
+forward, backward and optimizer-step milliseconds and the peak memory of the busiest
+rank for one training step (batch ``batch`` sequences per rank). The formulas
+(docs/benchmarks.md, "Predicted step times", explains them and what they leave out):
+
+- compute: forward FLOPs ``L (2 T M_block + 2 b s^2 h) + 2 T V h`` (``T = b s`` tokens,
+  ``M_block`` the block's matrix parameters, causal attention counted at half); backward
+  twice that, plus one more forward of the blocks under activation checkpointing; run at
+  ``matmul_tflops * model_eff``.
+- per unit, compute and the unit's collectives overlap: a unit costs
+  ``max(compute, intra-node link time, inter-node link time)``; the first
+  materialization of the forward and the last reduction of the backward are exposed.
+- optimizer: Newton-Schulz FLOPs (`newton_schulz_flops`) of the busiest rank at
+  ``matmul_tflops * ns_eff``, elementwise work at HBM bandwidth, and the mode's own
+  optimizer-step collectives (stock Muon's DTensor collectives, measured op by op; the
+  gather-once all-gathers; ZeRO-1's parameter broadcasts), not overlapped.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, RoleKind, UnitLayout, UnitSpec
+from lightning_matrixfsdp.runtime.planner import make_plan, newton_schulz_flops
+from lightning_matrixfsdp.runtime.replicas import assign_steppers
+
+from .baselines import assign_owners
+from .cluster import GIB, Cluster
+
+MODES: tuple[str, ...] = (
+    "fsdp2_adamw", "fsdp2_muon", "fsdp2_gather_once", "zero1_owner", "ddp_muon",
+    "matrix_fsdp", "matrix_fsdp_broadcast", "matrix_fsdp_hsdp", "matrix_fsdp_hsdp_split",
+)
+HSDP_MODES = ("matrix_fsdp_hsdp", "matrix_fsdp_hsdp_split")
+ELEM = 2  # bf16 weights, gradients and optimizer state in every mode
+DDP_BUCKET = 25 * 2**20
+
+
+class PredictError(ValueError):
+    """A prediction that cannot be made: unknown mode, bad shape, span not dividing the world."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder: ``layers`` blocks (attention q/k/v/o, MLP gate/up/down or up/down) plus an
+    untied embedding and head of ``vocab`` rows (``vocab=0``: blocks only)."""
+
+    name: str
+    hidden: int
+    mlp: int
+    layers: int
+    heads: int
+    seq_len: int
+    vocab: int
+    kv_heads: int | None = None
+    batch: int = 1
+    gated: bool = True
+    ac: bool = True
+    ns_steps: int = 5
+
+    def __post_init__(self) -> None:
+        for key in ("hidden", "mlp", "layers", "heads", "seq_len", "batch", "ns_steps"):
+            if int(getattr(self, key)) < 1:
+                raise PredictError(f"model {self.name!r}: {key} must be >= 1, got {getattr(self, key)}")
+        if self.vocab < 0:
+            raise PredictError(f"model {self.name!r}: vocab must be >= 0, got {self.vocab}")
+        if self.hidden % self.heads:
+            raise PredictError(f"model {self.name!r}: hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise PredictError(f"model {self.name!r}: kv_heads={self.kv_heads} must divide heads={self.heads}")
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * (self.kv_heads or self.heads)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SHAPES: dict[str, ModelShape] = {
+    # The measured 4.56B model of docs/benchmarks.md (bench preset onenode).
+    "onenode": ModelShape("onenode", 4096, 16384, 16, 32, 4096, 32000),
+    # The MatrixFSDP paper's weak-scaling block (Table 3): 16 layers per node; its parameter
+    # counts (3.2B per 16 layers) are blocks of 4h^2 + 2hf, so no gate and no vocabulary.
+    "paper": ModelShape("paper", 4096, 16384, 16, 32, 4096, 0, gated=False, ns_steps=2),
+    "7b": ModelShape("7b", 4096, 11008, 32, 32, 4096, 32000),
+    "32b": ModelShape("32b", 5120, 27648, 64, 40, 4096, 152064, kv_heads=8),
+}
+
+
+def shape_from_bench_config(cfg: dict[str, Any]) -> ModelShape:
+    """The shape of a bench run from its JSON ``config`` (bench/config.py's fields)."""
+    m, o, r = cfg["model"], cfg["optim"], cfg["run"]
+    return ModelShape(cfg.get("preset", "bench"), m["hidden"], m["mlp_hidden"], m["n_layers"], m["n_heads"],
+                      m["seq_len"], m["vocab_size"], batch=r["batch_size"], ac=m["activation_checkpointing"],
+                      ns_steps=o["ns_steps"])
+
+
+# ---------------------------------------------------------------- parameters, plan, FLOPs
+@functools.lru_cache(maxsize=64)
+def unit_specs(shape: ModelShape) -> tuple[UnitSpec, ...]:
+    """The bench decoder's units (root first, then one per block) with the bench's matrix rule."""
+    h, f, kv, dt = shape.hidden, shape.mlp, shape.kv_dim, "bfloat16"
+    units = []
+    if shape.vocab:
+        units.append(UnitSpec("", (ParamSpec("embed.weight", (shape.vocab, h), dt, False),
+                                   ParamSpec("norm.weight", (h,), dt, False),
+                                   ParamSpec("head.weight", (shape.vocab, h), dt, False))))
+    for i in range(shape.layers):
+        p = f"blocks.{i}."
+        mats = [("attn.wq", (h, h)), ("attn.wk", (kv, h)), ("attn.wv", (kv, h)), ("attn.wo", (h, h))]
+        mats += ([("mlp.gate", (f, h))] if shape.gated else []) + [("mlp.up", (f, h)), ("mlp.down", (h, f))]
+        params = [ParamSpec(p + "attn_norm.weight", (h,), dt, False)]
+        params += [ParamSpec(p + n + ".weight", s, dt, True) for n, s in mats[:4]]
+        params += [ParamSpec(p + "mlp_norm.weight", (h,), dt, False)]
+        params += [ParamSpec(p + n + ".weight", s, dt, True) for n, s in mats[4:]]
+        units.append(UnitSpec(f"blocks.{i}", tuple(params)))
+    return tuple(units)
+
+
+def all_params(shape: ModelShape) -> list[ParamSpec]:
+    return [p for u in unit_specs(shape) for p in u.params]
+
+
+@functools.lru_cache(maxsize=64)
+def plan_for(shape: ModelShape, span: int, planner: str = "role_greedy") -> Plan:
+    return make_plan(list(unit_specs(shape)), span, planner, ns_steps=shape.ns_steps)
+
+
+def block_flops(shape: ModelShape) -> float:
+    """Forward FLOPs of one block: its matmuls plus causal attention (half of QK^T and AV)."""
+    tokens = shape.batch * shape.seq_len
+    mats = sum(p.numel for p in unit_specs(shape)[-1].params if p.is_matrix)
+    return 2 * tokens * mats + 2 * shape.batch * shape.seq_len ** 2 * shape.hidden
+
+
+def forward_flops(shape: ModelShape) -> float:
+    return shape.layers * block_flops(shape) + 2 * shape.batch * shape.seq_len * shape.vocab * shape.hidden
+
+
+def backward_flops(shape: ModelShape) -> float:
+    """Twice the forward, plus the blocks' recomputation under activation checkpointing."""
+    return 2 * forward_flops(shape) + (shape.layers * block_flops(shape) if shape.ac else 0)
+
+
+def activation_bytes(shape: ModelShape) -> float:
+    """Saved and working activations: checkpoints of every block, one block's working set
+    (h-sized tensors: ~10, f-sized: 4 gated / 2 plain), bf16 logits with float32 loss and grad."""
+    bs, h = shape.batch * shape.seq_len, shape.hidden
+    work = bs * (10 * h + (4 if shape.gated else 2) * shape.mlp) * ELEM
+    saved = shape.layers * (bs * h * ELEM if shape.ac else work)
+    return saved + (work if shape.ac else 0) + bs * shape.vocab * (ELEM + 8)
+
+
+def stock_matrix_work(shape: tuple[int, ...], steps: int, span: int) -> tuple[float, list[tuple[str, int]]]:
+    """(local FLOPs, collectives) of torch.optim.Muon's Newton-Schulz on one FSDP2 ``Shard(0)``
+    DTensor, as DTensor runs it (recorded op by op on torch 2.13): a matrix with rows <= cols
+    all-gathers X, X X^T and X again per iteration and computes 1/W of every product; a tall one
+    is transposed (sharded on the contracted dimension): two all-reduces of the m x m Gram
+    matrix per iteration, and ``B = bA + cAA`` is computed whole on every rank."""
+    m, n = sorted(shape)
+    if span <= 1:
+        return float(newton_schulz_flops(shape, steps)), []
+    colls: list[tuple[str, int]] = [("all_reduce", 4)]  # the norm
+    if shape[0] <= shape[1]:
+        per = [("all_gather", m * n * ELEM), ("all_gather", m * m * ELEM), ("all_gather", m * n * ELEM)]
+        flops = steps * (4 * m * m * n + 2 * m ** 3) / span
+    else:
+        per = [("all_reduce", m * m * ELEM)] * 2
+        flops = steps * (4 * m * m * n / span + 2 * m ** 3)
+    return flops, colls + per * steps
+
+
+def stock_collectives(shape: ModelShape, span: int) -> int:
+    return sum(len(stock_matrix_work(p.shape, shape.ns_steps, span)[1]) for p in all_params(shape) if p.is_matrix)
+
+
+# ---------------------------------------------------------------- communication per unit
+def _p2p(layout: UnitLayout, c: Cluster) -> tuple[float, float]:
+    """(intra, inter) seconds of an owner fanout (or the mirrored reduction to owners): every
+    owner sends its segment to each peer; off-node bytes go through the GPU's share of its
+    node's NICs, once per receiving GPU."""
+    w, g = layout.world, min(c.gpus_per_node, layout.world)
+    owned = [layout.owned_bytes(r) for r in range(w)]
+    node_sum = [sum(owned[n * g:(n + 1) * g]) for n in range(-(-w // g))]
+    intra = max(max(o * (g - 1), node_sum[r // g] - o) for r, o in enumerate(owned)) / (c.intra_gbs * 1e9)
+    inter = 0.0
+    if w > g:
+        total = sum(owned)
+        inter = max(max(o * (w - g), total - node_sum[r // g]) for r, o in enumerate(owned))
+        inter = inter / (c.inter_gbs / g * 1e9) + c.latency(w) - c.latency(g)
+    return intra + c.latency(g), inter
+
+
+def _roles(layout: UnitLayout) -> list[int]:
+    """Bytes of each role as the runtime moves it: one per 2D+ tensor, one packed tail per owner."""
+    sizes = [s.nbytes for s in layout.shards if len(s.shape) >= 2]
+    tails: dict[int, int] = {}
+    for s in layout.shards:
+        if len(s.shape) < 2:
+            tails[s.owner] = tails.get(s.owner, 0) + s.nbytes
+    return sizes + list(tails.values())
+
+
+def _split(c: Cluster, seconds: float, span: int) -> tuple[float, float]:
+    return (seconds, 0.0) if span <= c.gpus_per_node else (0.0, seconds)
+
+
+def unit_comm(mode: str, layout: UnitLayout, c: Cluster) -> tuple[float, float]:
+    """(intra, inter) seconds of one materialization (= one reduction) of a unit."""
+    span = layout.world
+    if span <= 1:
+        return 0.0, 0.0
+    if mode.startswith("fsdp2"):
+        return _split(c, c.all_gather(layout.nbytes, span), span)
+    if mode == "matrix_fsdp_broadcast":
+        return _split(c, sum(c.broadcast(b, span) for b in _roles(layout)), span)
+    return _p2p(layout, c)
+
+
+def pipeline(compute: list[float], mat: list[float], red: list[float], ready: list[float] | None = None,
+             rep: list[list[float]] | None = None) -> float:
+    """Seconds of one pass over units in order, FSDP-style: unit k+1's materialization
+    (``mat``) is issued when unit k starts computing and not before ``ready[k+1]``; unit k
+    computes once its own has arrived; its reduction (``red``) follows its compute on the
+    same link; under HSDP each shard rank then runs its replica collective (``rep[k][r]``)
+    on its own stream, in unit order. The pass ends when compute, link and streams are idle."""
+    n = len(compute)
+    ready = ready or [0.0] * n
+    link = ready[0] + mat[0]
+    arrived = [link] + [0.0] * (n - 1)
+    comp = 0.0
+    streams = [0.0] * len(rep[0]) if rep else []
+    for k in range(n):
+        start = max(comp, arrived[k])
+        if k + 1 < n:
+            link = max(link, start, ready[k + 1]) + mat[k + 1]
+            arrived[k + 1] = link
+        comp = start + compute[k]
+        if red[k]:
+            link = max(link, comp) + red[k]
+        if rep:
+            streams = [max(t, link) + x for t, x in zip(streams, rep[k])]
+    return max([comp, link] + streams)
+
+
+# ---------------------------------------------------------------- the modes
+def _spans(mode: str, c: Cluster, shard_size: int | None) -> tuple[int, int]:
+    if mode not in MODES:
+        raise PredictError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode not in HSDP_MODES:
+        return c.world, 1
+    w = shard_size or c.gpus_per_node
+    if w < 1 or c.world % w:
+        raise PredictError(f"shard size W={w} does not divide the world size {c.world} "
+                           f"({c.nodes} nodes x {c.gpus_per_node} GPUs)")
+    return w, c.world // w
+
+
+def _owner_work(plan: Plan, units: tuple[UnitSpec, ...], shape: ModelShape, replicas: int,
+                split: bool) -> list[tuple[float, int, int, int, int]]:
+    """Per (replica, shard rank) stepping the optimizer: (NS FLOPs, matrix elements, AdamW
+    elements, parameter bytes held, optimizer-state bytes held)."""
+    steppers = assign_steppers(plan, units, replicas, shape.ns_steps)[0] if split else {}
+    out = []
+    for k in range(replicas if split else 1):
+        for r in range(plan.world):
+            f = mat = adam = held = state = 0
+            for s in plan.shards():
+                if s.owner != r:
+                    continue
+                held += 2 * s.nbytes  # weight and gradient
+                if steppers.get(s.fqn, k) != k:
+                    continue
+                if s.role is RoleKind.MATRIX:
+                    f, mat, state = f + newton_schulz_flops(s.shape, shape.ns_steps), mat + s.numel, state + s.nbytes
+                else:
+                    adam, state = adam + s.numel, state + 2 * s.nbytes
+            out.append((f, mat, adam, held, state))
+    return out
+
+
+def predict_mode(mode: str, shape: ModelShape, c: Cluster, shard_size: int | None = None,
+                 planner: str = "role_greedy") -> dict[str, Any]:
+    """One row: fwd/bwd/opt/total ms and peak GiB of the busiest rank for ``mode`` on ``c``."""
+    span, replicas = _spans(mode, c, shard_size)
+    n = c.world
+    units = unit_specs(shape)
+    params = all_params(shape)
+    p_bytes = sum(p.nbytes for p in params)
+    m_elems = sum(p.numel for p in params if p.is_matrix)
+    rest_elems = sum(p.numel for p in params) - m_elems
+    rate = c.matmul_tflops * 1e12 * c.model_eff
+    ns_ours, ns_stock = c.matmul_tflops * 1e12 * c.ns_eff_ours, c.matmul_tflops * 1e12 * c.ns_eff_stock
+    hbm = c.hbm_gbs * 1e9
+    cf = [(block_flops(shape) if u.fqn else 2 * shape.batch * shape.seq_len * shape.vocab * shape.hidden) / rate
+          for u in units]
+    cb = [f * (2 + (shape.ac and bool(u.fqn))) for f, u in zip(cf, units)]
+    act = activation_bytes(shape)
+    largest_unit = max(sum(p.nbytes for p in u.params) for u in units)
+    elementwise = lambda mat, adam: (mat * c.muon_bpp + adam * c.adamw_bpp) / hbm  # noqa: E731
+    row: dict[str, Any] = {"mode": mode, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "world": n,
+                           "span": span, "replicas": replicas}
+    temp = 0.0
+    if mode in ("zero1_owner", "ddp_muon"):
+        t_ar = c.all_reduce(p_bytes, n)
+        fwd, bwd = sum(cf), max(sum(cb), t_ar) + c.all_reduce(min(DDP_BUCKET, p_bytes), n)
+        if mode == "ddp_muon":
+            ns = sum(newton_schulz_flops(p.shape, shape.ns_steps) for p in params if p.is_matrix) / ns_stock
+            opt = ns + elementwise(m_elems, rest_elems)
+            static = 2 * p_bytes + (m_elems + 2 * rest_elems) * ELEM
+        else:
+            owners = assign_owners([p.nbytes for p in params], n, "greedy")
+            per = [[0.0, 0, 0] for _ in range(n)]
+            for p, o in zip(params, owners):
+                if p.is_matrix:
+                    per[o][0] += newton_schulz_flops(p.shape, shape.ns_steps)
+                    per[o][1] += p.numel
+                else:
+                    per[o][2] += p.numel
+            opt = max(f / ns_stock + elementwise(mat, adam) for f, mat, adam in per)
+            opt += sum(c.broadcast(p.nbytes, n) for p in params)
+            static = 2 * p_bytes + max((mat + 2 * adam) * ELEM for _, mat, adam in per)
+        peak = static + act
+    else:
+        plan = plan_for(shape, span, planner)
+        comm = [unit_comm(mode, layout, c) for layout in plan.units]
+        fsdp = mode.startswith("fsdp2")
+        copy = [(2 * (lay.nbytes if fsdp else max(lay.owned_bytes(r) for r in range(span))) / hbm if span > 1 else 0.0)
+                for lay in plan.units]
+        split = mode == "matrix_fsdp_hsdp_split"
+        mat = [max(x) for x in comm]
+        rep = [[c.replica_ring(lay.owned_bytes(r), replicas, "reduce" if split else "all_reduce")
+                for r in range(span)] for lay in plan.units]
+        ready = [0.0] * len(units)
+        if split:  # the updated weights' broadcasts, one stream per shard rank, from the end of the step
+            sent = [0.0] * span
+            for u, lay in enumerate(plan.units):
+                sent = [t + c.replica_ring(lay.owned_bytes(r), replicas, "broadcast") for r, t in enumerate(sent)]
+                ready[u] = max(sent)
+        fwd = pipeline([x + y for x, y in zip(cf, copy)], mat, [0.0] * len(units), ready)
+        order = list(range(len(units)))[::-1]  # blocks last to first, then the root (embedding last)
+        bwd = pipeline([cb[u] + (copy[u] if units[u].fqn else 0.0) for u in order],
+                       [mat[u] if units[u].fqn else 0.0 for u in order], [mat[u] for u in order],
+                       rep=[rep[u] for u in order] if replicas > 1 else None)
+        if fsdp:
+            share = 1 / n
+            if mode == "fsdp2_adamw":
+                opt = elementwise(0, (m_elems + rest_elems) * share)
+                static, temp = 4 * p_bytes * share, p_bytes * share
+            else:
+                opt = elementwise(m_elems * share, rest_elems * share)
+                static = (3 * m_elems + 4 * rest_elems) * ELEM * share
+                mats = [p.shape for p in params if p.is_matrix]
+                if mode == "fsdp2_muon":
+                    for s in mats:
+                        f, colls = stock_matrix_work(s, shape.ns_steps, n)
+                        opt += f / ns_stock + sum(getattr(c, k)(b, n) + c.dispatch_us * 1e-6 for k, b in colls)
+                else:
+                    opt += sum(c.all_gather(s[0] * s[1] * ELEM, n) + c.dispatch_us * 1e-6 for s in mats)
+                    opt += sum(newton_schulz_flops(s, shape.ns_steps) for s in mats) / ns_stock
+                    temp = 3 * max(s[0] * s[1] for s in mats) * ELEM
+        else:
+            work = _owner_work(plan, units, shape, replicas, split)
+            opt = max(f / ns_ours + elementwise(mat, adam) for f, mat, adam, _, _ in work)
+            static = max(held + state for _, _, _, held, state in work)
+        peak = static + max(act + (2 * largest_unit if span > 1 else 0), temp)
+        row["max_gamma"] = round(plan.max_gamma, 3)
+    row.update(fwd_ms=fwd * 1e3, bwd_ms=bwd * 1e3, opt_ms=opt * 1e3, total_ms=(fwd + bwd + opt) * 1e3,
+               peak_gib=peak / GIB)
+    row["fits"] = row["peak_gib"] <= c.gpu_mem_gib
+    return row
+
+
+def predict(shape: ModelShape, base: Cluster, nodes: list[int], modes: list[str] | tuple[str, ...] = MODES,
+            shard_size: int | None = None, layers_per_node: int | None = None,
+            planner: str = "role_greedy") -> list[dict[str, Any]]:
+    """One row per (mode, nodes); ``layers_per_node`` scales depth with the node count (weak scaling)."""
+    for m in modes:
+        _spans(m, base, shard_size)  # unknown modes fail before any work
+    rows = []
+    for k in nodes:
+        c = base.with_(nodes=k)
+        s = replace(shape, layers=layers_per_node * k) if layers_per_node else shape
+        for m in modes:
+            rows.append({**predict_mode(m, s, c, shard_size, planner), "layers": s.layers,
+                         "parameters": sum(p.numel for p in all_params(s))})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    head = ("| mode | nodes | GPUs | span x replicas | layers | fwd ms | bwd ms | opt ms | total ms | peak GiB | fits |\n"
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['nodes']} | {r['world']} | {r['span']} x {r['replicas']} | {r['layers']} | "
+                     f"{r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | {r['opt_ms']:.1f} | {r['total_ms']:.1f} | "
+                     f"{r['peak_gib']:.2f} | {'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines)
