@@ -23,6 +23,8 @@ from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
     SYMMETRIC_MIN_ROWS,
+    gram_newton_schulz,
+    gram_newton_schulz_batched,
     gram_polar_express,
     newton_schulz,
     newton_schulz_batched,
@@ -34,11 +36,12 @@ __all__ = ["Muon", "ORTHOGONALIZERS", "adjust_lr", "uses_muon"]
 
 #: Valid ``orthogonalizer`` names. "newton_schulz" is bitwise torch.optim.Muon;
 #: "batched" is the same math with same-shape matrices of a group stacked;
-#: "polar_express" and "gram_polar_express" are opt-in faster/more accurate schemes.
+#: "polar_express" and "gram_polar_express" are opt-in schemes closer to ``U V^T`` (other
+#: training math); "fast" is the default's quintic, in Gram space for wide matrices.
 ORTHOGONALIZERS = ("newton_schulz", "batched", "polar_express", "gram_polar_express", "fast")
 
 #: "fast" picks per matrix: the Gram-space iteration where the aspect ratio is at
-#: least this (it saves FLOPs there), Polar Express otherwise.
+#: least this (it saves FLOPs there), the default iteration otherwise.
 FAST_GRAM_MIN_ASPECT = 4
 
 #: Most elements stacked into one batched Newton-Schulz (bounds the transient copies:
@@ -81,10 +84,12 @@ class Muon(TailOptimizer):
         adamw_betas, adamw_eps: AdamW betas and epsilon.
         adamw_weight_decay: AdamW decoupled weight decay; ``None`` -> ``weight_decay``.
         orthogonalizer: one of :data:`ORTHOGONALIZERS`. With "polar_express" /
-            "gram_polar_express" / "fast", ``ns_coefficients`` is ignored and
-            ``ns_steps`` iterations of the Polar Express schedule run instead
-            ("fast" uses the Gram-space iteration for matrices with an aspect
-            ratio of at least :data:`FAST_GRAM_MIN_ASPECT`).
+            "gram_polar_express", ``ns_coefficients`` is ignored and ``ns_steps``
+            iterations of the Polar Express schedule run instead. "fast" keeps the
+            default's polynomial (``ns_coefficients``, ``ns_steps``), so the update has
+            the default's size at the same ``lr``, and iterates it in Gram space for
+            matrices with an aspect ratio of at least :data:`FAST_GRAM_MIN_ASPECT`
+            (:func:`~lightning_matrixfsdp.optim.orthogonalize.gram_newton_schulz`).
         symmetric_blocks: row blocks for the symmetric products ``X X^T`` and
             ``A A`` of the iteration (only their upper block triangle is
             multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
@@ -95,7 +100,7 @@ class Muon(TailOptimizer):
             :data:`BATCH_MAX_ELEMENTS`; ``None`` = automatic: on CUDA (measured
             bitwise equal to the per-matrix iteration on an H200, and faster there:
             docs/decisions.md), off on CPU. Only with
-            ``orthogonalizer="newton_schulz"``.
+            ``orthogonalizer="newton_schulz"`` or ``"fast"``.
     """
 
     who = "Muon (with its AdamW tail)"
@@ -205,16 +210,16 @@ class Muon(TailOptimizer):
     def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
         """Matrices orthogonalized together: stacks of one (shape, device) or singletons.
 
-        "batched" stacks every shape; "newton_schulz" with ``batch_shapes`` stacks those
-        below :data:`SYMMETRIC_MIN_ROWS` (larger ones fill the GPU alone and use the
+        "batched" stacks every shape; "newton_schulz" and "fast" with ``batch_shapes`` stack
+        those below :data:`SYMMETRIC_MIN_ROWS` (larger ones fill the GPU alone and use the
         symmetric products). A bf16 momentum buffer without Nesterov is its own update,
         which torch normalizes in place; those stay singletons so that stays bitwise.
         """
         name = group["orthogonalizer"]
         batch = group.get("batch_shapes")
-        if name == "newton_schulz" and batch is None:
+        if name in ("newton_schulz", "fast") and batch is None:
             batch = bool(params) and params[0].device.type == "cuda"
-        if name != "batched" and not (name == "newton_schulz" and batch):
+        if name != "batched" and not (name in ("newton_schulz", "fast") and batch):
             return [[p] for p in params]
         aliased = not group["nesterov"]
         stacks: dict[tuple[torch.Size, torch.device], list[Tensor]] = defaultdict(list)
@@ -248,8 +253,13 @@ class Muon(TailOptimizer):
             return [polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "gram_polar_express":
             return [gram_polar_express(u, steps, eps, blocks=blocks) for u in updates]
-        if name == "fast":
-            return [gram_polar_express(u, steps, eps, blocks=blocks)
-                    if max(u.shape) >= FAST_GRAM_MIN_ASPECT * min(u.shape)
-                    else polar_express(u, steps, eps, blocks=blocks) for u in updates]
+        if name == "fast":  # a bucket holds one shape: one choice for all of it
+            rows, cols = updates[0].shape
+            if max(rows, cols) < FAST_GRAM_MIN_ASPECT * min(rows, cols):
+                if len(updates) > 1:
+                    return newton_schulz_batched(updates, coefficients, steps, eps)
+                return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
+            if len(updates) > 1:
+                return gram_newton_schulz_batched(updates, coefficients, steps, eps)
+            return [gram_newton_schulz(u, coefficients, steps, eps, blocks=blocks) for u in updates]
         raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")

@@ -14,6 +14,9 @@ measure it alone.
   same number of iterations.
 * :func:`gram_polar_express` (opt-in, experimental) runs the same polynomials on
   the small ``m x m`` Gram matrix instead of the ``m x n`` matrix, with restarts.
+* :func:`gram_newton_schulz` runs torch.optim.Muon's own quintic in Gram space: the
+  default's update (same size, same singular-value profile) with the Gram-space
+  FLOP saving for wide matrices; ``Muon(orthogonalizer="fast")`` uses it.
 * :func:`polar_error` measures any of them against the exact polar factor.
 """
 
@@ -32,6 +35,9 @@ from .transpose import mirror_lower_blocks_, transposed
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "DEFAULT_NS_STEPS",
+    "GRAM_NS_RESTART_AT",
+    "gram_newton_schulz",
+    "gram_newton_schulz_batched",
     "gram_polar_express",
     "newton_schulz",
     "newton_schulz_batched",
@@ -197,9 +203,9 @@ def _orthogonalize(
 
 
 def _orthogonalize_batched(
-    grads: Sequence[Tensor], schedule: Sequence[Coefficients], eps: float
+    grads: Sequence[Tensor], schedule: Sequence[Coefficients], eps: float, gram_restarts: set[int] | None = None
 ) -> list[Tensor]:
-    """Stack same-shape matrices and run :func:`_iterate` on the stack."""
+    """Stack same-shape matrices and iterate on the stack (in Gram space with ``gram_restarts``)."""
     if len(grads) == 0:
         return []
     shape, device = grads[0].shape, grads[0].device
@@ -207,7 +213,7 @@ def _orthogonalize_batched(
         _check_matrix(g)
         if g.shape != shape or g.device != device:
             raise ValueError(
-                "newton_schulz_batched needs matrices of one shape and device, got "
+                "batched orthogonalization needs matrices of one shape and device, got "
                 f"{tuple(shape)} on {device} and {tuple(g.shape)} on {g.device}"
             )
     x = torch.stack([g.bfloat16() for g in grads])
@@ -216,7 +222,7 @@ def _orthogonalize_batched(
         x = x.mT
     norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x.div_(norms.clamp(min=eps))
-    x = _iterate(x, schedule)
+    x = _iterate(x, schedule) if gram_restarts is None else _gram_iterate(x, schedule, gram_restarts, 1)
     if tall:
         x = x.mT
     return list(x.unbind(0))
@@ -421,6 +427,74 @@ def polar_express_batched(
 # --------------------------------------------------------------- Gram-space variant
 
 
+def _gram_iterate(x: Tensor, schedule: Sequence[Coefficients], restarts: set[int], blocks: int) -> Tensor:
+    """``X <- a X + B X`` with ``B = b R + c R^2`` once per schedule entry, carried out on
+    ``R = X X^T`` and the accumulated ``Q`` (``X_t = Q X_0``).
+
+    ``x`` is wide and normalized, 2D or a 3D stack (batched GEMMs). ``a`` enters every
+    product as the GEMM's exact ``beta`` (``Q <- a Q + B Q``, ``R <- z (z R)`` as two such
+    steps), as in the standard iteration: adding ``a I`` to a bf16 matrix would round
+    every diagonal entry the same way and bias the result (measured: update RMS 4-5% low
+    on well-conditioned wide matrices). Only a (re)start forms ``Q = a I + B`` once. R, B
+    and Q are polynomials in the first R, so all their products are symmetric: with
+    ``blocks > 1`` (2D) every ``m x m`` product goes through :func:`symmetric_addmm`.
+    """
+    def mul(left: Tensor, right: Tensor, input: Tensor | None = None, beta: float = 1.0,
+            alpha: float = 1.0) -> Tensor:
+        """A product known to be symmetric (``beta * input + alpha * left @ right``)."""
+        if x.ndim == 2:
+            return symmetric_addmm(left, right, blocks, input=input, beta=beta, alpha=alpha)
+        if input is None:
+            return torch.bmm(left, right)
+        return torch.baddbmm(input, left, right, beta=beta, alpha=alpha)
+
+    matmul = torch.mm if x.ndim == 2 else torch.bmm  # Q X: not symmetric
+    symmetrize = x.ndim == 3 or blocks <= 1  # symmetric_addmm's mirrored blocks are exact already
+    r = mul(x, x.mT)
+    q: Tensor | None = None  # None: the identity (a (re)start)
+    for t, (a, b, c) in enumerate(schedule):
+        bmat = mul(r, r, input=r, beta=b, alpha=c)
+        if q is None:
+            q = bmat.clone()
+            q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            q = mul(bmat, q, input=q, beta=a)
+        r = mul(bmat, r, input=r, beta=a)  # z R
+        r = mul(bmat, r, input=r, beta=a)  # z z R
+        if symmetrize:
+            r = 0.5 * (r + r.mT)  # keep R symmetric despite rounding
+        if t + 1 in restarts and t + 1 < len(schedule):
+            x = matmul(q, x)
+            r = mul(x, x.mT)
+            q = None
+    return x if q is None else matmul(q, x)
+
+
+def _gram_orthogonalize(
+    grad: Tensor,
+    schedule: Sequence[Coefficients],
+    eps: float,
+    restart_at: Sequence[int],
+    dtype: torch.dtype,
+    blocks: int | None,
+) -> Tensor:
+    """Wide orientation, Frobenius normalization (out of place), Gram-space iteration."""
+    _check_matrix(grad)
+    x = grad.to(dtype)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    nblocks = symmetric_blocks(x, blocks)
+    row_major = nblocks > 1 and tall and x.is_cuda and x.T.is_contiguous()
+    if row_major:  # as in _orthogonalize
+        x = transposed(x.T)
+    x = _gram_iterate(x, schedule, set(restart_at), nblocks)
+    if row_major:
+        return transposed(x)
+    return x.T if tall else x
+
+
 def gram_polar_express(
     grad: Tensor,
     steps: int = DEFAULT_NS_STEPS,
@@ -442,45 +516,50 @@ def gram_polar_express(
     far above 1); with one restart after iteration 2 the result stays within a few
     hundredths of :func:`polar_express` (tests use :func:`polar_error`). On an H200
     it was faster than :func:`polar_express` for wide matrices and slower for square
-    ones (docs/benchmarks.md), so the ``fast`` orthogonalizer uses it from an aspect
-    ratio of 4. ``blocks``: as :func:`newton_schulz` (here every ``m x m`` product is
-    symmetric).
+    ones (docs/benchmarks.md). ``blocks``: as :func:`newton_schulz` (here every
+    ``m x m`` product is symmetric).
     """
-    _check_matrix(grad)
-    schedule = polar_express_coefficients(steps, lower)
-    restarts = set(restart_at)
-    x = grad.to(dtype)
-    tall = grad.size(0) > grad.size(1)
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    nblocks = symmetric_blocks(x, blocks)
-    row_major = nblocks > 1 and tall and x.is_cuda and x.T.is_contiguous()
-    if row_major:  # as in _orthogonalize
-        x = transposed(x.T)
-    # R, Z and Q are polynomials in the first R, so every product of two of them is
-    # symmetric: all m x m products go through symmetric_addmm.
-    r = symmetric_addmm(x, x.T, nblocks)
-    q: Tensor | None = None  # None stands for the identity (skips Q = Z I)
-    for t, (a, b, c) in enumerate(schedule):
-        # z = a I + b R + c R^2; X <- z X  =>  Q <- z Q, R <- z R z.
-        z = symmetric_addmm(r, r, nblocks, input=r, beta=b, alpha=c)
-        z.diagonal().add_(a)
-        q = z if q is None else symmetric_addmm(z, q, nblocks)
-        if nblocks > 1:
-            r = symmetric_addmm(symmetric_addmm(z, r, nblocks), z, nblocks)  # mirrored: stays symmetric
-        else:
-            r = z @ r @ z
-            r = 0.5 * (r + r.T)  # keep R symmetric despite rounding
-        if t + 1 in restarts and t + 1 < len(schedule):
-            x = q @ x
-            r = symmetric_addmm(x, x.T, nblocks)
-            q = None
-    if q is not None:
-        x = q @ x
-    if row_major:
-        return transposed(x)
-    return x.T if tall else x
+    return _gram_orthogonalize(grad, polar_express_coefficients(steps, lower), eps, restart_at, dtype, blocks)
+
+
+#: Where the Gram-space iteration with torch.optim.Muon's quintic restarts: after
+#: iteration 3 of 5 it stayed within the default's own bf16 rounding of the float32
+#: iteration on the inputs measured (docs/decisions.md); after 2 it drifted further.
+GRAM_NS_RESTART_AT: tuple[int, ...] = (3,)
+
+
+def gram_newton_schulz(
+    grad: Tensor,
+    ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
+    ns_steps: int = DEFAULT_NS_STEPS,
+    eps: float = 1e-7,
+    restart_at: Sequence[int] = GRAM_NS_RESTART_AT,
+    blocks: int | None = None,
+) -> Tensor:
+    """torch.optim.Muon's quintic (same polynomial of ``X``), iterated in Gram space.
+
+    In exact arithmetic the result is :func:`newton_schulz`'s: the same composition of
+    the same quintic applied to the singular values, so the same update size and
+    singular-value profile at the same learning rate; only the rounding differs. The
+    cost is that of :func:`gram_polar_express` (fewer FLOPs for aspect ratios of about
+    4 and more). This is what ``Muon(orthogonalizer="fast")`` runs on such matrices.
+    """
+    _check_steps(ns_steps)
+    coefficients = _check_coefficients(ns_coefficients)
+    return _gram_orthogonalize(grad, [coefficients] * ns_steps, eps, restart_at, torch.bfloat16, blocks)
+
+
+def gram_newton_schulz_batched(
+    grads: Sequence[Tensor],
+    ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
+    ns_steps: int = DEFAULT_NS_STEPS,
+    eps: float = 1e-7,
+    restart_at: Sequence[int] = GRAM_NS_RESTART_AT,
+) -> list[Tensor]:
+    """:func:`gram_newton_schulz` on a stack of same-shape matrices (batched GEMMs)."""
+    _check_steps(ns_steps)
+    coefficients = _check_coefficients(ns_coefficients)
+    return _orthogonalize_batched(grads, [coefficients] * ns_steps, eps, set(restart_at))
 
 
 # ---------------------------------------------------------------------- accuracy
