@@ -1,0 +1,236 @@
+"""The step-time predictor (`python -m lightning_matrixfsdp.bench predict`): formulas against
+hand-computed values and independent oracles, the calibration against the measured H200
+runs in docs/results, the paper comparison the docs quote, the JSON and the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_matrixfsdp.bench.cluster import Cluster, ClusterError, cluster
+from lightning_matrixfsdp.bench.config import ModelConfig
+from lightning_matrixfsdp.bench.model import count_parameters
+from lightning_matrixfsdp.bench.predict import (
+    MODES, ModelShape, PredictError, all_params, backward_flops, forward_flops, pipeline, plan_for, predict,
+    predict_mode, stock_matrix_work,
+)
+from lightning_matrixfsdp.bench.predict_cli import calibrate, calibration_table, main, paper_comparison
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+TINY = ModelShape("tiny", hidden=8, mlp=16, layers=2, heads=2, seq_len=4, vocab=10)
+ROW_KEYS = {"mode", "nodes", "gpus_per_node", "world", "span", "replicas", "layers", "parameters", "fwd_ms", "bwd_ms",
+            "opt_ms", "total_ms", "peak_gib", "fits"}
+
+
+def toy_cluster(**kw) -> Cluster:
+    """Round numbers so expected values can be written by hand."""
+    base = dict(name="toy", gpus_per_node=2, nodes=1, matmul_tflops=1e-9, model_eff=1.0, ns_eff_ours=1.0,
+                ns_eff_stock=0.5, hbm_gbs=1e-9, muon_bpp=2.0, adamw_bpp=10.0, intra_gbs=1e-9, intra_lat_us=0.0,
+                inter_gbs=1e-9, inter_lat_us=0.0, dispatch_us=0.0, gpu_mem_gib=1.0)
+    base.update(kw)
+    return Cluster(**base)
+
+
+# ---------------------------------------------------------------- formulas
+def test_parameter_count_matches_the_bench_models_closed_form():
+    cfg = ModelConfig(vocab_size=10, hidden=8, n_heads=2, mlp_hidden=16, n_layers=2, seq_len=4)
+    assert sum(p.numel for p in all_params(TINY)) == count_parameters(cfg) == 1480
+
+
+def test_flops_by_hand():
+    # block: 2 * 4 tokens * (4*64 + 3*128) + causal attention 2 * 1 * 4^2 * 8 = 5120 + 256
+    assert forward_flops(TINY) == 2 * 5376 + 2 * 4 * 10 * 8
+    assert backward_flops(TINY) == 2 * 11392 + 2 * 5376  # recompute of the blocks under AC
+    assert backward_flops(ModelShape("x", 8, 16, 2, 2, 4, 10, ac=False)) == 2 * 11392
+
+
+def test_stock_muon_collectives_by_hand():
+    flops, colls = stock_matrix_work((4, 4), steps=1, span=2)
+    assert flops == (4 * 64 + 2 * 64) / 2
+    assert colls == [("all_reduce", 4), ("all_gather", 32), ("all_gather", 32), ("all_gather", 32)]
+    flops, colls = stock_matrix_work((8, 4), steps=2, span=2)  # tall: transposed, sharded on the contraction
+    assert flops == 2 * (4 * 16 * 8 / 2 + 2 * 64)
+    assert colls == [("all_reduce", 4)] + [("all_reduce", 32)] * 4
+    assert stock_matrix_work((8, 4), steps=2, span=1) == (2 * (4 * 16 * 8 + 2 * 64), [])
+
+
+def test_collective_costs_by_hand():
+    c = toy_cluster(intra_gbs=2.0, inter_gbs=1.0, intra_lat_us=5.0, inter_lat_us=100.0, gpus_per_node=2, nodes=4)
+    assert c.all_gather(4e9, 2) == pytest.approx(4e9 * 0.5 / 2e9 + 5e-6)
+    assert c.all_gather(4e9, 8) == pytest.approx(4e9 * 7 / 8 / 1e9 + 5e-6 + 3 * 100e-6)  # bound by the NICs
+    assert c.all_reduce(4e9, 2) == pytest.approx(2 * 1.0 + 5e-6)
+    assert c.replica_ring(1e9, 4, "all_reduce") == pytest.approx(2 * 3 / 4 * 1e9 / 0.5e9 + 5e-6 + 300e-6)
+    assert c.all_gather(1e9, 1) == 0.0
+
+
+def test_pipeline_exposes_the_first_materialization_and_the_slower_resource():
+    assert pipeline([1, 1, 1], [0.5, 0.5, 0.5], [0, 0, 0]) == pytest.approx(3.5)  # compute-bound
+    assert pipeline([1, 1, 1], [2, 2, 2], [0, 0, 0]) == pytest.approx(7.0)  # link-bound
+    # backward: each reduction follows its compute on the same link; the last one is exposed
+    assert pipeline([1, 1], [0, 0], [0.25, 0.25]) == pytest.approx(2.25)
+    # replica streams: a slow replica all-reduce of the last unit ends the pass
+    assert pipeline([1, 1], [0, 0], [0.25, 0.25], rep=[[0.1, 0.2], [0.1, 3.0]]) == pytest.approx(2.25 + 3.0)
+
+
+def test_owner_step_is_the_busiest_owners_newton_schulz_plus_elementwise():
+    c = toy_cluster(gpus_per_node=2)
+    plan = plan_for(TINY, 2)
+    per_rank = []
+    for r in range(2):
+        ns = sum(5 * (4 * min(s.shape) ** 2 * max(s.shape) + 2 * min(s.shape) ** 3)
+                 for s in plan.shards() if s.owner == r and s.role.value == "matrix")
+        mat = sum(s.numel for s in plan.shards() if s.owner == r and s.role.value == "matrix")
+        adam = sum(s.numel for s in plan.shards() if s.owner == r and s.role.value == "tail")
+        per_rank.append(ns / 1e3 + (2.0 * mat + 10.0 * adam))  # rates of 1e3 FLOP/s and 1 B/s
+    row = predict_mode("matrix_fsdp", TINY, c)
+    assert row["opt_ms"] == pytest.approx(max(per_rank) * 1e3)
+    # FSDP2 + AdamW steps 1/W of every parameter at 10 B/element
+    assert predict_mode("fsdp2_adamw", TINY, c)["opt_ms"] == pytest.approx(1480 / 2 * 10.0 * 1e3)
+
+
+def test_replica_split_divides_the_step_and_the_optimizer_state():
+    c = cluster("a100-ib", nodes=4)
+    shape = ModelShape("s", 512, 2048, 8, 8, 256, 1000)
+    plain = predict_mode("matrix_fsdp_hsdp", shape, c)
+    split = predict_mode("matrix_fsdp_hsdp_split", shape, c)
+    assert (plain["span"], plain["replicas"]) == (8, 4)
+    assert split["opt_ms"] < plain["opt_ms"] / 2
+    assert split["peak_gib"] < plain["peak_gib"]
+    one = predict_mode("matrix_fsdp_hsdp_split", shape, cluster("a100-ib", nodes=1))
+    assert one["opt_ms"] == pytest.approx(predict_mode("matrix_fsdp_hsdp", shape, cluster("a100-ib", nodes=1))["opt_ms"])
+
+
+def test_ddp_and_zero1_hold_full_replicas():
+    c = cluster("a100-ib", nodes=1)
+    ddp, zero1, ours = (predict_mode(m, TINY, c)["peak_gib"] for m in ("ddp_muon", "zero1_owner", "matrix_fsdp"))
+    assert ddp > zero1 > ours
+
+
+# ---------------------------------------------------------------- calibration and the paper
+def test_calibration_reproduces_the_preset_constants():
+    fit = calibrate(RESULTS)
+    c = cluster("h200")
+    for key, value in fit.items():
+        assert getattr(c, key) == pytest.approx(value, rel=0.01, abs=0.5 if key == "dispatch_us" else 0.05), key
+
+
+def test_every_measured_phase_within_15_percent():
+    rows = calibration_table(RESULTS)
+    assert len(rows) == 2 * 6 * 5
+    bad = [(r["run"], r["mode"], r["phase"], round(r["ratio"], 3)) for r in rows if not 0.85 <= r["ratio"] <= 1.15]
+    assert not bad, bad
+    assert sum(r["role"] == "check" for r in rows) >= 45  # most cells are checks, not fits
+
+
+def test_paper_table3_cells_within_the_documented_band():
+    rows = paper_comparison(cluster("a100-ib"))
+    for r in rows:
+        for key in ("stock_opt", "ours_opt", "stock_total", "ours_total_broadcast"):
+            pred, published = r[key]
+            assert 0.67 <= pred / published <= 1.5, (r["nodes"], key, pred, published)
+
+
+# ---------------------------------------------------------------- JSON, command line, errors
+def test_cli_json_has_one_row_per_mode_and_node(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["--model", "onenode", "--cluster", "a100-ib", "--layers", "2", "--nodes", "1", "2",
+                 "--json", str(out)]) == 0
+    assert "| matrix_fsdp_hsdp_split | 2 | 16 | 8 x 2 |" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert set(data) == {"model", "cluster", "rows"}
+    assert [(r["mode"], r["nodes"]) for r in data["rows"]] == [(m, n) for n in (1, 2) for m in MODES]
+    for r in data["rows"]:
+        assert set(r) >= ROW_KEYS
+        assert r["total_ms"] == pytest.approx(r["fwd_ms"] + r["bwd_ms"] + r["opt_ms"])
+        assert all(r[k] > 0 for k in ("fwd_ms", "bwd_ms", "opt_ms", "peak_gib"))
+
+
+def test_weak_scaling_scales_depth_with_nodes():
+    rows = predict(TINY, cluster("a100-ib"), [1, 4], ["fsdp2_adamw"], layers_per_node=3)
+    assert [r["layers"] for r in rows] == [3, 12]
+
+
+def test_bench_entry_point_routes_predict_and_keeps_its_own_flags(capsys):
+    from lightning_matrixfsdp.bench.__main__ import config_from_args
+    from lightning_matrixfsdp.bench.__main__ import main as bench_main
+
+    assert bench_main(["predict", "--model", "paper", "--layers", "2", "--modes", "fsdp2_muon", "matrix_fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "| fsdp2_muon | 1 |" in out and "| matrix_fsdp | 1 |" in out
+    cfg, nproc = config_from_args(["--preset", "tiny", "--steps", "2", "--nproc", "2"])  # the benchmark's CLI
+    assert (cfg.run.steps, nproc) == (2, 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "fsdp2_muon", "nonsense"], "unknown mode 'nonsense'"),
+    (["--cluster", "a100-ib", "--shard-size", "3", "--modes", "matrix_fsdp_hsdp"], "W=3 does not divide the world size 8"),
+    (["--inter-gbs", "-1"], "inter_gbs must be positive, got -1.0"),
+    (["--gpus-per-node", "0"], "gpus_per_node must be >= 1"),
+    (["--heads", "3"], "hidden=4096 is not divisible by heads=3"),
+])
+def test_bad_input_is_refused_with_its_cause(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_errors_from_the_api():
+    with pytest.raises(PredictError, match="unknown mode 'x'"):
+        predict(TINY, cluster("a100-ib"), [1], ["x"])
+    with pytest.raises(ClusterError, match="intra_gbs must be positive"):
+        cluster("a100-ib").with_(intra_gbs=0.0)
+    with pytest.raises(ClusterError, match="unknown cluster preset 'tpu'"):
+        cluster("tpu")
+
+
+# ---------------------------------------------------------------- stock Muon's collectives, observed
+def _stock_muon_collectives(rank: int, world: int, shapes: list[tuple[int, int]], steps: int) -> list:
+    """Run torch.optim.Muon on Shard(0) DTensor parameters (FSDP2's layout) and record every
+    collective DTensor issues, with the local input's bytes."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            name = func.__name__.split(".")[0]
+            if func.namespace in ("_c10d_functional", "c10d") and name.startswith(("all_", "reduce")):
+                x = args[0]
+                self.seen.append((name, x.numel() * x.element_size()))
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+    for shape in shapes:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(shape, dtype=torch.bfloat16), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.randn(shape, dtype=torch.bfloat16), mesh, [Shard(0)])
+        opt = torch.optim.Muon([p], lr=0.01, ns_steps=steps)
+        rec = Record()
+        with rec:
+            opt.step()
+        out.append(rec.seen)
+    return out
+
+
+def test_stock_muon_model_matches_what_dtensor_issues():
+    from _dist import run_distributed
+
+    shapes, steps, world = [(8, 8), (8, 32), (32, 8)], 2, 2
+    seen = run_distributed(_stock_muon_collectives, world, shapes, steps, timeout=120)[0]
+    for shape, observed in zip(shapes, seen):
+        _, model = stock_matrix_work(shape, steps, world)
+        # the model counts an all-gather by its output (the whole matrix), DTensor passes each rank's input
+        expected = [(k, b // world if k == "all_gather" else b) for k, b in model[1:]]
+        big = [(k.replace("_into_tensor", ""), b) for k, b in observed if b > 4]
+        assert big == expected, (shape, observed)
+        assert sum(b <= 4 for _, b in observed) == 1  # the norm's scalar all-reduce
