@@ -183,8 +183,8 @@ def stock_collectives(shape: ModelShape, span: int) -> int:
 # ---------------------------------------------------------------- communication per unit
 def _p2p(layout: UnitLayout, c: Cluster) -> tuple[float, float]:
     """(intra, inter) seconds of an owner fanout (or the mirrored reduction to owners): every
-    owner sends its segment to each peer; off-node bytes go through the GPU's share of its
-    node's NICs, once per receiving GPU."""
+    owner sends its segment to each peer, so a node's NICs carry each off-node byte once per
+    receiving GPU (no ring to share it); NCCL may route through any of the node's NICs."""
     w, g = layout.world, min(c.gpus_per_node, layout.world)
     owned = [layout.owned_bytes(r) for r in range(w)]
     node_sum = [sum(owned[n * g:(n + 1) * g]) for n in range(-(-w // g))]
@@ -192,8 +192,8 @@ def _p2p(layout: UnitLayout, c: Cluster) -> tuple[float, float]:
     inter = 0.0
     if w > g:
         total = sum(owned)
-        inter = max(max(o * (w - g), total - node_sum[r // g]) for r, o in enumerate(owned))
-        inter = inter / (c.inter_gbs / g * 1e9) + c.latency(w) - c.latency(g)
+        inter = max(max(s * (w - g), g * (total - s)) for s in node_sum)
+        inter = inter / (c.inter_gbs * 1e9) + c.latency(w) - c.latency(g)
     return intra + c.latency(g), inter
 
 
