@@ -1,0 +1,80 @@
+"""The convergence benchmark's command on CPU with a tiny model: one JSON per run, the
+table, the plot, ``--skip-done``, and reproducible runs (same seed, same losses)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import torch
+
+from lightning_matrixfsdp.bench import convergence
+
+TINY = ["--device", "cpu", "--corpus", "pydoc", "--max-bytes", "60000", "--steps", "4", "--warmup", "2",
+        "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
+        "--eval-every", "2", "--val-batches", "2", "--lrs", "0.02", "--seeds", "0", "--no-extras",
+        "--procs-per-device", "2", "--timing-d-model", "0"]
+
+
+def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
+    out = tmp_path / "conv"
+    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "fast",
+                             "--timing-steps", "1"])
+    runs = {p.stem: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
+    assert set(runs) == {"newton_schulz_lr0.02_s0", "fast_lr0.02_s0"}
+    for r in runs.values():
+        assert len(r["train_loss"]) == 4 and r["finite"]
+        assert [s for s, _ in r["val_loss"]] == [2, 4] and r["val_loss"][-1][1] == r["final_val_loss"]
+    ns, fast = runs["newton_schulz_lr0.02_s0"], runs["fast_lr0.02_s0"]
+    # same seed: same initial weights and batches, so the loss before the first step is the same
+    assert ns["train_loss"][0] == fast["train_loss"][0]
+    assert ns["train_loss"][1:] != fast["train_loss"][1:]  # the optimizers differ afterwards
+    # the same run again in this process (one thread, as the worker): the same losses, bit for bit
+    spec = convergence.RunSpec(**ns["spec"])
+    corpus = dict(zip(("train", "val"), _corpus()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        again = convergence.train_run(spec, corpus, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert again["train_loss"] == ns["train_loss"] and again["final_val_loss"] == ns["final_val_loss"]
+
+    md = (out / "convergence.md").read_text()
+    assert "| newton_schulz | 0.02 | 1 |" in md and "| fast | 0.02 | 1 |" in md
+    timing = json.loads((out / "timing.json").read_text())
+    assert set(timing["models"]["trained"]["rows"]) == {"newton_schulz", "fast"}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "convergence.png").stat().st_size > 1000
+
+    # --skip-done: nothing is run again
+    stamp = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
+    capsys.readouterr()
+    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "fast", "--skip-done"])
+    assert "0 runs to do" in capsys.readouterr().out
+    assert stamp == {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
+
+
+def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    from lightning_matrixfsdp.demos.data import split_documents
+
+    return split_documents(convergence.corpus_documents("pydoc", 60000), 0.05)
+
+
+def test_summary_spread_and_verdict():
+    """Mean, spread and the fast-vs-default verdict, on hand-made results."""
+    def run(name, lr, seed, val):
+        spec = {"orthogonalizer": name, "lr": lr, "seed": seed}
+        return {"spec": spec, "final_val_loss": val, "final_train_loss": val, "wall_s": 1.0, "finite": True}
+
+    runs = [run("newton_schulz", 0.02, s, v) for s, v in enumerate([2.0, 2.1, 2.2])]
+    runs += [run("newton_schulz", 0.01, s, v) for s, v in enumerate([2.3, 2.3, 2.3])]
+    runs += [run("fast", 0.02, s, v) for s, v in enumerate([2.05, 2.15, 2.25])]
+    rows = convergence.summarize(runs)
+    ns = next(r for r in rows if r["orthogonalizer"] == "newton_schulz" and r["lr"] == 0.02)
+    assert abs(ns["val_mean"] - 2.1) < 1e-12 and abs(ns["val_std"] - 0.1) < 1e-12
+    assert (ns["val_min"], ns["val_max"]) == (2.0, 2.2)
+    assert "best lr (of those with several seeds) is 0.02" in convergence.verdict(rows)
+    assert "within the spread" in convergence.verdict(rows)  # +0.05 against +-0.1
+    worse = runs[:6] + [run("fast", 0.02, s, v) for s, v in enumerate([2.3, 2.4, 2.5])]
+    assert "WORSE" in convergence.verdict(convergence.summarize(worse))
