@@ -5,8 +5,10 @@
 Measures the bf16 matmul rate of this GPU (the ceiling behind the Newton-Schulz
 FLOP floor), then for each shape times ``torch.optim.Muon``'s Newton-Schulz (our
 bitwise copy), the batched variant, Polar Express, the Gram-space iteration and
-the ``fast`` hybrid, and reports each one's distance to the exact polar factor
-(float64 SVD) on a gradient-like matrix.  Output: JSON and a markdown table.
+the ``fast`` orthogonalizer (the default's quintic, in Gram space for wide matrices),
+and reports each one's distance to the exact polar factor (float64 SVD) and its
+update RMS relative to the stock iteration's on a gradient-like matrix: at the same
+learning rate, a ratio above 1 is a larger step.  Output: JSON and a markdown table.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from lightning_matrixfsdp.optim.muon import FAST_GRAM_MIN_ASPECT
 from lightning_matrixfsdp.optim.orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
+    gram_newton_schulz,
     gram_polar_express,
     newton_schulz,
     newton_schulz_batched,
@@ -53,7 +56,12 @@ def run(shapes: list[tuple[int, int]], device: torch.device, reps: int, batch: i
         x = gradient_like(shape, device)
         xs = [x.clone() for _ in range(batch)]
         flops = newton_schulz_flops(shape, 5)
-        fast = (gram_polar_express if max(shape) >= FAST_GRAM_MIN_ASPECT * min(shape) else polar_express)
+        wide = max(shape) >= FAST_GRAM_MIN_ASPECT * min(shape)
+
+        def fast(x: torch.Tensor, steps: int) -> torch.Tensor:  # what Muon(orthogonalizer="fast") runs
+            if wide:
+                return gram_newton_schulz(x, COEFFS, steps, 1e-7)
+            return newton_schulz(x, COEFFS, steps, 1e-7)
         methods: dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]] = {
             "newton_schulz blocks=1 (torch.optim.Muon's ops)": (
                 lambda: newton_schulz(x, COEFFS, 5, 1e-7, blocks=1), lambda: newton_schulz(x, COEFFS, 5, 1e-7, blocks=1)),
@@ -64,9 +72,11 @@ def run(shapes: list[tuple[int, int]], device: torch.device, reps: int, batch: i
             "polar_express 5": (lambda: polar_express(x, 5), lambda: polar_express(x, 5)),
             "polar_express 4": (lambda: polar_express(x, 4), lambda: polar_express(x, 4)),
             "gram_polar_express 5": (lambda: gram_polar_express(x, 5), lambda: gram_polar_express(x, 5)),
+            "gram_newton_schulz 5": (lambda: gram_newton_schulz(x), lambda: gram_newton_schulz(x)),
             "fast (opt-in)": (lambda: fast(x, 5), lambda: fast(x, 5)),
         }
         stock = newton_schulz(x, COEFFS, 5, 1e-7, blocks=1)
+        stock_rms = stock.float().pow(2).mean().sqrt()
         polar = polar_factor(x)  # one SVD per shape
         for name, (timed, result) in methods.items():
             ms = median_ms(timed, device, reps)
@@ -78,7 +88,8 @@ def run(shapes: list[tuple[int, int]], device: torch.device, reps: int, batch: i
                          "bitwise_stock": bool(torch.equal(out, stock)),
                          "ns_equivalent_tflops": flops / (ms * 1e-3) / 1e12,
                          "floor_ms": flops / (rate * 1e12) * 1e3 if rate == rate else None,
-                         "polar_error": err})
+                         "polar_error": err,
+                         "rms_vs_stock": float(out.float().pow(2).mean().sqrt() / stock_rms)})
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "matmul_bf16_tflops": rate, "rows": rows,
             "fast_gram_min_aspect": FAST_GRAM_MIN_ASPECT}
@@ -88,13 +99,15 @@ def to_markdown(res: dict) -> str:
     lines = [f"bf16 matmul rate (8192^3): {res['matmul_bf16_tflops']:.0f} TFLOP/s on {res['device']}, "
              f"torch {res['torch']}", "",
              "| shape | method | ms / matrix | NS-5 FLOP floor ms | time / floor | NS-equivalent TFLOP/s | "
-             "polar error | bitwise = stock |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "polar error | RMS / stock | bitwise = stock |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in res["rows"]:
         floor = r["floor_ms"]
         ratio = f"{r['ms'] / floor:.2f}" if floor else "n/a"
         fl = f"{floor:.2f}" if floor else "n/a"
         lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['method']} | {r['ms']:.2f} | {fl} | {ratio} | "
-                     f"{r['ns_equivalent_tflops']:.0f} | {r['polar_error']:.3f} | {'yes' if r['bitwise_stock'] else 'no'} |")
+                     f"{r['ns_equivalent_tflops']:.0f} | {r['polar_error']:.3f} | {r.get('rms_vs_stock', float('nan')):.3f} | "
+                     f"{'yes' if r['bitwise_stock'] else 'no'} |")
     return "\n".join(lines)
 
 
