@@ -234,3 +234,12 @@ def test_stock_muon_model_matches_what_dtensor_issues():
         big = [(k.replace("_into_tensor", ""), b) for k, b in observed if b > 4]
         assert big == expected, (shape, observed)
         assert sum(b <= 4 for _, b in observed) == 1  # the norm's scalar all-reduce
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lightning_matrixfsdp.bench.predict_cli import plot_scaling
+
+    rows = predict(TINY, cluster("a100-ib"), [1, 2], ["fsdp2_muon", "matrix_fsdp", "matrix_fsdp_hsdp_split"])
+    plot_scaling({"weak_hsdp": rows, "7b": rows, "32b": rows}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
