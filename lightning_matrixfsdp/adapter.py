@@ -19,13 +19,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
-from lightning_matrixfsdp.runtime import matrix_shard, set_requires_gradient_sync
+from lightning_matrixfsdp.runtime import matrix_shard, set_requires_gradient_sync, start_replica_sync
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 __all__ = [
     "SETUP_ORDER", "apply_activation_checkpointing", "build_replacement", "check_optimizers_follow",
-    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "route_optimizers", "set_gradient_sync",
-    "shard_module",
+    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "replicas_after_step", "route_optimizers",
+    "set_gradient_sync", "settle_replicas", "shard_module",
 ]
 
 #: How to set up a model and its optimizer under owner sharding, for error messages.
@@ -83,13 +83,15 @@ def shard_module(module: nn.Module, *, mesh: Any, device: torch.device, activati
 
 
 def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any]:
-    """(shard group, traffic stats) of the first sharded model inside ``module``: the global
-    norm sums the owners' pieces over the shard group (HSDP replicas hold equal gradients)."""
+    """(group, traffic stats) of the first sharded model inside ``module``: the global norm sums
+    the owners' pieces over the shard group (HSDP replicas hold equal gradients), or over the
+    world under ``replica_split`` (one replica holds each gradient)."""
     roots = sharded_roots(module)
     if not roots:
         return None, None
     state = state_of(roots[0])
-    return state.sg.group, state.stats
+    # replica_split: each gradient lives on one rank of the world (None: the world group)
+    return (None if state.plan.replica_split else state.sg.group), state.stats
 
 
 def clip_gradients_norm(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: Union[float, int],
@@ -163,3 +165,18 @@ def set_gradient_sync(module: nn.Module, value: bool) -> None:
     micro-batches accumulate full gradients locally)."""
     for root in sharded_roots(module):
         set_requires_gradient_sync(root, value)
+
+
+def replicas_after_step(module: nn.Module, optimizer: Optimizer) -> None:
+    """``replica_split``: ``optimizer.step()`` just returned; start sending the weights it updated
+    on the stepping replicas to the others (waited for before each unit's next materialization)."""
+    for root in sharded_roots(module):
+        start_replica_sync(root, optimizer)
+
+
+def settle_replicas(module: nn.Module) -> None:
+    """``replica_split``: before evaluation and at the end of training, when every step taken has
+    been started: every replica holds the current weights and nothing is left to send (so an
+    evaluation forward, which some ranks may skip under the uneven-inputs join, sends nothing)."""
+    for root in sharded_roots(module):
+        state_of(root).settle_replicas(clear=True)

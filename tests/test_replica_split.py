@@ -99,3 +99,193 @@ def test_option_is_checked():
     assert check_shard_options(replica_split=True)["replica_split"] is True
     with pytest.raises(MatrixShardError, match="replica_split='yes'"):
         check_shard_options(replica_split="yes")
+
+
+# ---------------------------------------------------------------------- distributed: equal to DDP
+def grouped_mean_grads(model: torch.nn.Module, group: int, zero_missing: bool = False) -> None:
+    """DDP's mean, summed per block of ``group`` consecutive ranks in rank order, then the
+    blocks' sums in block order, then divided by the world size (``group=1``: the flat sum)."""
+    world = dist.get_world_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    used = torch.tensor([int(p.grad is not None or zero_missing) for p in params], dtype=torch.int32)
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    for p, u in zip(params, used.tolist()):
+        if not u:
+            p.grad = None
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        parts = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(parts, g.contiguous())
+        blocks = []
+        for b in range(0, world, group):
+            s = parts[b].clone()
+            for x in parts[b + 1:b + group]:
+                s.add_(x)
+            blocks.append(s)
+        total = blocks[0]
+        for s in blocks[1:]:
+            total.add_(s)
+        p.grad = total / world
+
+
+def _optimizers(model, kind: str, sharded: bool):
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "soap":
+        opt = [SOAP(params, lr=0.01, precondition_frequency=2)]
+    elif kind == "shampoo":
+        opt = [Shampoo(params, lr=0.01, start_preconditioning_step=1, preconditioning_compute_steps=1,
+                       graft_type="adagrad", weight_decay=0.01, decoupled_weight_decay=True)]
+    elif kind == "torch" and sharded:  # torch.optim.Muon + AdamW through routing
+        opt = oracle_optimizers(model, is_matrix=lambda n, p: getattr(p, "_mfsdp_role", None) == "matrix")
+    elif kind == "muon" and sharded:
+        ak = ADAMW_DEFAULTS
+        opt = [mf.Muon(params, adamw_lr=ak["lr"], adamw_betas=ak["betas"], adamw_eps=ak["eps"],
+                       adamw_weight_decay=ak["weight_decay"], **MUON_DEFAULTS)]
+    else:  # the DDP oracle of both: torch.optim.Muon + AdamW
+        opt = oracle_optimizers(model)
+    return [mf.route_optimizer(o) for o in opt] if sharded else opt
+
+
+def _gather_full(model) -> dict[str, torch.Tensor]:
+    """Every parameter from its owner in this rank's shard group (test-side)."""
+    from lightning_matrixfsdp.runtime.tags import shard_of, state_of
+
+    sg = state_of(model).sg
+    out = {}
+    for name, p in model.named_parameters():
+        s = shard_of(p)
+        t = p.data.clone() if s.owner == sg.rank else torch.empty(s.shape, dtype=p.dtype)
+        if sg.size > 1:
+            dist.broadcast(t, src=sg.g(s.owner), group=sg.group)
+        out[name] = t
+    return out
+
+
+def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime import get_comm_stats, get_plan, start_replica_sync, sync_replicas
+    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of, state_of
+
+    W = cfg["shard_size"]
+    torch.manual_seed(0)
+    oracle = TinyLM(d=16, heads=2, layers=2, extra_branch=cfg.get("branch", False))
+    for n, p in oracle.named_parameters():
+        if any(n.startswith(f) for f in cfg.get("frozen", ())):
+            p.requires_grad_(False)
+    sharded = copy.deepcopy(oracle)
+    mf.matrix_shard(sharded, shard_size=W, replica_split=True, zero_missing_grads=cfg.get("zero_missing", False))
+    plan = get_plan(sharded)
+    st = state_of(sharded)
+    R = world // W
+    me = st.replicas.exchange.rg.rank if R > 1 else 0
+    assert plan.replica_split == (R > 1)
+    kind = cfg.get("optimizer", "muon")
+    o_opts, s_opts = _optimizers(oracle, kind, False), _optimizers(sharded, kind, True)
+    if kind in ("soap", "shampoo"):  # the same wrapper on the full replica (each matrix on its own)
+        o_opts = _optimizers(oracle, kind, False)
+    accumulate, zero_missing = cfg.get("accumulate", 1), cfg.get("zero_missing", False)
+    for step in range(cfg.get("steps", 3)):
+        if cfg.get("branch"):  # the branch used on one rank only: zero_missing_grads' case
+            oracle.use_branch = sharded.use_branch = rank == step % world
+        acc: dict[str, torch.Tensor] = {}
+        for micro in range(accumulate):
+            idx = batch_for(step * accumulate + micro, rank, vocab=64)
+            lo = lm_loss(oracle(idx), idx) / accumulate
+            ls = lm_loss(sharded(idx), idx) / accumulate
+            assert torch.equal(lo.detach(), ls.detach()), f"step {step}: loss {ls.item()} vs oracle {lo.item()}"
+            lo.backward()
+            ls.backward()
+            if W == 1:
+                allreduce_mean_grads(oracle, zero_missing)  # the oracle's own flat sum
+            else:
+                grouped_mean_grads(oracle, W, zero_missing)
+            for n, p in oracle.named_parameters():
+                if p.grad is not None:
+                    acc[n] = acc[n] + p.grad if n in acc else p.grad
+                p.grad = None
+        for n, p in oracle.named_parameters():
+            p.grad = acc.get(n)
+        if cfg.get("clip"):
+            clip_global_norm(oracle, cfg["clip"])
+            mf.clip_grad_norm_(sharded, cfg["clip"])
+        o_params = dict(oracle.named_parameters())
+        for n, p in sharded.named_parameters():
+            og = o_params[n].grad
+            steps_here = is_owned(p) and plan.stepper(shard_of(p).fqn) in (None, me)
+            if not steps_here or og is None:
+                assert p.grad is None, f"{n}: a gradient on a rank that does not step it"
+                continue
+            assert p.grad is not None and torch.equal(p.grad, og), f"step {step}: grad {n} differs"
+        for o in o_opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        with count_collectives() as counter:
+            for o in s_opts:
+                o.step()
+        assert counter.calls == 0, f"optimizer step issued {counter.names}"
+        for o in s_opts:
+            o.zero_grad(set_to_none=True)
+        if cfg.get("sync") == "explicit":
+            for o in s_opts:
+                start_replica_sync(sharded, o)
+        if cfg.get("sync") != "lazy":  # the lazy case checks weights through the next forwards only
+            sync_replicas(sharded)
+            full = _gather_full(sharded)
+            for n, p in oracle.named_parameters():
+                assert torch.equal(full[n], p.detach()), f"step {step}: param {n} differs"
+    # the final forward (no_grad) starts and waits for what is still to send
+    idx = batch_for(999, rank)
+    with torch.no_grad():
+        assert torch.equal(oracle(idx), sharded(idx)), "final logits differ"
+    # optimizer state only where the role is stepped
+    held = {shard_of(p).fqn for o in s_opts for p in o.state if o.state[p]}
+    stepped = {shard_of(p).fqn for p in sharded.parameters()
+               if is_owned(p) and p.requires_grad and plan.stepper(shard_of(p).fqn) in (None, me)}
+    assert held <= stepped, f"optimizer state held for roles stepped elsewhere: {held - stepped}"
+    # analytic replica bytes: per used role of b bytes stepped by s, the stepper receives and
+    # sends (R-1) b, every other replica sends and receives b
+    expect = {"replica_reduce": [0, 0], "replica_broadcast": [0, 0]}
+    for p in sharded.parameters():
+        s = shard_of(p)
+        if not (is_owned(p) and p.requires_grad) or R == 1:
+            continue
+        b = s.nbytes
+        mine = plan.stepper(s.fqn) == me
+        expect["replica_reduce"][1 if mine else 0] += (R - 1) * b if mine else b
+        expect["replica_broadcast"][0 if mine else 1] += (R - 1) * b if mine else b
+    state_bytes = sum(v.numel() * v.element_size() for o in s_opts for s_ in o.state.values()
+                      for v in s_.values() if isinstance(v, torch.Tensor))
+    return {"stats": get_comm_stats(sharded), "expect": expect, "steps": cfg.get("steps", 3),
+            "state_bytes": state_bytes, "held": sorted(held)}
+
+
+def _run(dist_pools, world, **cfg):
+    return dist_pools(world).run(split_worker, cfg, timeout=200)
+
+
+@pytest.mark.parametrize("R,W", [(2, 1), (2, 2), (3, 1), (4, 1)], ids=["2x1", "2x2", "3x1", "4x1"])
+def test_split_matches_ddp_bitwise_and_counts_bytes(R, W, dist_pools):
+    res = _run(dist_pools, R * W, shard_size=W, sync="explicit", steps=3)
+    for r in res:
+        for phase, (sent, recv) in r["expect"].items():
+            got = r["stats"][phase]
+            assert (got["sent"], got["recv"]) == (r["steps"] * sent, r["steps"] * recv), (phase, got, sent, recv)
+        assert r["stats"]["replicate"]["calls"] == 0
+    # every role's state is held exactly once per shard rank (across replicas)
+    for w in range(W):
+        names = [n for rank, r in enumerate(res) if rank % W == w for n in r["held"]]
+        assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("R,W,cfg", [
+    (2, 1, dict(accumulate=2, clip=0.05, sync="lazy")),
+    (3, 1, dict(frozen=("blocks.0.",), clip=0.05, optimizer="torch")),
+    (2, 2, dict(zero_missing=True, branch=True, accumulate=2)),
+    (2, 1, dict(optimizer="soap")),
+    (2, 1, dict(optimizer="shampoo", sync="lazy")),
+], ids=["accumulate-clip-lazy", "frozen-clip-torch", "zero-missing-2x2", "soap", "shampoo"])
+def test_split_matches_ddp_with_features(R, W, cfg, dist_pools):
+    _run(dist_pools, R * W, shard_size=W, steps=2, **cfg)

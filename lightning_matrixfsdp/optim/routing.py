@@ -58,15 +58,18 @@ def clip_grad_norm_(
     owners' partial sums over the shard group gives the norm DDP would see.
     ``group`` is the shard group. When ``parameters`` is a module that ``matrix_shard``
     sharded, the default is that module's shard group (under HSDP the replicas hold equal
-    gradients, and summing over the world would count each of them once per replica);
-    otherwise the whole world. The all-reduce is counted under the ``clip`` phase of
+    gradients, and summing over the world would count each of them once per replica),
+    or the whole world under ``replica_split`` (each gradient then lives on one rank of
+    the world); otherwise the whole world. The all-reduce is counted under the ``clip`` phase of
     ``stats`` (default: the sharded module's).
     """
     if isinstance(parameters, torch.nn.Module):
         state = find_state(parameters)
         if state is not None:
             stats = state.stats if stats is None else stats
-            group = state.sg.group if group is None else group
+            if group is None:
+                # replica_split: each gradient lives on one rank of the whole world
+                group = None if state.plan.replica_split else state.sg.group
         parameters = list(parameters.parameters())
     grads = _owned_grads(list(parameters))
     norm_type = float(norm_type)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,8 @@ from lightning_matrixfsdp.runtime.waits import wait_works
 #: communicates nothing, and the phase is kept at zero so that users see it (the README's
 #: loop prints it, the strategy logs ``matrix_fsdp/optimizer_step_MB``).
 PHASES = ("materialize", "reduce", "replicate", "optimizer_step", "clip")
+#: ``replica_split``'s phases (``replica_comm.py``), shown once something was counted in them.
+REPLICA_PHASES = ("replica_reduce", "replica_broadcast")
 
 
 class CommStats:
@@ -110,7 +112,7 @@ def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
@@ -174,11 +176,11 @@ class P2PCollective(OwnerCollective):
             device = outs[slots[0][0]].device
             mine = [i for i, o, _ in slots if o == sg.rank]
             if mine:
-                seg = _pack([outs[i] for i in mine])
+                seg = pack_segment([outs[i] for i in mine])
                 for q in range(sg.size):
                     if q != sg.rank:
                         ops.append(dist.P2POp(dist.isend, seg, sg.g(q), sg.group))
-                        sent += _nbytes(seg)
+                        sent += nbytes(seg)
             for o in range(sg.size):
                 theirs = [(i, off) for i, ow, off in slots if ow == o]
                 if o == sg.rank or not theirs:
@@ -186,7 +188,7 @@ class P2PCollective(OwnerCollective):
                 n = sum(outs[i].numel() for i, _ in theirs)
                 buf = torch.empty(n, dtype=dtype, device=device)
                 ops.append(dist.P2POp(dist.irecv, buf, sg.g(o), sg.group))
-                recv += _nbytes(buf)
+                recv += nbytes(buf)
                 unpack.append((buf, theirs))
         self.stats.add("materialize", sent, recv, calls=len(ops))
 
@@ -206,10 +208,10 @@ class P2PCollective(OwnerCollective):
                 for q in range(sg.size):
                     if q != sg.rank:
                         ops.append(dist.P2POp(dist.isend, out, sg.g(q), sg.group))
-                        sent += _nbytes(out)
+                        sent += nbytes(out)
             else:
                 ops.append(dist.P2POp(dist.irecv, out, sg.g(s.owner), sg.group))
-                recv += _nbytes(out)
+                recv += nbytes(out)
         self.stats.add("materialize", sent, recv, calls=len(ops))
         return self._pending(dist.batch_isend_irecv(ops) if ops else [])
 
@@ -221,7 +223,7 @@ class P2PCollective(OwnerCollective):
         for i, (s, g) in enumerate(zip(shards, grads)):
             if s.owner != sg.rank:
                 ops.append(dist.P2POp(dist.isend, g, sg.g(s.owner), sg.group))
-                sent += _nbytes(g)
+                sent += nbytes(g)
                 continue
             parts = []
             for q in range(sg.size):
@@ -230,7 +232,7 @@ class P2PCollective(OwnerCollective):
                     continue
                 b = torch.empty_like(g)
                 ops.append(dist.P2POp(dist.irecv, b, sg.g(q), sg.group))
-                recv += _nbytes(b)
+                recv += nbytes(b)
                 parts.append(b)
             inbox[i] = parts
         self.stats.add("reduce", sent, recv, calls=len(ops))
@@ -262,18 +264,18 @@ class P2PCollective(OwnerCollective):
                 if not theirs:
                     continue
                 if o != sg.rank:
-                    seg = _pack([grads[i] for i, _ in theirs])
+                    seg = pack_segment([grads[i] for i, _ in theirs])
                     ops.append(dist.P2POp(dist.isend, seg, sg.g(o), sg.group))
-                    sent += _nbytes(seg)
+                    sent += nbytes(seg)
                     continue
                 parts = []
                 for q in range(sg.size):
                     if q == sg.rank:
-                        parts.append(_pack([grads[i] for i, _ in theirs]))
+                        parts.append(pack_segment([grads[i] for i, _ in theirs]))
                         continue
                     b = torch.empty(sum(grads[i].numel() for i, _ in theirs), dtype=dtype, device=device)
                     ops.append(dist.P2POp(dist.irecv, b, sg.g(q), sg.group))
-                    recv += _nbytes(b)
+                    recv += nbytes(b)
                     parts.append(b)
                 sums.append((parts, theirs))
         self.stats.add("reduce", sent, recv, calls=len(ops))
@@ -292,7 +294,7 @@ class P2PCollective(OwnerCollective):
         return self._pending(works, finish)
 
 
-def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def pack_segment(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous segment (a fresh tensor: it is summed into or sent while the sources change)."""
     return torch.cat([t.reshape(-1) for t in tensors])
 
@@ -312,9 +314,9 @@ class BroadcastCollective(OwnerCollective):
         for s, out in zip(shards, outs):
             works.append(dist.broadcast(out, src=sg.g(s.owner), group=sg.group, async_op=True))
             if s.owner == sg.rank:
-                sent += _nbytes(out)
+                sent += nbytes(out)
             else:
-                recv += _nbytes(out)
+                recv += nbytes(out)
         self.stats.add("materialize", sent, recv, calls=len(works))
         return self._pending(works)
 
@@ -327,9 +329,9 @@ class BroadcastCollective(OwnerCollective):
         for s, g in zip(shards, grads):
             works.append(dist.reduce(g, dst=sg.g(s.owner), op=dist.ReduceOp.SUM, group=sg.group, async_op=True))
             if s.owner == sg.rank:
-                recv += (sg.size - 1) * _nbytes(g)
+                recv += (sg.size - 1) * nbytes(g)
             else:
-                sent += _nbytes(g)
+                sent += nbytes(g)
         self.stats.add("reduce", sent, recv, calls=len(works))
         me = sg.rank
         return self._pending(works, lambda: [g if s.owner == me else None for s, g in zip(shards, grads)])
@@ -381,7 +383,7 @@ class PaddedAllGatherCollective(OwnerCollective):
                     send[off:off + outs[i].numel()].copy_(outs[i].reshape(-1))
             gathered = torch.empty(seg * sg.size, dtype=dtype, device=device)
             works.append(_all_gather(gathered, send, sg.group))
-            b = _nbytes(send) * (sg.size - 1)
+            b = nbytes(send) * (sg.size - 1)
             self.stats.add("materialize", b, b)
             unpack.append((gathered, slots, seg))
 
@@ -408,7 +410,7 @@ class PaddedAllGatherCollective(OwnerCollective):
                 inp[o * seg + off:o * seg + off + grads[i].numel()].copy_(grads[i].reshape(-1))
             out = torch.empty(seg, dtype=dtype, device=device)
             works.append(_reduce_scatter(out, inp, sg.group))
-            b = _nbytes(out) * (sg.size - 1)
+            b = nbytes(out) * (sg.size - 1)
             self.stats.add("reduce", b, b)
             unpack.append((out, slots))
 
@@ -430,13 +432,18 @@ class GradientReducer:
     by the data-parallel size and, under HSDP, sums across the replicas of its shard.
     """
 
-    def __init__(self, collective: OwnerCollective, replicate_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, collective: OwnerCollective, replicate_group: Optional[dist.ProcessGroup],
+                 split: Optional[Any] = None, steppers: Optional[dict[str, int]] = None) -> None:
         self.collective = collective
         self.sg = collective.sg
         self.stats = collective.stats
         self.replicate_group = replicate_group
         self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.dp_size = self.sg.size * self.replicate_size
+        #: ``replica_split``: a ``replica_comm.ReplicaExchange`` (typed Any: that module imports this
+        #: one) and the stepping replica of every parameter; None and {} otherwise
+        self.split = split if steppers else None
+        self.steppers = dict(steppers or {})
 
     def globally_used(self, used: list[bool], what: str = "the used-gradient flags") -> tuple[list[bool], list[bool]]:
         """Which parameters got a gradient on at least one rank (DDP leaves the rest None), and
@@ -464,7 +471,10 @@ class GradientReducer:
 
         def finish() -> list[Optional[torch.Tensor]]:
             out: list[Optional[torch.Tensor]] = []
-            for g, k in zip(pending.wait(), keep):
+            sums = pending.wait()
+            if self.split is not None:
+                return self._to_steppers(shards, sums, keep)
+            for g, k in zip(sums, keep):
                 if g is None or not k:
                     out.append(None)
                     continue
@@ -475,13 +485,28 @@ class GradientReducer:
 
         return PendingOp(finish=finish)
 
+    def _to_steppers(self, shards: Sequence[MatrixShard], sums: Sequence[Optional[torch.Tensor]],
+                     keep: Sequence[bool]) -> list[Optional[torch.Tensor]]:
+        """``replica_split``: the shard group's sums on the owners go to each role's stepping
+        replica, which adds them in replica order and then divides (as DDP divides its sum),
+        the mean staying there alone; the other replicas get None."""
+        idx = [i for i, (g, k) in enumerate(zip(sums, keep)) if g is not None and k]
+        out: list[Optional[torch.Tensor]] = [None] * len(sums)
+        if not idx:
+            return out
+        got = self.split.start_reduce([sums[i] for i in idx], [self.steppers[shards[i].fqn] for i in idx]).wait()
+        for i, g in zip(idx, got):
+            if g is not None:
+                out[i] = g.div_(self.dp_size)
+        return out
+
     def _replicate_sum(self, grad: torch.Tensor) -> None:
         """HSDP: sum an owner's (already divided) gradient across replicas."""
         if self.replicate_group is None or self.replicate_size == 1:
             return
         work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True)
         _wait(work, grad.device, "the replica sum of a gradient")
-        b = _nbytes(grad)
+        b = nbytes(grad)
         self.stats.add("replicate", b, b)
 
 
@@ -496,7 +521,7 @@ def all_reduce_norm(local: torch.Tensor, maximum: bool, group: Optional[dist.Pro
                                async_op=True)
         _wait(work, total.device, "the global-norm all-reduce of a gradient clip")
         if stats is not None:
-            stats.add("clip", _nbytes(total), _nbytes(total))
+            stats.add("clip", nbytes(total), nbytes(total))
     return total
 
 

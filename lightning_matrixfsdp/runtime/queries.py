@@ -1,6 +1,9 @@
-"""Questions about a sharded model: its plan, its traffic, and the no-sync switch."""
+"""Questions about a sharded model: its plan, its traffic, the no-sync switch, and the
+``replica_split`` weight transfers (start, and wait until the replicas are equal)."""
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 from torch import nn
 
@@ -42,3 +45,22 @@ def is_matrix_sharded(module: nn.Module) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _optimizer_params(optimizer: Any) -> set[int]:
+    return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+
+def start_replica_sync(module: nn.Module, optimizer: Optional[Any] = None) -> None:
+    """``replica_split``: start sending the weights the stepping replicas updated (those of
+    ``optimizer``'s parameters, if given) to the other replicas, without waiting. Call it on
+    every rank right after ``optimizer.step()``; the root's next forward does it otherwise.
+    No-op without ``replica_split``."""
+    _state(module).start_replica_sync(_optimizer_params(optimizer) if optimizer is not None else None)
+
+
+def sync_replicas(module: nn.Module) -> None:
+    """``replica_split``: every replica holds the current weights when this returns (sends
+    what may have changed, waits for every transfer in flight). Collective over the
+    replicas: call it on every rank. No-op without ``replica_split``."""
+    _state(module).settle_replicas()

@@ -23,6 +23,9 @@ from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_o
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
+from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
+from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
+from lightning_matrixfsdp.runtime.replicas import assign_steppers
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import attach_state
 from lightning_matrixfsdp.runtime.unit import Unit
@@ -85,6 +88,7 @@ def matrix_shard(
     shard_size: Optional[int] = None,
     prefetch: bool = True,
     zero_missing_grads: bool = False,
+    replica_split: bool = False,
 ) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
 
@@ -105,6 +109,12 @@ def matrix_shard(
     parameter unused on every rank then gets a zero gradient instead of ``None``. By
     default (DDP's semantics: ``None`` when unused everywhere) the ranks must leave the
     same parameters unused, or their communication disagrees.
+
+    ``replica_split=True`` (HSDP only; without replicas it changes nothing): each role's
+    optimizer step runs on one replica, chosen to balance optimizer FLOPs; its gradient is
+    reduced to that replica alone, which alone holds the role's optimizer state, and the
+    updated weights go to the other replicas after the step, overlapping the next forward
+    (docs/multi-node.md).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
@@ -113,7 +123,7 @@ def matrix_shard(
         wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
         ns_steps=ns_steps, shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-        device=device, mesh=mesh)
+        replica_split=replica_split, device=device, mesh=mesh)
     wrap_policy, planner, param_dtype, reduce_dtype = (opts[k] for k in ("wrap_policy", "planner", "param_dtype",
                                                                            "reduce_dtype"))
     device, shard_size = opts["device"], opts["shard_size"]
@@ -170,6 +180,9 @@ def matrix_shard(
 
     replicate_size = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
     plan = make_plan(unit_specs, sg.size, planner, ns_steps=ns_steps, replicate=replicate_size)
+    split = bool(opts["replica_split"]) and replicate_size > 1
+    if split:
+        plan.steppers, plan.replica_flops = assign_steppers(plan, unit_specs, replicate_size, ns_steps)
     schedule = {
         "collective": collective,
         "param_dtype": str(param_dtype),
@@ -178,6 +191,7 @@ def matrix_shard(
         "replicate": replicate_size,
         "prefetch": prefetch,
         "zero_missing_grads": bool(zero_missing_grads),
+        "replica_split": split,
         "sequence_check": sequence_check_wanted(sg),
     }
     validate_schedule(plan, schedule, sg)
@@ -187,7 +201,8 @@ def matrix_shard(
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     stats = CommStats()
     coll = make_collective(collective, sg, stats)
-    reducer = GradientReducer(coll, replicate_pg)
+    exchange = ReplicaExchange(replicate_pg, stats) if split else None
+    reducer = GradientReducer(coll, replicate_pg, split=exchange, steppers=plan.steppers)
     options = dict(schedule, planner=plan.planner, ns_steps=ns_steps, prefetch=prefetch)
     state = MatrixFSDPState(module, plan, reducer, options)
     check = make_sequence_check(sg, [u.fqn for u in plan.units]) if schedule["sequence_check"] else None
@@ -204,6 +219,11 @@ def matrix_shard(
         state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
                             reshard_after_forward and not is_root, zero_missing_grads=bool(zero_missing_grads),
                             index=index, check=check))
+    if exchange is not None:
+        state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange)
+        for unit in state.units:
+            unit.replicas = state.replicas
+        module.register_forward_pre_hook(state.before_root_forward, prepend=True)
     _materialize_meta(module, meta_modules, device)
     attach_state(module, state)
     return module

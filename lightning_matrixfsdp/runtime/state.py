@@ -10,6 +10,7 @@ from torch import nn
 from lightning_matrixfsdp.runtime.collectives import CommStats, GradientReducer, ShardGroup
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import Plan
+from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
 from lightning_matrixfsdp.runtime.unit import Unit
 
@@ -37,6 +38,8 @@ class MatrixFSDPState:
         self.prefetch = bool(options.get("prefetch", True))
         self.zero_missing_grads = bool(options.get("zero_missing_grads", False))
         self.schedule: Schedule[Unit] = Schedule(self.prefetch, self._end_of_backward)
+        #: ``replica_split`` under HSDP: the weight transfers from each role's stepping replica
+        self.replicas: Optional[ReplicaSync] = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -49,6 +52,11 @@ class MatrixFSDPState:
     @property
     def rank(self) -> int:
         return self.sg.rank
+
+    @property
+    def replica_rank(self) -> int:
+        """This rank's replica index (its rank in the replicate group; 0 without HSDP)."""
+        return dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
 
     # ------------------------------------------------------------------ building
     def add_unit(self, unit: Unit) -> None:
@@ -87,6 +95,24 @@ class MatrixFSDPState:
         for unit in self.units:
             if unit.is_materialized:
                 unit.reshard()
+
+    # ------------------------------------------------------------------ replica_split
+    def start_replica_sync(self, only: Optional[set[int]] = None) -> None:
+        """Send the weights the steppers may have updated (``only``: ids of resident parameters)."""
+        if self.replicas is not None:
+            self.replicas.start(only)
+
+    def settle_replicas(self, clear: bool = False) -> None:
+        """Every replica's weights equal now (see ``replica_sync.ReplicaSync.settle``)."""
+        if self.replicas is not None:
+            self.replicas.settle(clear)
+
+    def before_root_forward(self, module: nn.Module, args: Any) -> None:
+        """Root forward pre-hook (registered first): a forward reads current weights, so start
+        the transfers nobody started since the reductions (a bare ``matrix_shard`` training loop);
+        not in backward, where a forward is activation-checkpoint recomputation."""
+        if self.replicas is not None and not self.schedule.in_backward:
+            self.replicas.start()
 
     def set_requires_gradient_sync(self, value: bool) -> None:
         for u in self.units:

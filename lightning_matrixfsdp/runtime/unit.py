@@ -33,6 +33,7 @@ from lightning_matrixfsdp.runtime.consensus import AGREE_USED, MATERIALIZE, REDU
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import UnitLayout
+from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
 
 
@@ -94,8 +95,10 @@ class Unit:
         zero_missing_grads: bool = False,
         index: int = 0,
         check: Optional[Callable[[int, int], None]] = None,
+        replicas: Optional[ReplicaSync] = None,
     ) -> None:
         self.module = module
+        self.replicas = replicas  # replica_split: the weight transfers between replicas
         self.index = index  # in the plan, the same on every rank
         # the sequence check (consensus.SequenceCheck): (operation, unit index) before communicating
         self._check = check
@@ -180,6 +183,8 @@ class Unit:
         todo = [p for p in self.params if not p.materialized]
         if not todo:
             return
+        if self.replicas is not None:  # an owner's resident weights may still be arriving from the stepper
+            self.replicas.wait(self.index)
         if self.schedule.announce is not None:
             self.schedule.announce(self.index)
         if self._check is not None:
@@ -385,6 +390,8 @@ class Unit:
             for p, g in zip(params, pending.wait()):
                 if g is not None:
                     p.accumulate_grad(g)
+            if self.replicas is not None:  # the steppers may now update these: send them after the step
+                self.replicas.mark_reduced(self.index, [p.shard.fqn for p, k in zip(params, used) if k])
 
         # In flight while backward goes on; finished before the next unit's reduction
         # starts, or at the end of backward.
