@@ -243,3 +243,19 @@ def test_plot(tmp_path):
     rows = predict(TINY, cluster("a100-ib"), [1, 2], ["fsdp2_muon", "matrix_fsdp", "matrix_fsdp_hsdp_split"])
     plot_scaling({"weak_hsdp": rows, "7b": rows, "32b": rows}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stock_muon_bytes_match_the_bench_count_on_two_h200s():
+    """The collectives of the model, counted with the bench's per-rank convention (bench/comm.py),
+    against the bytes the bench counted for fsdp2_muon's optimizer step on 2 x H200."""
+    from lightning_matrixfsdp.bench.predict import shape_from_bench_config
+
+    run = json.loads((RESULTS / "2026-11-30-h200x2-aa2fc35-onenode" / "bench_onenode_w2_cuda.json").read_text())
+    shape, w = shape_from_bench_config(run["config"]), 2
+    sent = 0.0
+    for p in all_params(shape):
+        if p.is_matrix:
+            for kind, nbytes in stock_matrix_work(p.shape, shape.ns_steps, w)[1]:
+                sent += (w - 1) * nbytes / w if kind == "all_gather" else 2 * (w - 1) / w * nbytes
+    measured = run["modes"]["fsdp2_muon"]["bytes"]["optimizer_step"]["max_sent"]
+    assert sent == pytest.approx(measured, rel=1e-6)
