@@ -434,8 +434,8 @@ def _gram_iterate(x: Tensor, schedule: Sequence[Coefficients], restarts: set[int
     ``x`` is wide and normalized, 2D or a 3D stack (batched GEMMs). ``a`` enters every
     product as the GEMM's exact ``beta`` (``Q <- a Q + B Q``, ``R <- z (z R)`` as two such
     steps), as in the standard iteration: adding ``a I`` to a bf16 matrix would round
-    every diagonal entry the same way and bias the result (measured: update RMS 4-5% low
-    on well-conditioned wide matrices). Only a (re)start forms ``Q = a I + B`` once. R, B
+    every diagonal entry the same way, a bias that compounds over the iterations
+    (docs/decisions.md, issue 15). Only a (re)start forms ``Q = a I + B`` once. R, B
     and Q are polynomials in the first R, so all their products are symmetric: with
     ``blocks > 1`` (2D) every ``m x m`` product goes through :func:`symmetric_addmm`.
     """
@@ -523,8 +523,9 @@ def gram_polar_express(
 
 
 #: Where the Gram-space iteration with torch.optim.Muon's quintic restarts: after
-#: iteration 3 of 5 it stayed within the default's own bf16 rounding of the float32
-#: iteration on the inputs measured (docs/decisions.md); after 2 it drifted further.
+#: iteration 3 of 5 it stayed within the default's own bf16 rounding of the exact
+#: iteration on the inputs measured, after 2 it drifted further on ill-conditioned ones
+#: (docs/decisions.md, issue 15).
 GRAM_NS_RESTART_AT: tuple[int, ...] = (3,)
 
 
