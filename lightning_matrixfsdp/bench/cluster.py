@@ -109,7 +109,7 @@ class Cluster:
         if span <= 1:
             return 0.0
         nodes = -(-span // self.gpus_per_node)
-        return (self.intra_lat_us + (nodes - 1) * self.inter_lat_us if nodes > 1 else self.intra_lat_us) * 1e-6
+        return (self.intra_lat_us + (nodes - 1) * self.inter_lat_us) * 1e-6
 
     def all_gather(self, nbytes: float, span: int) -> float:
         """All-gather (or reduce-scatter) of ``nbytes`` in total over ``span`` ranks."""
@@ -157,7 +157,8 @@ def a100_ib(nodes: int = 1, gpus_per_node: int = 8, hdr_ports: int = 4) -> Clust
     200 Gb/s InfiniBand per node. The matmul rate is the A100 peak times the H200's
     achieved/peak ratio of its calibration runs; NCCL efficiency as measured on NVLink."""
     mm = A100_PEAK_TFLOPS * 760.0 / H200_PEAK_TFLOPS
-    return Cluster(f"a100-ib{hdr_ports}", gpus_per_node, nodes, round(mm, 1), hbm_gbs=A100_HBM_GBS,
+    name = "a100-ib" if hdr_ports == 4 else f"a100-ib{hdr_ports}"
+    return Cluster(name, gpus_per_node, nodes, round(mm, 1), hbm_gbs=A100_HBM_GBS,
                    intra_gbs=round(_NCCL_EFF * A100_NVLINK_GBS, 1), intra_lat_us=10.0,
                    inter_gbs=round(_NCCL_EFF * hdr_ports * HDR_GBS, 1), inter_lat_us=10.0,
                    gpu_mem_gib=79.0, **_H200_FIT)

@@ -285,92 +285,108 @@ def _owner_work(plan: Plan, units: tuple[UnitSpec, ...], shape: ModelShape, repl
     return out
 
 
+def _elementwise(c: Cluster, matrix_elems: float, adamw_elems: float) -> float:
+    """Seconds of the optimizer's elementwise work (momentum, AdamW) at HBM bandwidth."""
+    return (matrix_elems * c.muon_bpp + adamw_elems * c.adamw_bpp) / (c.hbm_gbs * 1e9)
+
+
+def _replicated(mode: str, shape: ModelShape, c: Cluster, cf: list[float],
+                cb: list[float]) -> tuple[float, float, float, float, float]:
+    """(fwd, bwd, opt, static bytes, temporary bytes) of DDP Muon and ZeRO-1 owner placement:
+    full replicas, the gradient all-reduce overlapping the whole backward."""
+    n, params = c.world, all_params(shape)
+    p_bytes = sum(p.nbytes for p in params)
+    ns_stock = c.matmul_tflops * 1e12 * c.ns_eff_stock
+    bwd = max(sum(cb), c.all_reduce(p_bytes, n)) + c.all_reduce(min(DDP_BUCKET, p_bytes), n)
+    owners = assign_owners([p.nbytes for p in params], n, "greedy") if mode == "zero1_owner" else [0] * len(params)
+    per = [[0.0, 0, 0] for _ in range(n)]  # NS FLOPs, matrix elements, AdamW elements stepped by each rank
+    for p, o in zip(params, owners):
+        if p.is_matrix:
+            per[o][0] += newton_schulz_flops(p.shape, shape.ns_steps)
+            per[o][1] += p.numel
+        else:
+            per[o][2] += p.numel
+    opt = max(f / ns_stock + _elementwise(c, mat, adam) for f, mat, adam in per)
+    if mode == "zero1_owner":
+        opt += sum(c.broadcast(p.nbytes, n) for p in params)  # each parameter from its owner
+    static = 2 * p_bytes + max((mat + 2 * adam) * ELEM for _, mat, adam in per)
+    return sum(cf), bwd, opt, static, 0.0
+
+
+def _passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float], cb: list[float],
+            replicas: int) -> tuple[float, float]:
+    """(fwd, bwd) seconds of a sharded mode: `pipeline` over the plan's units."""
+    units, span = unit_specs(shape), plan.world
+    split = mode == "matrix_fsdp_hsdp_split"
+    unit_link = [max(unit_comm(mode, lay, c)) for lay in plan.units]
+    busiest = [lay.nbytes if mode.startswith("fsdp2") else max(lay.owned_bytes(r) for r in range(span))
+               for lay in plan.units]
+    copy = [2 * b / (c.hbm_gbs * 1e9) if span > 1 else 0.0 for b in busiest]  # materialized bytes copied once
+    rep = [[c.replica_ring(lay.owned_bytes(r), replicas, "reduce" if split else "all_reduce") for r in range(span)]
+           for lay in plan.units]
+    ready = [0.0] * len(units)
+    if split:  # the updated weights' broadcasts, one stream per shard rank, from the end of the step
+        sent = [0.0] * span
+        for u, lay in enumerate(plan.units):
+            sent = [t + c.replica_ring(lay.owned_bytes(r), replicas, "broadcast") for r, t in enumerate(sent)]
+            ready[u] = max(sent)
+    fwd = pipeline([x + y for x, y in zip(cf, copy)], unit_link, [0.0] * len(units), ready)
+    order = list(range(len(units)))[::-1]  # blocks last to first, then the root (embedding last)
+    bwd = pipeline([cb[u] + (copy[u] if units[u].fqn else 0.0) for u in order],
+                   [unit_link[u] if units[u].fqn else 0.0 for u in order], [unit_link[u] for u in order],
+                   rep=[rep[u] for u in order] if replicas > 1 else None)
+    return fwd, bwd
+
+
+def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -> tuple[float, float, float]:
+    """(opt seconds, static bytes, temporary bytes) of a sharded mode's busiest rank."""
+    n, params = plan.world, all_params(shape)
+    p_bytes = sum(p.nbytes for p in params)
+    m_elems = sum(p.numel for p in params if p.is_matrix)
+    rest_elems = sum(p.numel for p in params) - m_elems
+    ns_stock = c.matmul_tflops * 1e12 * c.ns_eff_stock
+    if mode == "fsdp2_adamw":
+        return _elementwise(c, 0, (m_elems + rest_elems) / n), 4 * p_bytes / n, p_bytes / n  # foreach temporary
+    if mode.startswith("fsdp2"):
+        opt = _elementwise(c, m_elems / n, rest_elems / n)
+        static, temp = (3 * m_elems + 4 * rest_elems) * ELEM / n, 0.0
+        mats = [p.shape for p in params if p.is_matrix]
+        if mode == "fsdp2_muon":
+            for s in mats:
+                f, colls = stock_matrix_work(s, shape.ns_steps, n)
+                opt += f / ns_stock + sum(getattr(c, k)(b, n) + c.dispatch_us * 1e-6 for k, b in colls)
+        else:  # gather-once: one all-gather per matrix, every Newton-Schulz on every rank
+            opt += sum(c.all_gather(s[0] * s[1] * ELEM, n) + c.dispatch_us * 1e-6 for s in mats)
+            opt += sum(newton_schulz_flops(s, shape.ns_steps) for s in mats) / ns_stock
+            temp = 3 * max(s[0] * s[1] for s in mats) * ELEM
+        return opt, static, temp
+    work = _owner_work(plan, unit_specs(shape), shape, replicas, mode == "matrix_fsdp_hsdp_split")
+    ns_ours = c.matmul_tflops * 1e12 * c.ns_eff_ours
+    opt = max(f / ns_ours + _elementwise(c, mat, adam) for f, mat, adam, _, _ in work)
+    return opt, max(held + state for _, _, _, held, state in work), 0.0
+
+
 def predict_mode(mode: str, shape: ModelShape, c: Cluster, shard_size: int | None = None,
                  planner: str = "role_greedy") -> dict[str, Any]:
     """One row: fwd/bwd/opt/total ms and peak GiB of the busiest rank for ``mode`` on ``c``."""
     span, replicas = _spans(mode, c, shard_size)
-    n = c.world
     units = unit_specs(shape)
-    params = all_params(shape)
-    p_bytes = sum(p.nbytes for p in params)
-    m_elems = sum(p.numel for p in params if p.is_matrix)
-    rest_elems = sum(p.numel for p in params) - m_elems
     rate = c.matmul_tflops * 1e12 * c.model_eff
-    ns_ours, ns_stock = c.matmul_tflops * 1e12 * c.ns_eff_ours, c.matmul_tflops * 1e12 * c.ns_eff_stock
-    hbm = c.hbm_gbs * 1e9
-    cf = [(block_flops(shape) if u.fqn else 2 * shape.batch * shape.seq_len * shape.vocab * shape.hidden) / rate
-          for u in units]
-    cb = [f * (2 + (shape.ac and bool(u.fqn))) for f, u in zip(cf, units)]
-    act = activation_bytes(shape)
-    largest_unit = max(sum(p.nbytes for p in u.params) for u in units)
-    elementwise = lambda mat, adam: (mat * c.muon_bpp + adam * c.adamw_bpp) / hbm  # noqa: E731
-    row: dict[str, Any] = {"mode": mode, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "world": n,
+    head = 2 * shape.batch * shape.seq_len * shape.vocab * shape.hidden
+    cf = [(block_flops(shape) if u.fqn else head) / rate for u in units]
+    cb = [f * (3 if shape.ac and u.fqn else 2) for f, u in zip(cf, units)]
+    row: dict[str, Any] = {"mode": mode, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "world": c.world,
                            "span": span, "replicas": replicas}
-    temp = 0.0
     if mode in ("zero1_owner", "ddp_muon"):
-        t_ar = c.all_reduce(p_bytes, n)
-        fwd, bwd = sum(cf), max(sum(cb), t_ar) + c.all_reduce(min(DDP_BUCKET, p_bytes), n)
-        if mode == "ddp_muon":
-            ns = sum(newton_schulz_flops(p.shape, shape.ns_steps) for p in params if p.is_matrix) / ns_stock
-            opt = ns + elementwise(m_elems, rest_elems)
-            static = 2 * p_bytes + (m_elems + 2 * rest_elems) * ELEM
-        else:
-            owners = assign_owners([p.nbytes for p in params], n, "greedy")
-            per = [[0.0, 0, 0] for _ in range(n)]
-            for p, o in zip(params, owners):
-                if p.is_matrix:
-                    per[o][0] += newton_schulz_flops(p.shape, shape.ns_steps)
-                    per[o][1] += p.numel
-                else:
-                    per[o][2] += p.numel
-            opt = max(f / ns_stock + elementwise(mat, adam) for f, mat, adam in per)
-            opt += sum(c.broadcast(p.nbytes, n) for p in params)
-            static = 2 * p_bytes + max((mat + 2 * adam) * ELEM for _, mat, adam in per)
-        peak = static + act
+        fwd, bwd, opt, static, temp = _replicated(mode, shape, c, cf, cb)
+        buffers = 0.0
     else:
         plan = plan_for(shape, span, planner)
-        comm = [unit_comm(mode, layout, c) for layout in plan.units]
-        fsdp = mode.startswith("fsdp2")
-        copy = [(2 * (lay.nbytes if fsdp else max(lay.owned_bytes(r) for r in range(span))) / hbm if span > 1 else 0.0)
-                for lay in plan.units]
-        split = mode == "matrix_fsdp_hsdp_split"
-        mat = [max(x) for x in comm]
-        rep = [[c.replica_ring(lay.owned_bytes(r), replicas, "reduce" if split else "all_reduce")
-                for r in range(span)] for lay in plan.units]
-        ready = [0.0] * len(units)
-        if split:  # the updated weights' broadcasts, one stream per shard rank, from the end of the step
-            sent = [0.0] * span
-            for u, lay in enumerate(plan.units):
-                sent = [t + c.replica_ring(lay.owned_bytes(r), replicas, "broadcast") for r, t in enumerate(sent)]
-                ready[u] = max(sent)
-        fwd = pipeline([x + y for x, y in zip(cf, copy)], mat, [0.0] * len(units), ready)
-        order = list(range(len(units)))[::-1]  # blocks last to first, then the root (embedding last)
-        bwd = pipeline([cb[u] + (copy[u] if units[u].fqn else 0.0) for u in order],
-                       [mat[u] if units[u].fqn else 0.0 for u in order], [mat[u] for u in order],
-                       rep=[rep[u] for u in order] if replicas > 1 else None)
-        if fsdp:
-            share = 1 / n
-            if mode == "fsdp2_adamw":
-                opt = elementwise(0, (m_elems + rest_elems) * share)
-                static, temp = 4 * p_bytes * share, p_bytes * share
-            else:
-                opt = elementwise(m_elems * share, rest_elems * share)
-                static = (3 * m_elems + 4 * rest_elems) * ELEM * share
-                mats = [p.shape for p in params if p.is_matrix]
-                if mode == "fsdp2_muon":
-                    for s in mats:
-                        f, colls = stock_matrix_work(s, shape.ns_steps, n)
-                        opt += f / ns_stock + sum(getattr(c, k)(b, n) + c.dispatch_us * 1e-6 for k, b in colls)
-                else:
-                    opt += sum(c.all_gather(s[0] * s[1] * ELEM, n) + c.dispatch_us * 1e-6 for s in mats)
-                    opt += sum(newton_schulz_flops(s, shape.ns_steps) for s in mats) / ns_stock
-                    temp = 3 * max(s[0] * s[1] for s in mats) * ELEM
-        else:
-            work = _owner_work(plan, units, shape, replicas, split)
-            opt = max(f / ns_ours + elementwise(mat, adam) for f, mat, adam, _, _ in work)
-            static = max(held + state for _, _, _, held, state in work)
-        peak = static + max(act + (2 * largest_unit if span > 1 else 0), temp)
+        fwd, bwd = _passes(mode, plan, shape, c, cf, cb, replicas)
+        opt, static, temp = _step(mode, plan, shape, c, replicas)
+        buffers = 2 * max(sum(p.nbytes for p in u.params) for u in units) if span > 1 else 0.0
         row["max_gamma"] = round(plan.max_gamma, 3)
+    peak = static + max(activation_bytes(shape) + buffers, temp)
     row.update(fwd_ms=fwd * 1e3, bwd_ms=bwd * 1e3, opt_ms=opt * 1e3, total_ms=(fwd + bwd + opt) * 1e3,
                peak_gib=peak / GIB)
     row["fits"] = row["peak_gib"] <= c.gpu_mem_gib
@@ -395,8 +411,8 @@ def predict(shape: ModelShape, base: Cluster, nodes: list[int], modes: list[str]
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    head = ("| mode | nodes | GPUs | span x replicas | layers | fwd ms | bwd ms | opt ms | total ms | peak GiB | fits |\n"
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    head = ("| mode | nodes | GPUs | span x replicas | layers | fwd ms | bwd ms | opt ms | total ms | peak GiB "
+            "| fits |\n| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['nodes']} | {r['world']} | {r['span']} x {r['replicas']} | {r['layers']} | "

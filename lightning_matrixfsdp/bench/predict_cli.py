@@ -78,7 +78,8 @@ def calibrate(results: Path = DEFAULT_RESULTS) -> dict[str, float]:
     # Host time per DTensor collective: stock Muon's measured two-GPU step minus the rest of its model.
     c = h200(1, 2, w2["meta"]["matmul_bf16_tflops"]).with_(dispatch_us=0.0, **fit)
     rest = predict_mode("fsdp2_muon", shape, c)["opt_ms"]
-    fit["dispatch_us"] = (w2["modes"]["fsdp2_muon"]["time_ms"]["optimizer_step"] - rest) * 1e3 / stock_collectives(shape, 2)
+    measured = w2["modes"]["fsdp2_muon"]["time_ms"]["optimizer_step"]
+    fit["dispatch_us"] = (measured - rest) * 1e3 / stock_collectives(shape, 2)
     return fit
 
 
@@ -166,7 +167,8 @@ def write_report(out: Path, plot: Path | None = None, results: Path = DEFAULT_RE
     }
     (out / "predict.json").write_text(json.dumps(report, indent=1))
     md = ["# Predicted step times", "", "## Calibration (predicted / measured)", "",
-          calibration_markdown(report["calibration"]), "", "## The paper's Table 3 (predicted / published), a100-ib", "",
+          calibration_markdown(report["calibration"]), "",
+          "## The paper's Table 3 (predicted / published), a100-ib", "",
           paper_markdown(report["paper"]["a100-ib"]), "", "## Same, a100-ib8", "",
           paper_markdown(report["paper"]["a100-ib8"]), ""]
     for key in ("weak_hsdp", "7b", "32b"):
@@ -255,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.report:
             write_report(Path(args.report), Path(args.plot) if args.plot else None)
-            print(f"[predict] wrote {args.report}/predict.json and predict.md" + (f", {args.plot}" if args.plot else ""))
+            extra = f", {args.plot}" if args.plot else ""
+            print(f"[predict] wrote {args.report}/predict.json and predict.md{extra}")
             return 0
         if args.calibration:
             print(calibration_markdown(calibration_table(Path(args.calibration))))
