@@ -356,6 +356,7 @@ def worker(spec_json: str, args: argparse.Namespace) -> None:
     else:
         device = torch.device("cuda", 0)  # CUDA_VISIBLE_DEVICES picks the GPU
         torch.cuda.set_device(device)
+        torch.set_num_threads(2)  # the host only launches kernels; several runs share it
     corpus = torch.load(Path(args.work_dir) / "corpus.pt")
     result = train_run(spec, corpus, device)
     _write_json(Path(args.out) / "runs" / f"{spec.name}.json", result)
@@ -493,7 +494,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="bench_out/convergence")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--gpus", type=lambda s: s.split(","), default=["0", "1"], help="CUDA device ids, comma-separated")
-    ap.add_argument("--procs-per-device", type=int, default=3, help="runs at once on each device")
+    ap.add_argument("--procs-per-device", "--procs-per-gpu", type=int, default=3, help="runs at once on each device")
     ap.add_argument("--orthogonalizers", nargs="+", default=list(ORTHOGONALIZERS), choices=ORTHOGONALIZERS)
     ap.add_argument("--lrs", nargs="+", type=float, default=[0.02, 0.01], help="the first is the reference lr")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -535,6 +536,8 @@ def main(argv: list[str] | None = None) -> None:
             meta = prepare_corpus(args.corpus, args.max_bytes, args.val_fraction, work_dir)
             _write_json(out / "meta.json", meta)
             run_grid(args, work_dir)
+    if not (out / "runs").is_dir() or not any((out / "runs").glob("*.json")):
+        sys.exit(f"[convergence] no finished run under {out / 'runs'} (see the .log files there)")
     print(write_report(out))
 
 
