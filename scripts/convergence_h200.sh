@@ -4,7 +4,7 @@
 # Grid: newton_schulz, fast, polar_express, gram_polar_express x lr 0.02, 0.01 x seeds 0-2 (24 runs of 1000
 # steps), plus the default at lr 0.04 (seed 0); the demo GPT at d_model 1024, 6 layers (77 M parameters),
 # seq 512, batch 16, byte-level on pydoc topics + stdlib sources. Single-GPU runs, 3 at a time per GPU;
-# first the optimizer-step timing pass, alone on GPU 0. Estimated ~4.5 min of training at 35% MFU;
+# first the optimizer-step timing pass alone on GPU 0 (the trained model, and 2-layer d_model 2048 and 4096). Estimated ~4.5 min of training at 35% MFU;
 # --deadline-s stops starting runs that would end past 480 s, so the command ends before 9 min; a second
 # command with the same OUT finishes the grid (--skip-done). Results: $OUT/convergence/{runs/*.json,
 # timing.json, convergence.md, convergence.png, summary.json}.

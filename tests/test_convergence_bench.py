@@ -13,7 +13,7 @@ from lightning_matrixfsdp.bench import convergence
 TINY = ["--device", "cpu", "--corpus", "pydoc", "--max-bytes", "60000", "--steps", "4", "--warmup", "2",
         "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
         "--eval-every", "2", "--val-batches", "2", "--lrs", "0.02", "--seeds", "0", "--no-extras",
-        "--procs-per-device", "2", "--timing-d-model", "0"]
+        "--procs-per-device", "2", "--timing-d-model", "48"]
 
 
 def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
@@ -43,7 +43,9 @@ def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     md = (out / "convergence.md").read_text()
     assert "| newton_schulz | 0.02 | 1 |" in md and "| fast | 0.02 | 1 |" in md
     timing = json.loads((out / "timing.json").read_text())
+    assert set(timing["models"]) == {"trained", "d_model 48"}
     assert set(timing["models"]["trained"]["rows"]) == {"newton_schulz", "fast"}
+    assert "opt step ms (d_model 48)" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "convergence.png").stat().st_size > 1000
 

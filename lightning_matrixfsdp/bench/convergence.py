@@ -255,13 +255,12 @@ def time_optimizer(spec: RunSpec, device: torch.device, steps: int, warmup: int 
 
 
 def timing_pass(base: RunSpec, orthogonalizers: list[str], device: torch.device, steps: int,
-                large_d_model: int | None) -> dict[str, Any]:
-    """Each orthogonalizer's optimizer step on the trained model (and on larger matrices)."""
+                large_d_models: list[int]) -> dict[str, Any]:
+    """Each orthogonalizer's optimizer step on the trained model and on wider 2-layer ones."""
     out: dict[str, Any] = {"device": _device_name(device), "steps": steps, "models": {}}
     models = {"trained": base}
-    if large_d_model:
-        models[f"d_model {large_d_model}"] = replace(base, d_model=large_d_model, n_layers=2,
-                                                    n_heads=max(1, large_d_model // 128), batch_size=4)
+    for d in large_d_models:
+        models[f"d_model {d}"] = replace(base, d_model=d, n_layers=2, n_heads=max(1, d // 128), batch_size=4)
     for label, spec in models.items():
         rows = {}
         for name in orthogonalizers:
@@ -513,7 +512,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-bytes", type=int, default=32_000_000)
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--timing-steps", type=int, default=30, help="0: no timing pass")
-    ap.add_argument("--timing-d-model", type=int, default=2048, help="also time these wider matrices; 0: off")
+    ap.add_argument("--timing-d-model", type=int, nargs="*", default=[2048, 4096],
+                    help="also time 2-layer models of these widths (MLP 4x: wide matrices); none: off")
     ap.add_argument("--deadline-s", type=float, default=float("inf"),
                     help="start no run that would end after this many seconds; stop those still running then")
     ap.add_argument("--skip-done", action="store_true", help="keep runs (and the timing) already under OUT")
