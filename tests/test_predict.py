@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_matrixfsdp.bench.cluster import Cluster, ClusterError, cluster
 from lightning_matrixfsdp.bench.config import ModelConfig
@@ -172,6 +173,9 @@ def test_bench_entry_point_routes_predict_and_keeps_its_own_flags(capsys):
     (["--inter-gbs", "-1"], "inter_gbs must be positive, got -1.0"),
     (["--gpus-per-node", "0"], "gpus_per_node must be >= 1"),
     (["--heads", "3"], "hidden=4096 is not divisible by heads=3"),
+    (["--nodes", "1", "0"], "nodes must be >= 1, got 0"),
+    pytest.param(["--measure"], "--measure needs a CUDA GPU",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there to measure")),
 ])
 def test_bad_input_is_refused_with_its_cause(argv, message, capsys):
     assert main(argv) == 2
