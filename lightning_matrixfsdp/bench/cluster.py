@@ -29,11 +29,13 @@ A100_HBM_GBS = 2039.0
 A100_NVLINK_GBS = 300.0
 HDR_GBS = 25.0  # one HDR InfiniBand port, 200 Gb/s
 
-# The H200 collective bandwidth: FSDP2's all-gather of one 268M-parameter bf16 unit over
-# two NVLink-connected H200s took 1.11 ms (docs/how-it-works.md#bandwidth, 2026-11-29):
-# bus bandwidth = bytes * (W-1)/W / time.
+# Inputs measured on H200 and documented elsewhere: FSDP2's all-gather of one 268M-parameter
+# bf16 unit over two NVLink-connected H200s (docs/how-it-works.md#bandwidth), giving the bus
+# bandwidth bytes * (W-1)/W / time; and the bench's 8192^3 matmul probe, rounded over the
+# calibration runs (their JSON's matmul_bf16_tflops).
 H200_ALLGATHER_BYTES = 268_435_456 * 2
 H200_ALLGATHER_MS = 1.11
+H200_MATMUL_TFLOPS = 760.0
 
 # Files and fields each fitted constant comes from (relative to docs/results/).
 CALIBRATION_SOURCES = {
@@ -145,7 +147,7 @@ _H200_FIT = dict(model_eff=0.7174, ns_eff_ours=0.9764, ns_eff_stock=0.8485, muon
 _NCCL_EFF = H200_ALLGATHER_BYTES / 2 / (H200_ALLGATHER_MS * 1e-3) / 1e9 / H200_NVLINK_GBS
 
 
-def h200(nodes: int = 1, gpus_per_node: int = 2, matmul_tflops: float = 760.0) -> Cluster:
+def h200(nodes: int = 1, gpus_per_node: int = 2, matmul_tflops: float = H200_MATMUL_TFLOPS) -> Cluster:
     """The measured machine: H200s on NVLink (multi-node figures: 8 x NDR 400 Gb/s assumed)."""
     return Cluster("h200", gpus_per_node, nodes, matmul_tflops, hbm_gbs=H200_HBM_GBS,
                    intra_gbs=round(_NCCL_EFF * H200_NVLINK_GBS, 1), intra_lat_us=10.0,
@@ -156,7 +158,7 @@ def a100_ib(nodes: int = 1, gpus_per_node: int = 8, hdr_ports: int = 4) -> Clust
     """8 x A100-SXM4-80GB per node on NVLink (300 GB/s per direction), ``hdr_ports`` x HDR
     200 Gb/s InfiniBand per node. The matmul rate is the A100 peak times the H200's
     achieved/peak ratio of its calibration runs; NCCL efficiency as measured on NVLink."""
-    mm = A100_PEAK_TFLOPS * 760.0 / H200_PEAK_TFLOPS
+    mm = A100_PEAK_TFLOPS * H200_MATMUL_TFLOPS / H200_PEAK_TFLOPS
     name = "a100-ib" if hdr_ports == 4 else f"a100-ib{hdr_ports}"
     return Cluster(name, gpus_per_node, nodes, round(mm, 1), hbm_gbs=A100_HBM_GBS,
                    intra_gbs=round(_NCCL_EFF * A100_NVLINK_GBS, 1), intra_lat_us=10.0,
