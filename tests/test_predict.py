@@ -63,7 +63,8 @@ def test_collective_costs_by_hand():
     assert c.all_gather(4e9, 2) == pytest.approx(4e9 * 0.5 / 2e9 + 5e-6)
     assert c.all_gather(4e9, 8) == pytest.approx(4e9 * 7 / 8 / 1e9 + 5e-6 + 3 * 100e-6)  # bound by the NICs
     assert c.all_reduce(4e9, 2) == pytest.approx(2 * 1.0 + 5e-6)
-    assert c.replica_ring(1e9, 4, "all_reduce") == pytest.approx(2 * 3 / 4 * 1e9 / 0.5e9 + 5e-6 + 300e-6)
+    assert c.replica_all_reduce(1e9, 4) == pytest.approx(2 * 3 / 4 * 1e9 / 0.5e9 + 5e-6 + 300e-6)
+    assert c.replica_p2p(3e9, 1e9, 4) == pytest.approx(3e9 / 0.5e9 + 5e-6 + 300e-6)  # the stepper's R-1 inputs
     assert c.all_gather(1e9, 1) == 0.0
 
 

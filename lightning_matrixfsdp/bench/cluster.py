@@ -128,15 +128,23 @@ class Cluster:
             return 0.0
         return nbytes / (self.ring_gbs(span) * 1e9) + self.latency(span)
 
-    def replica_ring(self, nbytes: float, replicas: int, kind: str = "all_reduce") -> float:
-        """A collective across replicas (one rank per node) while every local rank runs its own:
-        each of the node's GPUs gets 1/gpus_per_node of its NICs."""
+    def replica_latency(self, replicas: int) -> float:
+        return (self.intra_lat_us + (replicas - 1) * self.inter_lat_us) * 1e-6 if replicas > 1 else 0.0
+
+    def replica_all_reduce(self, nbytes: float, replicas: int) -> float:
+        """A ring all-reduce across replicas (one rank per node) while every local rank runs its
+        own: each of the node's GPUs gets 1/gpus_per_node of its NICs."""
         if replicas <= 1:
             return 0.0
-        bw = self.inter_gbs / self.gpus_per_node * 1e9
-        lat = self.intra_lat_us * 1e-6 + (replicas - 1) * self.inter_lat_us * 1e-6
-        factor = {"all_reduce": 2 * (replicas - 1) / replicas, "reduce": 1.0, "broadcast": 1.0}[kind]
-        return nbytes * factor / bw + lat
+        return 2 * (replicas - 1) / replicas * nbytes / (self.inter_gbs / self.gpus_per_node * 1e9) \
+            + self.replica_latency(replicas)
+
+    def replica_p2p(self, received: float, sent: float, replicas: int) -> float:
+        """A point-to-point exchange across replicas: a GPU moves the larger of what it receives
+        and sends through its share of the node's NICs."""
+        if replicas <= 1:
+            return 0.0
+        return max(received, sent) / (self.inter_gbs / self.gpus_per_node * 1e9) + self.replica_latency(replicas)
 
 
 # ---------------------------------------------------------------- presets

@@ -322,20 +322,39 @@ def _passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float
     busiest = [lay.nbytes if mode.startswith("fsdp2") else max(lay.owned_bytes(r) for r in range(span))
                for lay in plan.units]
     copy = [2 * b / (c.hbm_gbs * 1e9) if span > 1 else 0.0 for b in busiest]  # materialized bytes copied once
-    rep = [[c.replica_ring(lay.owned_bytes(r), replicas, "reduce" if split else "all_reduce") for r in range(span)]
-           for lay in plan.units]
     ready = [0.0] * len(units)
-    if split:  # the updated weights' broadcasts, one stream per shard rank, from the end of the step
-        sent = [0.0] * span
-        for u, lay in enumerate(plan.units):
-            sent = [t + c.replica_ring(lay.owned_bytes(r), replicas, "broadcast") for r, t in enumerate(sent)]
+    if split:
+        rep = _split_exchange(plan, shape, c, replicas)
+        sent = [0.0] * len(rep[0])  # the updated weights go back from the end of the step, unit by unit
+        for u in range(len(units)):
+            sent = [t + x for t, x in zip(sent, rep[u])]
             ready[u] = max(sent)
+    else:
+        rep = [[c.replica_all_reduce(lay.owned_bytes(r), replicas) for r in range(span)] for lay in plan.units]
     fwd = pipeline([x + y for x, y in zip(cf, copy)], unit_link, [0.0] * len(units), ready)
     order = list(range(len(units)))[::-1]  # blocks last to first, then the root (embedding last)
     bwd = pipeline([cb[u] + (copy[u] if units[u].fqn else 0.0) for u in order],
                    [unit_link[u] if units[u].fqn else 0.0 for u in order], [unit_link[u] for u in order],
                    rep=[rep[u] for u in order] if replicas > 1 else None)
     return fwd, bwd
+
+
+def _split_exchange(plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -> list[list[float]]:
+    """Seconds per unit and per GPU (replica k, shard rank r) of ``replica_split``'s point-to-point
+    exchange (runtime/replica_comm.py). In the backward every replica sends its partial gradient
+    of a role to the role's stepper, which receives ``R-1`` of them; after the step the stepper
+    sends the updated role to the ``R-1`` others: the same bytes per GPU both ways."""
+    steppers = assign_steppers(plan, list(unit_specs(shape)), replicas, shape.ns_steps)[0]
+    out = []
+    for lay in plan.units:
+        row = []
+        for k in range(replicas):
+            for r in range(plan.world):
+                mine = sum(s.nbytes for s in lay.shards if s.owner == r and steppers[s.fqn] == k)
+                other = sum(s.nbytes for s in lay.shards if s.owner == r and steppers[s.fqn] != k)
+                row.append(c.replica_p2p((replicas - 1) * mine, other, replicas))
+        out.append(row)
+    return out
 
 
 def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -> tuple[float, float, float]:
