@@ -39,6 +39,7 @@ from lightning_matrixfsdp.adapter import (
     clip_gradients_norm,
     is_sharded,
     replacement_note,
+    replicas_after_step,
     route_optimizers,
     set_gradient_sync,
     shard_module,
@@ -128,6 +129,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         log_plan: bool = True,
         verify_checkpoints: bool = True,
         reset_changed_roles: bool = False,
+        replica_split: bool = False,
     ) -> None:
         opts = check_strategy_options(
             wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
@@ -137,6 +139,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
             shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
+            replica_split=replica_split,
         )
         super().__init__(
             parallelize_fn=_not_used, data_parallel_size="auto", tensor_parallel_size="auto",
@@ -156,6 +159,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         self.shard_size = opts["shard_size"]
         self.prefetch = opts["prefetch"]
         self.zero_missing_grads = opts["zero_missing_grads"]
+        self.replica_split = opts["replica_split"]
         self.log_plan = opts["log_plan"]
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
         self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
@@ -195,7 +199,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
                 wrap_policy=self.wrap_policy, planner=self.planner, collective=self.collective,
                 matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                 reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                zero_missing_grads=self.zero_missing_grads,
+                zero_missing_grads=self.zero_missing_grads, replica_split=self.replica_split,
             )
         module.to(self.root_device)  # buffers and anything outside the shard
         self._modules.append(module)
@@ -231,6 +235,13 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # setup_module places the shards
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The step, then (``replica_split``) the updated weights start towards the other replicas."""
+        out = super().optimizer_step(optimizer, **kwargs)
+        for module in self._modules:
+            replicas_after_step(module, getattr(optimizer, "optimizer", optimizer))
+        return out
 
     # ------------------------------------------------------------------ gradients
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],

@@ -32,7 +32,9 @@ from lightning_matrixfsdp.adapter import (
     clip_group,
     is_sharded,
     replacement_note,
+    replicas_after_step,
     set_gradient_sync,
+    settle_replicas,
     shard_module,
 )
 from lightning_matrixfsdp.checkpoint import (
@@ -122,6 +124,9 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         reset_changed_roles: on load, restart the optimizer state of parameters whose
             role (matrix or tail) changed since the save, e.g. through another
             ``matrix_filter``, instead of raising ``CheckpointMismatchError``.
+        replica_split: under HSDP (``shard_size`` below the world size), step each role
+            on one replica only and send the updated weights to the others after the
+            step (see ``matrix_shard`` and docs/multi-node.md); no effect without replicas.
     """
 
     strategy_name = "matrix_fsdp"
@@ -148,6 +153,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         log_plan: bool = True,
         verify_checkpoints: bool = True,
         reset_changed_roles: bool = False,
+        replica_split: bool = False,
     ) -> None:
         # Every option is checked here, at construction, so a wrong one fails where it was written.
         opts = check_strategy_options(
@@ -158,6 +164,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
+            replica_split=replica_split,
         )
         super().__init__(
             data_parallel_size="auto", tensor_parallel_size="auto",
@@ -177,6 +184,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.shard_size = opts["shard_size"]
         self.prefetch = opts["prefetch"]
         self.zero_missing_grads = opts["zero_missing_grads"]
+        self.replica_split = opts["replica_split"]
         self.log_plan = opts["log_plan"]
         self._shard_mesh: Any = None
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
@@ -248,7 +256,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 wrap_policy=self.wrap_policy, planner=self.planner, collective=self.collective,
                 matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                 reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                zero_missing_grads=self.zero_missing_grads,
+                zero_missing_grads=self.zero_missing_grads, replica_split=self.replica_split,
             )
         self.model_to_device()  # buffers and anything outside the shard
         self._install_clip_group()
@@ -357,6 +365,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             return out
 
         out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
+        if self.lightning_module is not None:  # replica_split: updated weights on their way, after the step
+            replicas_after_step(self.lightning_module, optimizer)
         if "start" in marks:
             self._opt_marks.append((marks["start"], self._clock()))
             del self._opt_marks[:-_MAX_TIMED_STEPS]  # bounded when nothing logs them
@@ -412,6 +422,14 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             yield
         finally:
             set_gradient_sync(self.lightning_module, True)
+
+    def on_validation_start(self) -> None:
+        """``replica_split``: evaluation and the end of fit see every replica's weights current
+        (Lightning's own hooks here do nothing)."""
+        if self.lightning_module is not None:
+            settle_replicas(self.lightning_module)
+
+    on_test_start = on_predict_start = on_train_end = on_validation_start
 
     # ------------------------------------------------------------------ steps through the root unit
     def _through_root(self, name: str, *args: Any, **kwargs: Any) -> Any:
