@@ -16,8 +16,9 @@ A transfer starts (``REDUCED`` -> ``SENDING``) in :meth:`ReplicaSync.start`, cal
   a reduction per micro-batch this also sends unchanged weights between micro-batches:
   correct, but redundant traffic (``accumulation_no_sync`` / ``no_sync`` avoids it).
 
-:meth:`ReplicaSync.wait` (a unit, before it materializes) and :meth:`ReplicaSync.settle`
-(checkpoints, state dicts, evaluation, the end of ``fit``) finish it. ``settle(clear=False)``
+:meth:`ReplicaSync.wait` (a unit, before it materializes), :meth:`ReplicaSync.wait_all`
+(``module.state_dict()``, which one rank may call alone, so it starts nothing) and
+:meth:`ReplicaSync.settle` (checkpoints, evaluation, the end of ``fit``: every rank) finish it. ``settle(clear=False)``
 sends what is ``REDUCED`` but leaves it ``REDUCED``: between a reduction and its
 optimizer step (a save in the middle of an accumulation window) the weights are equal
 now, and the step that follows still has to be sent.
@@ -88,11 +89,15 @@ class ReplicaSync:
             op.wait()
         self.states[unit] = [ReplicaState.SYNCED if s is ReplicaState.SENDING else s for s in self.states[unit]]
 
+    def wait_all(self) -> None:
+        """Finish every transfer in flight (local: their peers issued theirs when they were started)."""
+        for u in range(len(self.params)):
+            self.wait(u)
+
     def settle(self, clear: bool = False) -> None:
         """Make every replica's weights equal now: send what is ``REDUCED`` and wait for everything."""
         self.start(clear=clear)
-        for u in range(len(self.params)):
-            self.wait(u)
+        self.wait_all()
 
     @property
     def in_flight(self) -> bool:

@@ -107,6 +107,11 @@ class MatrixFSDPState:
         if self.replicas is not None:
             self.replicas.settle(clear)
 
+    def wait_replicas(self, *_: Any) -> None:
+        """Finish the transfers in flight (local); also the root's ``state_dict`` pre-hook."""
+        if self.replicas is not None:
+            self.replicas.wait_all()
+
     def before_root_forward(self, module: nn.Module, args: Any) -> None:
         """Root forward pre-hook (registered first): a forward reads current weights, so start
         the transfers nobody started since the reductions (a bare ``matrix_shard`` training loop);
