@@ -31,14 +31,19 @@ import os
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from lightning_matrixfsdp.demos.data import ByteTextDataModule, split_documents
+from lightning_matrixfsdp.demos.gpt import GPT
+from lightning_matrixfsdp.optim.muon import Muon
 
 ORTHOGONALIZERS = ("newton_schulz", "fast", "polar_express", "gram_polar_express")
 DEFAULT = "newton_schulz"
@@ -79,12 +84,8 @@ def corpus_documents(kind: str, max_bytes: int | None) -> list[bytes]:
     "stdlib" adds every ``*.py`` under the standard library (not site-packages) to the
     help topics, shuffled by a fixed seed so that a cap keeps a mix of packages.
     """
-    from lightning_matrixfsdp.demos.data import ByteTextDataModule
-
     docs = ByteTextDataModule(data_dir=None).documents()
     if kind == "stdlib":
-        import sysconfig
-
         root = sysconfig.get_paths()["stdlib"]
         paths = []
         for d, dirs, files in os.walk(root):
@@ -109,8 +110,6 @@ def corpus_documents(kind: str, max_bytes: int | None) -> list[bytes]:
 
 def prepare_corpus(kind: str, max_bytes: int | None, val_fraction: float, work_dir: Path) -> dict[str, Any]:
     """Split the corpus (tail of each document -> validation) and save it for the workers."""
-    from lightning_matrixfsdp.demos.data import split_documents
-
     train, val = split_documents(corpus_documents(kind, max_bytes), val_fraction)
     work_dir.mkdir(parents=True, exist_ok=True)
     torch.save({"train": train, "val": val}, work_dir / "corpus.pt")
@@ -122,9 +121,6 @@ def prepare_corpus(kind: str, max_bytes: int | None, val_fraction: float, work_d
 
 def build(spec: RunSpec, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """The seeded model, its Muon (with the AdamW tail) and the warmup-cosine schedule."""
-    from lightning_matrixfsdp.demos.gpt import GPT
-    from lightning_matrixfsdp.optim.muon import Muon
-
     torch.manual_seed(spec.seed)
     model = GPT(vocab_size=256, max_seq_len=spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers,
                 n_heads=spec.n_heads).to(device)
@@ -402,8 +398,9 @@ def verdict(rows: list[dict[str, Any]]) -> str:
 
 
 def to_markdown(rows: list[dict[str, Any]], timing: dict[str, Any] | None, meta: dict[str, Any]) -> str:
-    lines = [f"Model: {meta.get('params', '?'):,} parameters ({meta.get('arch', '')}); corpus: {meta.get('corpus', '?')}; "
-             f"device: {meta.get('device', '?')}, torch {meta.get('torch', '?')}", ""]
+    lines = [f"Model: {meta.get('params', '?'):,} parameters ({meta.get('arch', '')}); "
+             f"corpus: {meta.get('corpus', '?')}; device: {meta.get('device', '?')}, "
+             f"torch {meta.get('torch', '?')}", ""]
     t_rows = (timing or {}).get("models", {})
     labels = list(t_rows)
     head = "| orthogonalizer | lr | seeds | final val loss (mean +- std) | min - max | final train loss | "
@@ -417,8 +414,9 @@ def to_markdown(rows: list[dict[str, Any]], timing: dict[str, Any] | None, meta:
                      f"{r['val_std']:.4f}{flag} | {r['val_min']:.4f} - {r['val_max']:.4f} | {r['train_mean']:.4f} | "
                      + ms + (" | " if labels else "") + f"{r['wall_s']:.0f} |")
     if t_rows:
-        lines += ["", "Forward+backward ms (timing pass): " + "; ".join(
-            f"{k}: " + ", ".join(f"{n} {v['fwd_bwd_ms']:.1f}" for n, v in t["rows"].items()) for k, t in t_rows.items())]
+        per_model = [f"{k}: " + ", ".join(f"{n} {v['fwd_bwd_ms']:.1f}" for n, v in t["rows"].items())
+                     for k, t in t_rows.items()]
+        lines += ["", "Forward+backward ms (timing pass): " + "; ".join(per_model)]
     lines += ["", verdict(rows)]
     return "\n".join(lines)
 

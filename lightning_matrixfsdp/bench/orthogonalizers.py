@@ -106,8 +106,8 @@ def to_markdown(res: dict) -> str:
         ratio = f"{r['ms'] / floor:.2f}" if floor else "n/a"
         fl = f"{floor:.2f}" if floor else "n/a"
         lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['method']} | {r['ms']:.2f} | {fl} | {ratio} | "
-                     f"{r['ns_equivalent_tflops']:.0f} | {r['polar_error']:.3f} | {r.get('rms_vs_stock', float('nan')):.3f} | "
-                     f"{'yes' if r['bitwise_stock'] else 'no'} |")
+                     f"{r['ns_equivalent_tflops']:.0f} | {r['polar_error']:.3f} | "
+                     f"{r.get('rms_vs_stock', float('nan')):.3f} | {'yes' if r['bitwise_stock'] else 'no'} |")
     return "\n".join(lines)
 
 
