@@ -34,6 +34,8 @@ class Entry:
     local: Optional[torch.Tensor]   # the data this rank holds (owned or replicated), else None
     primary: str                    # first key of the same tensor (tied weights share one)
     role: Optional[str] = None      # "matrix" / "tail" for sharded parameters
+    stepper: Optional[int] = None   # replica_split: the replica that steps it and holds its optimizer state
+    steps: bool = True              # this rank holds its optimizer state (owner, and its stepping replica)
 
 
 @dataclass
@@ -71,6 +73,12 @@ class KeyIndex:
         """Whether this rank holds the data of ``key`` (owned or replicated)."""
         return self.entries[self.entries[key].primary].local is not None
 
+    def steps(self, key: str) -> bool:
+        """Whether this rank holds (writes, reads) the optimizer state of ``key``: it holds the data
+        and, under ``replica_split``, is in the replica that steps it."""
+        e = self.entries[self.entries[key].primary]
+        return e.local is not None and e.steps
+
     def aliases(self, primary: str) -> list[str]:
         """Every key of the tensor whose first key is ``primary`` (tied weights)."""
         if not self._aliases:
@@ -84,23 +92,28 @@ def _join(prefix: str, name: str) -> str:
 
 
 def build_index(module: nn.Module) -> KeyIndex:
-    """Map the module's ``state_dict`` keys to owners, shapes and this rank's tensors."""
+    """Map the module's ``state_dict`` keys to owners, shapes and this rank's tensors.
+
+    Collective under ``replica_split``: what the stepping replicas updated is sent to the
+    others first (and waited for), so every replica's tensors are current for a save and
+    no transfer in flight overwrites what a load writes."""
     names: dict[int, list[str]] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         names.setdefault(id(m), []).append(name)
     # key -> (resident parameter, its root's shard group). Found from each sharded
     # parameter's registrations, so a key reads right even while its unit is materialized.
-    reg: dict[str, tuple[torch.Tensor, Any]] = {}
+    reg: dict[str, tuple[torch.Tensor, Any, Any]] = {}
     roots: list[RootInfo] = []
     for prefix, root in module.named_modules():
         st = state_of(root)
         if st is None:
             continue
+        st.settle_replicas()
         roots.append(RootInfo(prefix, st.plan, st.sg.size, st.replicate_size, list(st.sg.global_ranks)))
         for sp in st.params:
             for m, pname in sp.registrations:
                 for mname in names.get(id(m), []):
-                    reg[_join(mname, pname)] = (sp.resident, st.sg)
+                    reg[_join(mname, pname)] = (sp.resident, st.sg, st)
     rank = world()[0]
     in_group0 = all(0 in r.global_ranks for r in roots) if roots else rank == 0
     entries: OrderedDict[str, Entry] = OrderedDict()
@@ -109,12 +122,14 @@ def build_index(module: nn.Module) -> KeyIndex:
     key_of: dict[int, str] = {}
     for key, v in module.state_dict(keep_vars=True).items():
         if key in reg:
-            resident, sg = reg[key]
+            resident, sg, st = reg[key]
             shard = shard_of(resident)
             primary = first.setdefault(id(resident), key)
             key_of[id(resident)] = primary
+            stepper = st.plan.stepper(shard.fqn)
             entries[key] = Entry(key, tuple(shard.shape), resident.dtype, shard.owner, sg.g(shard.owner),
-                                 resident.detach() if is_owned(resident) else None, primary, shard.role.value)
+                                 resident.detach() if is_owned(resident) else None, primary, shard.role.value,
+                                 stepper, stepper is None or stepper == st.replica_rank)
         elif isinstance(v, torch.Tensor):
             primary = first.setdefault(id(v), key)
             key_of[id(v)] = primary

@@ -234,7 +234,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         for g in optimizers[i].param_groups:
             for p in g["params"]:
                 key = index.key(p)
-                if key in dropped:
+                if key in dropped or not index.steps(key):  # replica_split: the stepping replica's alone
                     continue
                 for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
                     req2[flat] = placeholder(m)
@@ -334,7 +334,7 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
             if e.local is not None:
                 e.local.copy_(sd[c])
     for o, groups, state in restore:
-        held = {index.key(p) for g in o.param_groups for p in g["params"]}
+        held = {k for g in o.param_groups for p in g["params"] if index.steps(k := index.key(p))}
         mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
                 for k, s in state.items() if k in held}
         agree(_apply_optimizer, index, o, groups, mine)

@@ -63,7 +63,9 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
         "replicate": first.replicate if first else size,
         "planner": first.plan.planner if first else None,
         "plans": [{"prefix": r.prefix, "digest": r.plan.digest(), "plan": r.plan.to_dict()} for r in index.roots],
+        # "stepper" (replica_split): the replica whose rank wrote the parameter's optimizer state
         "params": {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "owner": e.owner, "role": e.role,
+                       **({"stepper": e.stepper} if e.stepper is not None else {}),
                        **({"alias_of": e.primary} if e.primary != k else {})}
                    for k, e in index.entries.items()},
         "optimizers": _optimizers(optimizers, classes),

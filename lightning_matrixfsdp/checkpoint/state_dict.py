@@ -92,7 +92,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
         for g in optimizer.param_groups:
             for p in g["params"]:
                 key = index.key(p)
-                if p in optimizer.state and index.mine(key):
+                if p in optimizer.state and index.steps(key):
                     state[key] = {n: (v.detach() if isinstance(v, torch.Tensor) else v)
                                   for n, v in optimizer.state[p].items()}
         return {"state": state,
@@ -104,15 +104,17 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
         for p in g["params"]:
             key = index.key(p)
             e = index.entries[key]
-            mine = e.local is not None if e.owner is not None else rank == 0
+            mine = index.steps(key) if e.owner is not None else rank == 0
             if mine and p in optimizer.state:
                 params_of[key] = p
                 desc[key] = {n: ("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("o", v)
                              for n, v in optimizer.state[p].items()}
+    # Each key from the first rank of global rank 0's shard group that holds it; under
+    # replica_split only the stepping replica holds it, which may be another group.
     sources: dict[str, tuple[int, dict[str, Any]]] = {}
-    for r, in0, d in all_gather_object((rank, index.in_group0, desc)):
+    for r, in0, d in sorted(all_gather_object((rank, index.in_group0, desc)), key=lambda t: (not t[1], t[0])):
         for key, s in d.items():
-            if in0 and key not in sources:
+            if key not in sources:
                 sources[key] = (r, s)
     device = comm_device()
     state: dict[str, dict[str, Any]] = {}
@@ -123,7 +125,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
                 value = item[1]
             else:
                 local = optimizer.state[params_of[key]][name] if src == rank else None
-                value = _to_rank0(local, item[1], item[2], src, index.in_group0, device)
+                value = _to_rank0(local, item[1], item[2], src, True, device)  # src: agreed by every rank
             if rank == 0:
                 state.setdefault(key, {})[name] = value
     if rank != 0:

@@ -468,12 +468,16 @@ class GradientReducer:
         (it decides the replica all-reduces)."""
         pending = self.collective.start_reduce(shards, grads)
         pending.what = what
+        if self.split is not None and self.sg.size == 1:
+            # No shard-group reduction to wait for (W = 1): the replica reduction is issued now,
+            # so it overlaps the backward of the units before this one.
+            return PendingOp(finish=self._to_steppers(shards, pending.wait(), keep))
 
         def finish() -> list[Optional[torch.Tensor]]:
             out: list[Optional[torch.Tensor]] = []
             sums = pending.wait()
             if self.split is not None:
-                return self._to_steppers(shards, sums, keep)
+                return self._to_steppers(shards, sums, keep)()
             for g, k in zip(sums, keep):
                 if g is None or not k:
                     out.append(None)
@@ -486,19 +490,22 @@ class GradientReducer:
         return PendingOp(finish=finish)
 
     def _to_steppers(self, shards: Sequence[MatrixShard], sums: Sequence[Optional[torch.Tensor]],
-                     keep: Sequence[bool]) -> list[Optional[torch.Tensor]]:
-        """``replica_split``: the shard group's sums on the owners go to each role's stepping
-        replica, which adds them in replica order and then divides (as DDP divides its sum),
-        the mean staying there alone; the other replicas get None."""
+                     keep: Sequence[bool]) -> Callable[[], list[Optional[torch.Tensor]]]:
+        """``replica_split``: start sending the shard group's sums on the owners to each role's
+        stepping replica; the returned finish waits, and there the stepper's sum over the replicas
+        (added in replica order), divided as DDP divides its sum, stays alone (None elsewhere)."""
         idx = [i for i, (g, k) in enumerate(zip(sums, keep)) if g is not None and k]
-        out: list[Optional[torch.Tensor]] = [None] * len(sums)
-        if not idx:
+        pending = (self.split.start_reduce([sums[i] for i in idx], [self.steppers[shards[i].fqn] for i in idx])
+                   if idx else None)
+
+        def finish() -> list[Optional[torch.Tensor]]:
+            out: list[Optional[torch.Tensor]] = [None] * len(sums)
+            for i, g in zip(idx, pending.wait() if pending is not None else []):
+                if g is not None:
+                    out[i] = g.div_(self.dp_size)
             return out
-        got = self.split.start_reduce([sums[i] for i in idx], [self.steppers[shards[i].fqn] for i in idx]).wait()
-        for i, g in zip(idx, got):
-            if g is not None:
-                out[i] = g.div_(self.dp_size)
-        return out
+
+        return finish
 
     def _replicate_sum(self, grad: torch.Tensor) -> None:
         """HSDP: sum an owner's (already divided) gradient across replicas."""
