@@ -231,6 +231,11 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get("sync") == "explicit":
             for o in s_opts:
                 start_replica_sync(sharded, o)
+            # state_dict() waits for the transfers started (and may be called on one rank alone)
+            sd = sharded.state_dict()
+            for n, p in oracle.named_parameters():
+                if sd[n].numel():
+                    assert torch.equal(sd[n], p.detach()), f"step {step}: state_dict()[{n!r}] is stale"
         if cfg.get("sync") != "lazy":  # the lazy case checks weights through the next forwards only
             sync_replicas(sharded)
             full = _gather_full(sharded)
@@ -289,3 +294,117 @@ def test_split_matches_ddp_bitwise_and_counts_bytes(R, W, dist_pools):
 ], ids=["accumulate-clip-lazy", "frozen-clip-torch", "zero-missing-2x2", "soap", "shampoo"])
 def test_split_matches_ddp_with_features(R, W, cfg, dist_pools):
     _run(dist_pools, R * W, shard_size=W, steps=2, **cfg)
+
+
+# ---------------------------------------------------------------------- checkpoints
+def _train_and_save(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train 2 steps with or without replica_split (W = 1), save a directory and a file."""
+    import json
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.checkpoint import save_sharded
+
+    torch.manual_seed(0)
+    model = TinyLM(d=16, heads=2, layers=2)
+    mf.matrix_shard(model, shard_size=1, replica_split=cfg["split"])
+    opts = _optimizers(model, "muon", True)
+    for step in range(2):
+        idx = batch_for(step, rank)
+        lm_loss(model(idx), idx).backward()
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+    # no explicit sync: the save itself must send the last step's update first
+    save_sharded(model, cfg["dir"], opts, extra={"step": 2})
+    save_sharded(model, cfg["file"], opts, full=True)
+    side = json.loads(open(f"{cfg['dir']}/matrix_fsdp_layout.json").read()) if rank == 0 else None
+    return {"side": side}
+
+
+def _load_and_check(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Load the directory into another layout; weights and each stepper's state equal the file's."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.checkpoint import load_sharded
+    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of, state_of
+
+    torch.manual_seed(1)  # other initial weights: the load must replace them
+    model = TinyLM(d=16, heads=2, layers=2)
+    mf.matrix_shard(model, shard_size=cfg["W"], replica_split=cfg["split"])
+    opts = _optimizers(model, "muon", True)
+    meta = load_sharded(model, cfg["dir"], opts)
+    assert meta["step"] == 2
+    ref = torch.load(cfg["file"], weights_only=False)
+    names = [n for g in ref["optimizer_states"][0]["param_groups"] for n in g["param_names"]]
+    ids = [i for g in ref["optimizer_states"][0]["param_groups"] for i in g["params"]]
+    ref_state = {n: ref["optimizer_states"][0]["state"][i] for n, i in zip(names, ids)
+                 if i in ref["optimizer_states"][0]["state"]}
+    plan = mf.get_plan(model)
+    me = state_of(model).replica_rank
+    by_id = {id(p): p for p in model.parameters()}
+    held = 0
+    for p in opts[0].state:
+        fqn = shard_of(by_id[id(p)]).fqn
+        assert plan.stepper(fqn) in (None, me), f"state loaded on a replica that does not step {fqn}"
+        for k, v in ref_state[fqn].items():
+            assert torch.equal(torch.as_tensor(opts[0].state[p][k]), torch.as_tensor(v)), (fqn, k)
+        held += 1
+    expected = sum(1 for p in model.parameters() if is_owned(p) and plan.stepper(shard_of(p).fqn) in (None, me))
+    assert held == expected, (held, expected)
+    for n, p in model.named_parameters():
+        if is_owned(p):
+            assert torch.equal(p.detach(), ref["state_dict"][n]), n
+    # and it trains on: one step, then every replica's weights are equal
+    idx = batch_for(5, rank)
+    lm_loss(model(idx), idx).backward()
+    opts[0].step()
+    mf.runtime.sync_replicas(model)
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters() if is_owned(p)}}
+
+
+def test_checkpoints_across_split_and_layouts(tmp_path, dist_pools):
+    on, off = {"dir": str(tmp_path / "on"), "file": str(tmp_path / "on.ckpt"), "split": True}, \
+              {"dir": str(tmp_path / "off"), "file": str(tmp_path / "off.ckpt"), "split": False}
+    side = dist_pools(2).run(_train_and_save, on)[0]["side"]
+    dist_pools(2).run(_train_and_save, off)
+    assert {p.get("stepper") for p in side["params"].values()} == {0, 1}
+    assert side["plans"][0]["plan"]["steppers"]
+    # the consolidated export does not depend on replica_split (both runs are DDP, bitwise)
+    a, b = torch.load(on["file"], weights_only=False), torch.load(off["file"], weights_only=False)
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    sa, sb = a["optimizer_states"][0], b["optimizer_states"][0]
+    assert [g["param_names"] for g in sa["param_groups"]] == [g["param_names"] for g in sb["param_groups"]]
+    assert sa["state"].keys() == sb["state"].keys()
+    assert all(torch.equal(torch.as_tensor(sa["state"][i][k]), torch.as_tensor(v))
+               for i in sa["state"] for k, v in sb["state"][i].items())
+    # split save -> unsplit (R, W) = (2, 1) and split (2, 2); unsplit save -> split (4, 1)
+    for world, W, split, src in ((2, 1, False, on), (4, 2, True, on), (4, 1, True, off)):
+        dist_pools(world).run(_load_and_check, {"dir": src["dir"], "file": src["file"], "W": W, "split": split})
+
+
+# ---------------------------------------------------------------------- bench: the scaling rows
+def test_scaling_split_rows_match_the_model(tmp_path):
+    """The HSDP rows of ``bench.scaling`` (R=2, W=1): counted bytes equal the analytic model, the
+    split mode holds half the optimizer state, and its losses are the unsplit mode's (W = 1: exact)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    repo = __import__("pathlib").Path(__file__).resolve().parent.parent
+    env = clean_env(PYTHONPATH=str(repo))
+    proc = subprocess.run([sys.executable, "-m", "lightning_matrixfsdp.bench.scaling", "--world", "--split", "2,1",
+                           "--layers", "2", "--out", str(tmp_path)], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    study = json.loads((tmp_path / "scaling.json").read_text())
+    rows = {r["mode"]: r for r in study["split_rows"]}
+    assert set(rows) == {"matrix_hsdp", "matrix_hsdp_split"}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["measured"] == {k: int(v) for k, v in r["analytic"].items()}, r
+    assert rows["matrix_hsdp_split"]["measured"]["forward"] > 0  # the weights go back in the next forward
+    total = [sum(rows[m]["optimizer_state"]) for m in ("matrix_hsdp", "matrix_hsdp_split")]
+    assert total[0] == 2 * total[1]
+    runs = json.loads((tmp_path / "r2w1" / "bench_scaling_w2_cpu.json").read_text())["modes"]
+    assert runs["matrix_hsdp_split"]["losses"] == runs["matrix_hsdp"]["losses"]

@@ -23,6 +23,8 @@ ALL_MODES: tuple[str, ...] = (
     "matrix_fsdp_padded_all_gather",
     "matrix_fsdp_p2p_packed",
     "matrix_fsdp_p2p_fast",
+    "matrix_hsdp",
+    "matrix_hsdp_split",
     "muon_fsdp2",
 )
 
@@ -31,6 +33,8 @@ MODE_ALIASES: dict[str, tuple[str, ...]] = {
     "all": ALL_MODES,
     "matrix_fsdp": ("matrix_fsdp_p2p", "matrix_fsdp_broadcast", "matrix_fsdp_padded_all_gather",
                     "matrix_fsdp_p2p_packed", "matrix_fsdp_p2p_fast"),
+    # HSDP over run.hsdp_shard_size ranks, without and with replica_split (docs/multi-node.md)
+    "hsdp": ("matrix_hsdp", "matrix_hsdp_split"),
     "baselines": ("fsdp2_adamw", "fsdp2_muon", "fsdp2_gather_once", "zero1_owner", "ddp_muon", "muon_fsdp2"),
 }
 
@@ -103,6 +107,7 @@ class RunConfig:
     count_bytes: bool = True  # one extra step per mode with the byte counter on
     zero1_assignment: str = "greedy"  # greedy (by size) | round_robin (i mod W)
     planner: str = "role_greedy"  # matrix_fsdp planner
+    hsdp_shard_size: int = 1  # shard span W of the matrix_hsdp modes (replicas: world // W)
     collective_timeout_s: float = 600.0  # per-mode process group timeout
     out_dir: str = "bench_out"
     plot: bool = True  # needs matplotlib (the `bench` extra)
@@ -115,6 +120,8 @@ class RunConfig:
             raise ValueError(f"zero1_assignment must be greedy or round_robin, got {self.zero1_assignment!r}")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError("need steps >= 1 and warmup >= 0")
+        if self.hsdp_shard_size < 1:
+            raise ValueError(f"hsdp_shard_size must be >= 1, got {self.hsdp_shard_size}")
 
 
 @dataclass

@@ -60,6 +60,9 @@ class TrainStep:
     comm_stats_fn: Callable[[bool], dict] | None = None  # runtime counters (matrix_fsdp)
     info: dict[str, Any] = field(default_factory=dict)
     owners: dict[str, int] | None = None  # fqn -> owner rank where a mode has owners
+    # fqns whose optimizer update this rank runs, where that is fewer than it holds whole
+    # (``replica_split``: one replica of each role steps it)
+    stepped: set[str] | None = None
 
     def zero_grad(self) -> None:
         if self.zero_grad_fn is not None:
@@ -232,18 +235,31 @@ def build_ddp_muon(ctx: ModeContext) -> TrainStep:
     return TrainStep("ddp_muon", model, raw, opts)
 
 
-def build_matrix_fsdp(ctx: ModeContext, collective: str, orthogonalizer: str = "newton_schulz") -> TrainStep:
+def build_matrix_fsdp(ctx: ModeContext, collective: str, orthogonalizer: str = "newton_schulz",
+                      hsdp: bool = False, replica_split: bool = False) -> TrainStep:
     """Our owner-sharded ZeRO-3 runtime with one collective implementation (and, for
-    the ``_fast`` mode, the opt-in hybrid orthogonalizer instead of torch's numerics)."""
+    the ``_fast`` mode, the opt-in hybrid orthogonalizer instead of torch's numerics).
+
+    ``hsdp``: shard over ``run.hsdp_shard_size`` ranks and replicate across the rest
+    (``matrix_hsdp``), with ``replica_split`` each role stepped by one replica
+    (``matrix_hsdp_split``). The updated weights then reach the other replicas through
+    the runtime's lazy start at the next forward (bench/runner.py synchronizes the device
+    at the end of the optimizer phase, so a transfer started there would not overlap)."""
     try:
         from lightning_matrixfsdp import Muon, get_comm_stats, get_plan, matrix_shard
     except Exception as exc:
         raise ModeUnavailable("unavailable", f"lightning_matrixfsdp runtime import failed: {type(exc).__name__}: {exc}") from exc
+    shard_size = ctx.cfg.run.hsdp_shard_size if hsdp else None
+    if shard_size is not None and ctx.group.size() % shard_size:
+        raise ModeUnavailable("unavailable", f"hsdp_shard_size={shard_size} does not divide the world "
+                                             f"size {ctx.group.size()}")
     raw = build_model(ctx)
     scope = ctx.cfg.optim.matrix_scope
     model = matrix_shard(
         raw,
-        mesh=ctx.mesh,
+        mesh=None if hsdp else ctx.mesh,
+        shard_size=shard_size,
+        replica_split=replica_split,
         planner=ctx.cfg.run.planner,
         collective=collective,
         matrix_filter=lambda fqn, p: is_matrix(fqn, p, scope),
@@ -260,19 +276,29 @@ def build_matrix_fsdp(ctx: ModeContext, collective: str, orthogonalizer: str = "
     )
     info: dict[str, Any] = {"collective": collective, "planner": ctx.cfg.run.planner,
                             "orthogonalizer": orthogonalizer}
+    stepped = None
     try:
         plan = get_plan(model)
         info["plan"] = plan.to_dict()
         info["plan_text"] = str(plan)
+        if plan.replica_split:  # hsdp_mesh: replica k holds global ranks k*W .. k*W+W-1
+            me = ctx.group.rank() // plan.world
+            stepped = {f for f, k in plan.steppers.items() if k == me}
     except Exception as exc:  # the report still runs without the plan
         info["plan_error"] = f"{type(exc).__name__}: {exc}"
+    if hsdp:
+        info.update(shard_size=shard_size, replica_split=replica_split)
+        name = "matrix_hsdp" + ("_split" if replica_split else "")
+    else:
+        name = f"matrix_fsdp_{collective}" + ("" if orthogonalizer == "newton_schulz" else "_fast")
     return TrainStep(
-        f"matrix_fsdp_{collective}" + ("" if orthogonalizer == "newton_schulz" else "_fast"),
+        name,
         model,
         model,
         [opt],
         comm_stats_fn=lambda reset=False: get_comm_stats(model, reset=reset),
         info=info,
+        stepped=stepped,
     )
 
 
@@ -290,4 +316,6 @@ BUILDERS: dict[str, Builder] = {
     "matrix_fsdp_padded_all_gather": functools.partial(build_matrix_fsdp, collective="padded_all_gather"),
     "matrix_fsdp_p2p_packed": functools.partial(build_matrix_fsdp, collective="p2p_packed"),
     "matrix_fsdp_p2p_fast": functools.partial(build_matrix_fsdp, collective="p2p", orthogonalizer="fast"),
+    "matrix_hsdp": functools.partial(build_matrix_fsdp, collective="p2p", hsdp=True),
+    "matrix_hsdp_split": functools.partial(build_matrix_fsdp, collective="p2p", hsdp=True, replica_split=True),
 }

@@ -80,8 +80,10 @@ def ownership(step: TrainStep, ctx: ModeContext) -> dict[str, Any]:
                 flops += newton_schulz_flops(p.shape, ns)
         else:
             size = local.numel() * local.element_size()
-            # A whole, non-empty local matrix is one this rank orthogonalizes alone.
-            if local.ndim == 2 and local.numel() > 0 and tuple(local.shape) == tuple(p.shape) and is_matrix(name, p, scope):
+            # A whole, non-empty local matrix is one this rank orthogonalizes alone (unless
+            # another replica steps it: replica_split).
+            if (local.ndim == 2 and local.numel() > 0 and tuple(local.shape) == tuple(p.shape)
+                    and is_matrix(name, p, scope) and (step.stepped is None or name in step.stepped)):
                 flops += newton_schulz_flops(p.shape, ns)
         units[unit_of(name)] = units.get(unit_of(name), 0) + size
     return {"unit_bytes": units, "ns_flops": flops}

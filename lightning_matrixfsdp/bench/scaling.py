@@ -23,6 +23,17 @@ derives it):
   unit but the root. Optimizer step: 0.
 
 Here P is the bytes of all parameters and M of the Muon matrices.
+
+HSDP rows (``--split R,W``, world ``R W``): ``matrix_hsdp`` and ``matrix_hsdp_split``
+(``replica_split``) with shard span W and R replicas, rank g = k W + s (replica k,
+shard rank s). With O_s the bytes shard rank s owns (of which T_s trainable) and
+S_{k,s} those of them replica k steps (read from the run's plan), inside the shard
+group as above, plus across replicas: unsplit, the ring all-reduce of the owned
+gradients in backward, `2 (R-1)/R T_s`; split, the reduction to the stepper in
+backward, `T_s - S_{k,s}`, and the broadcast of the updated weights, counted in the
+next forward (the runtime starts it there), `(R-1) S_{k,s}`. Summed over the replicas
+the split mode sends `2 (R-1) T_s`, the ring all-reduce's total. The optimizer state
+held over all ranks drops by R.
 """
 
 from __future__ import annotations
@@ -37,10 +48,15 @@ from typing import Any
 
 import torch
 
+from lightning_matrixfsdp.runtime.placement import dtype_bytes, numel_of
+
 from .config import BenchConfig, ModelConfig, RunConfig, expand_modes
 from .model import Decoder, is_matrix, unit_of
 
 DEFAULT_MODES = ("matrix_fsdp_p2p", "matrix_fsdp_broadcast", "fsdp2_muon", "fsdp2_gather_once")
+#: (R, W) of the replica_split rows (issue 13): replicas x shard span
+DEFAULT_SPLIT = ((2, 2), (4, 1), (2, 4), (4, 2))
+HSDP_MODES = ("matrix_hsdp", "matrix_hsdp_split")
 PHASES = ("forward", "backward", "optimizer_step")
 
 
@@ -87,6 +103,57 @@ def analytic(mode: str, world: int, sizes: dict[str, Any], entry: dict[str, Any]
         bwd = [fan * o2 + (p - o) for o, o2 in zip(owned, owned_no_root)]
         return {"forward": max(fwd), "backward": max(bwd), "optimizer_step": 0.0}
     return {ph: None for ph in PHASES}
+
+
+def analytic_hsdp(mode: str, replicas: int, span: int, sizes: dict[str, Any], entry: dict[str, Any]
+                  ) -> dict[str, float | None]:
+    """Predicted max-over-ranks bytes sent per phase of the HSDP modes (module docstring)."""
+    R, W, p = replicas, span, sizes["P"]
+    plan = entry["info"]["plan"]
+    steppers = plan.get("steppers") or {}
+    owned, owned_no_root, train = [0] * W, [0] * W, [0] * W
+    stepped = [[0] * W for _ in range(R)]
+    for unit in plan["units"]:
+        for sh in unit["shards"]:
+            b, o = numel_of(sh["shape"]) * dtype_bytes(sh["dtype"]), sh["owner"]
+            owned[o] += b
+            owned_no_root[o] += b if unit["fqn"] else 0
+            if sh["requires_grad"]:
+                train[o] += b
+                if steppers:
+                    stepped[steppers[sh["fqn"]]][o] += b
+    fwd, bwd = [], []
+    for g in range(R * W):
+        k, s = divmod(g, W)
+        f = (W - 1) * owned[s]
+        b = (W - 1) * owned_no_root[s] + (p - owned[s])
+        if mode == "matrix_hsdp_split":
+            f += (R - 1) * stepped[k][s]
+            b += train[s] - stepped[k][s]
+        else:
+            b += 2 * (R - 1) / R * train[s]
+        fwd.append(f)
+        bwd.append(b)
+    return {"forward": max(fwd), "backward": max(bwd), "optimizer_step": 0.0}
+
+
+def split_rows_for(replicas: int, span: int, results: dict[str, Any], sizes: dict[str, Any]) -> list[dict[str, Any]]:
+    """The HSDP rows of one (R, W) run: bytes against the model, optimizer state per rank."""
+    rows = []
+    for mode, entry in results["modes"].items():
+        row: dict[str, Any] = {"R": replicas, "W": span, "mode": mode, "status": entry["status"]}
+        if entry["status"] != "ok":
+            row["error"] = entry.get("error")
+            rows.append(row)
+            continue
+        measured = {ph: entry["bytes"][ph]["max_sent"] for ph in PHASES}
+        model = analytic_hsdp(mode, replicas, span, sizes, entry)
+        state = entry["state_bytes"]["optimizer"]
+        row.update(measured=measured, analytic=model,
+                   ratio={ph: (measured[ph] / model[ph] if model[ph] else None) for ph in PHASES},
+                   optimizer_state=state, optimizer_state_mean=sum(state) / len(state))
+        rows.append(row)
+    return rows
 
 
 def rows_for(world: int, results: dict[str, Any], sizes: dict[str, Any]) -> list[dict[str, Any]]:
@@ -146,10 +213,51 @@ def markdown(study: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def split_markdown(study: dict[str, Any]) -> str:
+    rows = study.get("split_rows") or []
+    if not rows:
+        return ""
+    lines = [
+        "",
+        "## HSDP with and without `replica_split`",
+        "",
+        "R replicas x shard span W (world R W). KiB sent per rank, max over ranks, one counted step; the "
+        "replica broadcast of the updated weights is counted in the forward that starts it. Optimizer state: "
+        "KiB per rank, mean over ranks, and the unsplit mode's over the split mode's.",
+        "",
+        "| R | W | mode | fwd | fwd model | bwd | bwd model | opt step | opt state/rank | state drop |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    unsplit = {(r["R"], r["W"]): r.get("optimizer_state_mean") for r in rows if r["mode"] == "matrix_hsdp"}
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['R']} | {r['W']} | {r['mode']} | {r['status']}: {r.get('error')} |" + " |" * 6)
+            continue
+        me, an = r["measured"], r["analytic"]
+        base = unsplit.get((r["R"], r["W"]))
+        drop = _ratio(base / r["optimizer_state_mean"]) if base and r["mode"] != "matrix_hsdp" else ""
+        lines.append(
+            f"| {r['R']} | {r['W']} | {r['mode']} | {_kib(me['forward'])} | {_kib(an['forward'])} | "
+            f"{_kib(me['backward'])} | {_kib(an['backward'])} | {_kib(me['optimizer_step'])} | "
+            f"{_kib(r['optimizer_state_mean'])} | {drop} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        r, w = (int(x) for x in text.lower().replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--split takes R,W pairs such as 2,2; got {text!r}") from None
+    return r, w
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lightning_matrixfsdp.bench.scaling", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, nargs="+", default=[2, 3, 4, 6, 8])
+    ap.add_argument("--world", type=int, nargs="*", default=[2, 3, 4, 6, 8])
+    ap.add_argument("--split", type=_pair, nargs="*", default=[],
+                    help="R,W pairs: HSDP rows with and without replica_split (e.g. "
+                         + " ".join(f"{r},{w}" for r, w in DEFAULT_SPLIT) + ")")
     ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES))
     ap.add_argument("--layers", type=int, default=None, help="override the number of blocks")
     ap.add_argument("--out", default="bench_out/scaling")
@@ -176,9 +284,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = json.loads(path.read_text())
         study["rows"] += rows_for(w, results, sizes)
         print(f"[scaling] W={w} done", flush=True)
+    for r, w in args.split:
+        cfg = copy.deepcopy(base)
+        cfg.run.modes = list(HSDP_MODES)
+        cfg.run.hsdp_shard_size = w
+        cfg.run.out_dir = str(out / f"r{r}w{w}")
+        spawn(r * w, run_benchmark, (cfg,))
+        path = output_paths({"meta": {"world_size": r * w, "device": "cpu"}}, cfg)["json"]
+        study.setdefault("split_rows", []).extend(split_rows_for(r, w, json.loads(path.read_text()), sizes))
+        print(f"[scaling] R={r} W={w} done", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scaling.json").write_text(json.dumps(study, indent=1))
-    text = markdown(study)
+    text = (markdown(study) if study["rows"] else "# Bytes per rank per phase (CPU, gloo)\n") + split_markdown(study)
     (out / "scaling.md").write_text(text)
     print(text)
     print(f"[scaling] wrote {out / 'scaling.json'} and {out / 'scaling.md'}")
