@@ -70,3 +70,44 @@ def test_trainer_split_matches_ddp_on_every_replica(tmp_path):
         assert set(r["held"]) <= set(r["stepped"]) and r["held"], (r["held"], r["stepped"])
         assert r["stats"]["replica_broadcast"]["calls"] > 0 and r["stats"]["replicate"]["calls"] == 0
     assert not set(res[0]["held"]) & set(res[1]["held"])
+
+
+def _fabric_loop(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+
+    import lightning_matrixfsdp as mf
+    from models import TinyLM, batch_for
+    from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=mf.MatrixFSDPFabricStrategy(
+        shard_size=1, replica_split=True, log_plan=False))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = TinyLM(d=16, heads=2, layers=2)
+    oracle = copy.deepcopy(model)
+    model = fabric.setup_module(model)
+    a = ADAMW_DEFAULTS
+    opt = fabric.setup_optimizers(mf.Muon(model.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"],
+                                          **MUON_DEFAULTS))
+    o_opts = oracle_optimizers(oracle)
+    stale = []
+    for step in range(3):
+        idx = batch_for(step, rank)
+        fabric.backward(lm_loss(model(idx), idx))
+        opt.step()  # the strategy starts the transfer right after the step
+        opt.zero_grad()
+        lm_loss(oracle(idx), idx).backward()
+        allreduce_mean_grads(oracle)
+        for o in o_opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        # state_dict() only waits for transfers already started: current weights prove the start
+        sd = model.state_dict()
+        stale += [f"{step}:{n}" for n, p in oracle.named_parameters() if not torch.equal(sd[n], p.detach())]
+    fabric.save(cfg["path"], {"model": model, "optimizer": opt})
+    return {"stale": stale}
+
+
+def test_fabric_split_starts_the_transfer_after_each_step(tmp_path):
+    for r in run_distributed(_fabric_loop, 2, {"path": str(tmp_path / "ck")}, timeout=300):
+        assert not r["stale"], r["stale"]
