@@ -324,15 +324,30 @@ def _load_and_check(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
     """Load the directory into another layout; weights and each stepper's state equal the file's."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.checkpoint import load_sharded
-    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of, state_of
+    from lightning_matrixfsdp.runtime.tags import is_owned
 
     torch.manual_seed(1)  # other initial weights: the load must replace them
     model = TinyLM(d=16, heads=2, layers=2)
     mf.matrix_shard(model, shard_size=cfg["W"], replica_split=cfg["split"])
     opts = _optimizers(model, "muon", True)
-    meta = load_sharded(model, cfg["dir"], opts)
-    assert meta["step"] == 2
     ref = torch.load(cfg["file"], weights_only=False)
+    for source in (cfg["file"], cfg["dir"]):  # the consolidated file, then the directory
+        meta = load_sharded(model, source, opts)
+        assert meta["step"] == 2 if source == cfg["dir"] else meta is not None
+        _check_loaded(model, opts, ref)
+    # and it trains on: one step, then every replica's weights are equal
+    idx = batch_for(5, rank)
+    lm_loss(model(idx), idx).backward()
+    opts[0].step()
+    mf.runtime.sync_replicas(model)
+    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters() if is_owned(p)}}
+
+
+def _check_loaded(model, opts, ref) -> None:
+    """Weights equal the consolidated file's; optimizer state equal to it on stepping ranks, absent elsewhere."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of, state_of
+
     names = [n for g in ref["optimizer_states"][0]["param_groups"] for n in g["param_names"]]
     ids = [i for g in ref["optimizer_states"][0]["param_groups"] for i in g["params"]]
     ref_state = {n: ref["optimizer_states"][0]["state"][i] for n, i in zip(names, ids)
@@ -352,12 +367,6 @@ def _load_and_check(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
     for n, p in model.named_parameters():
         if is_owned(p):
             assert torch.equal(p.detach(), ref["state_dict"][n]), n
-    # and it trains on: one step, then every replica's weights are equal
-    idx = batch_for(5, rank)
-    lm_loss(model(idx), idx).backward()
-    opts[0].step()
-    mf.runtime.sync_replicas(model)
-    return {"weights": {n: p.detach().clone() for n, p in model.named_parameters() if is_owned(p)}}
 
 
 def test_checkpoints_across_split_and_layouts(tmp_path, dist_pools):
@@ -408,3 +417,14 @@ def test_scaling_split_rows_match_the_model(tmp_path):
     assert total[0] == 2 * total[1]
     runs = json.loads((tmp_path / "r2w1" / "bench_scaling_w2_cpu.json").read_text())["modes"]
     assert runs["matrix_hsdp_split"]["losses"] == runs["matrix_hsdp"]["losses"]
+
+
+def test_strategy_option_is_checked():
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.options import MatrixShardError
+
+    with pytest.raises(MatrixShardError, match="replica_split=1"):
+        mf.MatrixFSDPStrategy(replica_split=1)
+    with pytest.raises(MatrixShardError, match="replica_split='on'"):
+        mf.MatrixFSDPFabricStrategy(replica_split="on")
+    assert mf.MatrixFSDPStrategy(replica_split=True, shard_size=1).replica_split is True

@@ -33,8 +33,8 @@ from lightning_matrixfsdp.runtime.waits import wait_works
 #: communicates nothing, and the phase is kept at zero so that users see it (the README's
 #: loop prints it, the strategy logs ``matrix_fsdp/optimizer_step_MB``).
 PHASES = ("materialize", "reduce", "replicate", "optimizer_step", "clip")
-#: ``replica_split``'s phases (``replica_comm.py``), shown once something was counted in them.
-REPLICA_PHASES = ("replica_reduce", "replica_broadcast")
+#: ``replica_split`` counts ``replica_reduce`` and ``replica_broadcast`` (``replica_comm.py``);
+#: they appear in a snapshot once something was counted in them.
 
 
 class CommStats:
@@ -429,7 +429,9 @@ class GradientReducer:
     """Gradients of a unit, from every rank's local copy to the data-parallel mean on its owner.
 
     The shard group's owner collective sums them onto the owners; the owner then divides
-    by the data-parallel size and, under HSDP, sums across the replicas of its shard.
+    by the data-parallel size and, under HSDP, sums across the replicas of its shard. Under
+    ``replica_split`` the owners' sums go to each role's stepping replica instead, which
+    adds them and divides; the other replicas end without the gradient.
     """
 
     def __init__(self, collective: OwnerCollective, replicate_group: Optional[dist.ProcessGroup],
