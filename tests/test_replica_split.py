@@ -176,9 +176,12 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if any(n.startswith(f) for f in cfg.get("frozen", ())):
             p.requires_grad_(False)
     sharded = copy.deepcopy(oracle)
-    mf.matrix_shard(sharded, shard_size=W, replica_split=True, zero_missing_grads=cfg.get("zero_missing", False))
+    mf.matrix_shard(sharded, shard_size=W, replica_split=True, zero_missing_grads=cfg.get("zero_missing", False),
+                    collective="p2p_direct" if cfg.get("direct") else "p2p")
     plan = get_plan(sharded)
     st = state_of(sharded)
+    if cfg.get("direct") and st.replicas is not None:  # NCCL's layout on gloo: every tensor as it is
+        st.replicas.exchange.pack = False
     R = world // W
     me = st.replicas.exchange.rg.rank if R > 1 else 0
     assert plan.replica_split == (R > 1)
@@ -291,7 +294,10 @@ def test_split_matches_ddp_bitwise_and_counts_bytes(R, W, dist_pools):
     (2, 2, dict(zero_missing=True, branch=True, accumulate=2)),
     (2, 1, dict(optimizer="soap")),
     (2, 1, dict(optimizer="shampoo", sync="lazy")),
-], ids=["accumulate-clip-lazy", "frozen-clip-torch", "zero-missing-2x2", "soap", "shampoo"])
+    (3, 1, dict(direct=True, sync="explicit")),
+    (2, 2, dict(direct=True, accumulate=2, sync="lazy")),
+], ids=["accumulate-clip-lazy", "frozen-clip-torch", "zero-missing-2x2", "soap", "shampoo", "direct-3x1",
+        "direct-2x2"])
 def test_split_matches_ddp_with_features(R, W, cfg, dist_pools):
     _run(dist_pools, R * W, shard_size=W, steps=2, **cfg)
 

@@ -50,9 +50,14 @@ class ReplicaState(Enum):
 class ReplicaSync:
     """The replica transfers of one sharded root, per unit (see the module docstring)."""
 
-    def __init__(self, units: list[list[ShardedParam]], steppers: dict[str, int], exchange: ReplicaExchange) -> None:
+    def __init__(self, units: list[list[ShardedParam]], steppers: dict[str, int], exchange: ReplicaExchange,
+                 first: Optional[int] = None) -> None:
         # only what this rank owns moves between replicas (the same roles in every replica)
         self.params = [[p for p in ps if p.owned] for ps in units]
+        # Transfers are issued in the order the next forward needs them: the backend runs one
+        # replicate group's transfers one after another, and the root unit (``first``), which
+        # wraps the others, materializes before any of them.
+        self.order = ([first] if first is not None else []) + [u for u in range(len(units)) if u != first]
         self.steppers = [[steppers[p.shard.fqn] for p in ps] for ps in self.params]
         self.exchange = exchange
         self.states = [[ReplicaState.SYNCED] * len(ps) for ps in self.params]
@@ -69,7 +74,8 @@ class ReplicaSync:
     def start(self, only: Optional[set[int]] = None, clear: bool = True) -> None:
         """Send every ``REDUCED`` parameter (those whose resident tensor's ``id`` is in ``only``,
         if given) from its stepper; ``clear``: they become ``SENDING``, else stay ``REDUCED``."""
-        for u, ps in enumerate(self.params):
+        for u in self.order:
+            ps = self.params[u]
             todo = [i for i, (p, st) in enumerate(zip(ps, self.states[u]))
                     if st is ReplicaState.REDUCED and (only is None or id(p.resident) in only)]
             if not todo:

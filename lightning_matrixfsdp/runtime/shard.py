@@ -220,7 +220,8 @@ def matrix_shard(
                             reshard_after_forward and not is_root, zero_missing_grads=bool(zero_missing_grads),
                             index=index, check=check))
     if exchange is not None:
-        state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange)
+        root_index = next((i for i, u in enumerate(state.units) if u.module is module), None)
+        state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange, first=root_index)
         for unit in state.units:
             unit.replicas = state.replicas
         module.register_forward_pre_hook(state.before_root_forward, prepend=True)
