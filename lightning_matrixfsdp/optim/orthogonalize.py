@@ -428,46 +428,46 @@ def polar_express_batched(
 
 
 def _gram_iterate(x: Tensor, schedule: Sequence[Coefficients], restarts: set[int], blocks: int) -> Tensor:
-    """``X <- a X + B X`` with ``B = b R + c R^2`` once per schedule entry, carried out on
-    ``R = X X^T`` and the accumulated ``Q`` (``X_t = Q X_0``).
+    """``X <- z X`` with ``z = a I + b R + c R^2`` once per schedule entry, carried out on
+    ``R = X X^T`` and the accumulated ``Q`` (``X_t = Q X_0``: ``Q <- z Q``, ``R <- z R z``).
 
-    ``x`` is wide and normalized, 2D or a 3D stack (batched GEMMs). ``a`` enters every
-    product as the GEMM's exact ``beta`` (``Q <- a Q + B Q``, ``R <- z (z R)`` as two such
-    steps), as in the standard iteration: adding ``a I`` to a bf16 matrix would round
-    every diagonal entry the same way, a bias that compounds over the iterations
-    (docs/decisions.md, issue 15). Only a (re)start forms ``Q = a I + B`` once. R, B
-    and Q are polynomials in the first R, so all their products are symmetric: with
-    ``blocks > 1`` (2D) every ``m x m`` product goes through :func:`symmetric_addmm`.
+    ``x`` is wide and normalized, 2D or a 3D stack (batched GEMMs). R, Z and Q are
+    polynomials in the first R, so every product of two of them is symmetric: with
+    ``blocks > 1`` (2D) all ``m x m`` products go through :func:`symmetric_addmm`.
+    ``z`` is formed explicitly; taking ``a`` as the GEMMs' ``beta`` instead (no rounded
+    ``a I``) removed a small bias on well-conditioned matrices but made ``R`` diverge
+    under Polar Express's coefficients on real gradients (docs/decisions.md, issue 15).
     """
-    def mul(left: Tensor, right: Tensor, input: Tensor | None = None, beta: float = 1.0,
-            alpha: float = 1.0) -> Tensor:
-        """A product known to be symmetric (``beta * input + alpha * left @ right``)."""
-        if x.ndim == 2:
-            return symmetric_addmm(left, right, blocks, input=input, beta=beta, alpha=alpha)
-        if input is None:
-            return torch.bmm(left, right)
-        return torch.baddbmm(input, left, right, beta=beta, alpha=alpha)
-
-    matmul = torch.mm if x.ndim == 2 else torch.bmm  # Q X: not symmetric
-    symmetrize = x.ndim == 3 or blocks <= 1  # symmetric_addmm's mirrored blocks are exact already
-    r = mul(x, x.mT)
-    q: Tensor | None = None  # None: the identity (a (re)start)
+    if x.ndim == 3:
+        r = torch.bmm(x, x.mT)
+        q: Tensor | None = None
+        for t, (a, b, c) in enumerate(schedule):
+            z = torch.baddbmm(r, r, r, beta=b, alpha=c)
+            z.diagonal(dim1=-2, dim2=-1).add_(a)
+            q = z if q is None else torch.bmm(z, q)
+            r = torch.bmm(torch.bmm(z, r), z)
+            r = 0.5 * (r + r.mT)
+            if t + 1 in restarts and t + 1 < len(schedule):
+                x = torch.bmm(q, x)
+                r = torch.bmm(x, x.mT)
+                q = None
+        return x if q is None else torch.bmm(q, x)
+    r = symmetric_addmm(x, x.T, blocks)
+    q = None  # None stands for the identity (skips Q = Z I)
     for t, (a, b, c) in enumerate(schedule):
-        bmat = mul(r, r, input=r, beta=b, alpha=c)
-        if q is None:
-            q = bmat.clone()
-            q.diagonal(dim1=-2, dim2=-1).add_(a)
+        z = symmetric_addmm(r, r, blocks, input=r, beta=b, alpha=c)
+        z.diagonal().add_(a)
+        q = z if q is None else symmetric_addmm(z, q, blocks)
+        if blocks > 1:
+            r = symmetric_addmm(symmetric_addmm(z, r, blocks), z, blocks)  # mirrored: stays symmetric
         else:
-            q = mul(bmat, q, input=q, beta=a)
-        r = mul(bmat, r, input=r, beta=a)  # z R
-        r = mul(bmat, r, input=r, beta=a)  # z z R
-        if symmetrize:
-            r = 0.5 * (r + r.mT)  # keep R symmetric despite rounding
+            r = z @ r @ z
+            r = 0.5 * (r + r.T)  # keep R symmetric despite rounding
         if t + 1 in restarts and t + 1 < len(schedule):
-            x = matmul(q, x)
-            r = mul(x, x.mT)
+            x = q @ x
+            r = symmetric_addmm(x, x.T, blocks)
             q = None
-    return x if q is None else matmul(q, x)
+    return x if q is None else q @ x
 
 
 def _gram_orthogonalize(
