@@ -470,26 +470,12 @@ class GradientReducer:
         (it decides the replica all-reduces)."""
         pending = self.collective.start_reduce(shards, grads)
         pending.what = what
-        if self.split is not None and self.sg.size == 1:
+        across = self._to_steppers if self.split is not None else self._replicate_sums
+        if self.sg.size == 1:
             # No shard-group reduction to wait for (W = 1): the replica reduction is issued now,
-            # so it overlaps the backward of the units before this one.
-            return PendingOp(finish=self._to_steppers(shards, pending.wait(), keep))
-
-        def finish() -> list[Optional[torch.Tensor]]:
-            out: list[Optional[torch.Tensor]] = []
-            sums = pending.wait()
-            if self.split is not None:
-                return self._to_steppers(shards, sums, keep)()
-            for g, k in zip(sums, keep):
-                if g is None or not k:
-                    out.append(None)
-                    continue
-                g.div_(self.dp_size)
-                self._replicate_sum(g)
-                out.append(g)
-            return out
-
-        return PendingOp(finish=finish)
+            # so it overlaps the backward of the units before this one, as DDP's buckets do.
+            return PendingOp(finish=across(shards, pending.wait(), keep))
+        return PendingOp(finish=lambda: across(shards, pending.wait(), keep)())
 
     def _to_steppers(self, shards: Sequence[MatrixShard], sums: Sequence[Optional[torch.Tensor]],
                      keep: Sequence[bool]) -> Callable[[], list[Optional[torch.Tensor]]]:
@@ -509,14 +495,32 @@ class GradientReducer:
 
         return finish
 
-    def _replicate_sum(self, grad: torch.Tensor) -> None:
-        """HSDP: sum an owner's (already divided) gradient across replicas."""
-        if self.replicate_group is None or self.replicate_size == 1:
-            return
-        work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True)
-        _wait(work, grad.device, "the replica sum of a gradient")
-        b = nbytes(grad)
-        self.stats.add("replicate", b, b)
+    def _replicate_sums(self, shards: Sequence[MatrixShard], sums: Sequence[Optional[torch.Tensor]],
+                        keep: Sequence[bool]) -> Callable[[], list[Optional[torch.Tensor]]]:
+        """HSDP: divide each owner's sum and start its all-reduce across the replicas; the
+        returned finish waits for all of them. One all-reduce per gradient, all in flight at
+        once: the same per-tensor collective (so the same float32 result) as one at a time,
+        without a round trip per tensor."""
+        out: list[Optional[torch.Tensor]] = []
+        works: list[tuple[Any, torch.Tensor]] = []
+        for g, k in zip(sums, keep):
+            if g is None or not k:
+                out.append(None)
+                continue
+            g.div_(self.dp_size)
+            if self.replicate_group is not None and self.replicate_size > 1:
+                works.append((dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.replicate_group,
+                                              async_op=True), g))
+            out.append(g)
+
+        def finish() -> list[Optional[torch.Tensor]]:
+            for work, g in works:
+                _wait(work, g.device, "the replica sum of a gradient")
+                b = nbytes(g)
+                self.stats.add("replicate", b, b)
+            return out
+
+        return finish
 
 
 def all_reduce_norm(local: torch.Tensor, maximum: bool, group: Optional[dist.ProcessGroup] = None,
