@@ -253,17 +253,21 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     stepped = {shard_of(p).fqn for p in sharded.parameters()
                if is_owned(p) and p.requires_grad and plan.stepper(shard_of(p).fqn) in (None, me)}
     assert held <= stepped, f"optimizer state held for roles stepped elsewhere: {held - stepped}"
-    # analytic replica bytes: per used role of b bytes stepped by s, the stepper receives and
-    # sends (R-1) b, every other replica sends and receives b
+    # analytic replica bytes, per used role of b bytes: the running sum goes 0 -> 1 -> ... -> m, where
+    # m is the stepper s if at most one replica follows it (that one sends its own part to s), else
+    # the last replica (which sends the total to s); the stepper broadcasts b, the others receive it
     expect = {"replica_reduce": [0, 0], "replica_broadcast": [0, 0]}
     for p in sharded.parameters():
-        s = shard_of(p)
+        sh = shard_of(p)
         if not (is_owned(p) and p.requires_grad) or R == 1:
             continue
-        b = s.nbytes
-        mine = plan.stepper(s.fqn) == me
-        expect["replica_reduce"][1 if mine else 0] += (R - 1) * b if mine else b
-        expect["replica_broadcast"][0 if mine else 1] += (R - 1) * b if mine else b
+        b, s = sh.nbytes, plan.stepper(sh.fqn)
+        m = s if s >= R - 2 else R - 1
+        sends = me < m or me > m or (me == m and m != s)
+        receives = (1 <= me <= m) + (me == s and m != s) + (me == s and m < R - 1)
+        expect["replica_reduce"][0] += b if sends else 0
+        expect["replica_reduce"][1] += receives * b
+        expect["replica_broadcast"][0 if s == me else 1] += b
     state_bytes = sum(v.numel() * v.element_size() for o in s_opts for s_ in o.state.values()
                       for v in s_.values() if isinstance(v, torch.Tensor))
     return {"stats": get_comm_stats(sharded), "expect": expect, "steps": cfg.get("steps", 3),
@@ -300,6 +304,73 @@ def test_split_matches_ddp_bitwise_and_counts_bytes(R, W, dist_pools):
         "direct-2x2"])
 def test_split_matches_ddp_with_features(R, W, cfg, dist_pools):
     _run(dist_pools, R * W, shard_size=W, steps=2, **cfg)
+
+
+# ---------------------------------------------------------------------- the exchange alone, any stepper
+def exchange_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``ReplicaExchange`` over the whole world as the replicate group: roles of float32 and bfloat16
+    stepped by every replica in turn, against an independent fold in replica order."""
+    from lightning_matrixfsdp.runtime.collectives import CommStats
+    from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
+
+    stats = CommStats()
+    ex = ReplicaExchange(dist.group.WORLD, stats, chunk_bytes=cfg["chunk"])
+    ex.pack = cfg.get("pack", True)
+    shapes = [(7, 5), (3,), (11, 4), (6, 6), (9,)]
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    steppers = [cfg["stepper"] if cfg.get("stepper") is not None else i % world for i in range(len(shapes))]
+    gen = torch.Generator().manual_seed(100 + rank)
+    # magnitudes spread over many binades, so that the order of the additions changes the result
+    grads = [(torch.randn(s, generator=gen) * 10.0 ** torch.randint(-6, 6, s, generator=gen)).to(dt)
+             for s, dt in zip(shapes, dtypes)]
+    mine = [g.clone() for g in grads]
+    out = ex.start_reduce(grads, steppers).wait()
+    order_matters = False
+    for i, (g, s) in enumerate(zip(mine, steppers)):
+        parts = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(parts, g)
+        total = parts[0].clone()
+        for x in parts[1:]:  # ((g_0 + g_1) + g_2) + ...
+            total = total + x
+        reverse = parts[-1].clone()
+        for x in parts[-2::-1]:
+            reverse = reverse + x
+        order_matters |= not torch.equal(total, reverse)
+        if s == rank:
+            assert out[i] is not None and out[i].dtype == g.dtype and torch.equal(out[i], total), i
+        else:
+            assert out[i] is None, i
+    reduce_stats = stats.snapshot()["replica_reduce"]
+    # the weights back: each replica's tensors overwritten with its stepper's, in place
+    weights = [torch.full(s, float(rank), dtype=dt) for s, dt in zip(shapes, dtypes)]
+    ex.start_broadcast(weights, steppers).wait()
+    for w, s in zip(weights, steppers):
+        assert torch.equal(w, torch.full_like(w, float(s)))
+    role_bytes = [g.numel() * g.element_size() for g in mine]
+    return {"reduce": reduce_stats, "broadcast": stats.snapshot()["replica_broadcast"], "bytes": role_bytes,
+            "steppers": steppers, "order_matters": order_matters}
+
+
+@pytest.mark.parametrize("R,stepper,chunk,pack", [
+    (2, None, 8, True), (3, None, 12, True), (4, None, 8, True), (4, 1, 12, False), (4, 0, 1 << 20, True),
+], ids=["R2", "R3", "R4-chunks", "R4-stepper1-direct", "R4-stepper0-one-chunk"])
+def test_exchange_sums_in_replica_order_with_bytes_independent_of_R(R, stepper, chunk, pack, dist_pools):
+    """Bitwise the replica-order fold wherever the stepper sits in the order (chunked or not), and
+    per role no rank sends more than one copy or receives more than two, broadcast included:
+    a fan-in to the stepper would receive R - 1 copies (and send R - 1 in the broadcast)."""
+    res = dist_pools(R).run(exchange_worker, {"chunk": chunk, "stepper": stepper, "pack": pack}, timeout=120)
+    # the oracle can tell a wrong order apart (two terms commute: from R = 3 on)
+    assert R == 2 or any(r["order_matters"] for r in res)
+    role_bytes, steppers = res[0]["bytes"], res[0]["steppers"]
+    for rank, r in enumerate(res):
+        stepped = sum(b for b, s in zip(role_bytes, steppers) if s == rank)
+        assert r["reduce"]["sent"] <= sum(role_bytes), (rank, r["reduce"])
+        assert r["reduce"]["recv"] <= sum(role_bytes) + stepped, (rank, r["reduce"])
+        assert r["broadcast"]["sent"] == stepped and r["broadcast"]["recv"] == sum(role_bytes) - stepped
+    # summed over the replicas: R - 1 additions each one message, plus at most one hop per role
+    total = sum(r["reduce"]["sent"] for r in res)
+    assert total == sum(r["reduce"]["recv"] for r in res)
+    assert (R - 1) * sum(role_bytes) <= total <= R * sum(role_bytes)
 
 
 # ---------------------------------------------------------------------- checkpoints

@@ -29,11 +29,13 @@ HSDP rows (``--split R,W``, world ``R W``): ``matrix_hsdp`` and ``matrix_hsdp_sp
 shard rank s). With O_s the bytes shard rank s owns (of which T_s trainable) and
 S_{k,s} those of them replica k steps (read from the run's plan), inside the shard
 group as above, plus across replicas: unsplit, the ring all-reduce of the owned
-gradients in backward, `2 (R-1)/R T_s`; split, the reduction to the stepper in
-backward, `T_s - S_{k,s}`, and the broadcast of the updated weights, counted in the
-next forward (the runtime starts it there), `(R-1) S_{k,s}`. Summed over the replicas
-the split mode sends `2 (R-1) T_s`, the ring all-reduce's total. The optimizer state
-held over all ranks drops by R.
+gradients in backward, `2 (R-1)/R T_s`; split, the reduction chain to the stepper in
+backward (runtime/replica_comm.py: every replica sends each role once, except its
+stepper where the chain ends, i.e. a stepper among the last two replicas), at most
+`T_s`, and the broadcast of the updated weights, counted in the next forward (the
+runtime starts it there), `S_{k,s}` (a broadcast's root counts its payload once). At
+R = 2 that is `T_s - S_{k,s}` and `S_{k,s}`, the ring all-reduce's total. The optimizer
+state held over all ranks drops by R.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ def analytic_hsdp(mode: str, replicas: int, span: int, sizes: dict[str, Any], en
     steppers = plan.get("steppers") or {}
     owned, owned_no_root, train = [0] * W, [0] * W, [0] * W
     stepped = [[0] * W for _ in range(R)]
+    chained = [[0] * W for _ in range(R)]  # what replica k sends in the reduction chain
     for unit in plan["units"]:
         for sh in unit["shards"]:
             b, o = numel_of(sh["shape"]) * dtype_bytes(sh["dtype"]), sh["owner"]
@@ -121,15 +124,18 @@ def analytic_hsdp(mode: str, replicas: int, span: int, sizes: dict[str, Any], en
             if sh["requires_grad"]:
                 train[o] += b
                 if steppers:
-                    stepped[steppers[sh["fqn"]]][o] += b
+                    st = steppers[sh["fqn"]]
+                    stepped[st][o] += b
+                    for k in range(R):  # everyone sends once but the stepper where the chain ends
+                        chained[k][o] += 0 if k == st >= R - 2 else b
     fwd, bwd = [], []
     for g in range(R * W):
         k, s = divmod(g, W)
         f = (W - 1) * owned[s]
         b = (W - 1) * owned_no_root[s] + (p - owned[s])
         if mode == "matrix_hsdp_split":
-            f += (R - 1) * stepped[k][s]
-            b += train[s] - stepped[k][s]
+            f += stepped[k][s]
+            b += chained[k][s]
         else:
             b += 2 * (R - 1) / R * train[s]
         fwd.append(f)
