@@ -270,7 +270,8 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         expect["replica_broadcast"][0 if s == me else 1] += b
     state_bytes = sum(v.numel() * v.element_size() for o in s_opts for s_ in o.state.values()
                       for v in s_.values() if isinstance(v, torch.Tensor))
-    return {"stats": get_comm_stats(sharded), "expect": expect, "steps": cfg.get("steps", 3),
+    trainable = sum(shard_of(p).nbytes for p in sharded.parameters() if is_owned(p) and p.requires_grad)
+    return {"stats": get_comm_stats(sharded), "expect": expect, "steps": cfg.get("steps", 3), "trainable": trainable,
             "state_bytes": state_bytes, "held": sorted(held)}
 
 
@@ -286,6 +287,11 @@ def test_split_matches_ddp_bitwise_and_counts_bytes(R, W, dist_pools):
             got = r["stats"][phase]
             assert (got["sent"], got["recv"]) == (r["steps"] * sent, r["steps"] * recv), (phase, got, sent, recv)
         assert r["stats"]["replicate"]["calls"] == 0
+        # bounded by the owned bytes T whatever R: one copy sent and at most two received in the
+        # reduction, one copy in or out in the broadcast (a fan-in stepper would take R - 1 copies)
+        T, n = r["trainable"], r["steps"]
+        red, bc = r["stats"]["replica_reduce"], r["stats"]["replica_broadcast"]
+        assert red["sent"] <= n * T and red["recv"] <= 2 * n * T and bc["sent"] + bc["recv"] == n * T, (red, bc, T)
     # every role's state is held exactly once per shard rank (across replicas)
     for w in range(W):
         names = [n for rank, r in enumerate(res) if rank % W == w for n in r["held"]]
