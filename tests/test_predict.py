@@ -106,6 +106,22 @@ def test_replica_split_divides_the_step_and_the_optimizer_state():
     assert one["opt_ms"] == pytest.approx(plain_one["opt_ms"])
 
 
+def test_replica_split_exchange_costs_about_one_copy_per_link_whatever_the_replicas():
+    """The chain and the broadcast: a GPU's replica bytes do not grow with R (a fan-in to the
+    stepper would move R - 1 copies through its NICs), so the split's backward stays near plain
+    HSDP's ring all-reduce from 2 to 16 nodes."""
+    from lightning_matrixfsdp.bench.cluster import cluster as make
+
+    c = make("a100-ib")
+    assert c.replica_chain(100e6, 100e6, 16, 0, 0) == pytest.approx(c.replica_chain(100e6, 100e6, 2, 0, 0)
+                                                                    + 14 * c.inter_lat_us * 1e-6)
+    assert c.replica_broadcast(100e6, 16) < 1.1 * c.replica_broadcast(100e6, 2)
+    shape = ModelShape("s", 4096, 16384, 2, 32, 4096, 32000)  # units of ~50 MB per GPU: many chunks
+    bwd = {n: predict_mode("matrix_fsdp_hsdp_split", shape, make("a100-ib", nodes=n))["bwd_ms"] for n in (2, 16)}
+    plain = predict_mode("matrix_fsdp_hsdp", shape, make("a100-ib", nodes=16))["bwd_ms"]
+    assert bwd[16] < 1.5 * bwd[2] and bwd[16] < 1.5 * plain, (bwd, plain)
+
+
 def test_ddp_and_zero1_hold_full_replicas():
     c = cluster("a100-ib", nodes=1)
     ddp, zero1, ours = (predict_mode(m, TINY, c)["peak_gib"] for m in ("ddp_muon", "zero1_owner", "matrix_fsdp"))

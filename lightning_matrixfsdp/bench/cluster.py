@@ -146,6 +146,23 @@ class Cluster:
             return 0.0
         return max(received, sent) / (self.inter_gbs / self.gpus_per_node * 1e9) + self.replica_latency(replicas)
 
+    def replica_chain(self, received: float, sent: float, replicas: int, chunk: float, chunks: int) -> float:
+        """A chunked chain across replicas (``replica_split``'s reduction): a GPU moves the larger
+        of what it receives and sends through its share of the node's NICs, plus the pipeline's
+        fill (``replicas - 1`` chunks) and one inter-node latency per step."""
+        if replicas <= 1:
+            return 0.0
+        share = self.inter_gbs / self.gpus_per_node * 1e9
+        return (max(received, sent) + (replicas - 1) * chunk) / share \
+            + self.intra_lat_us * 1e-6 + (chunks + replicas - 1) * self.inter_lat_us * 1e-6
+
+    def replica_broadcast(self, nbytes: float, replicas: int) -> float:
+        """Pipelined broadcasts across replicas (one rank per node, every local rank at once):
+        each byte crosses each GPU's share of its node's NICs about once."""
+        if replicas <= 1:
+            return 0.0
+        return nbytes / (self.inter_gbs / self.gpus_per_node * 1e9) + self.replica_latency(replicas)
+
 
 # ---------------------------------------------------------------- presets
 # The H200 constants below are `predict_cli.calibrate(docs/results)` rounded; the A100 ones reuse the

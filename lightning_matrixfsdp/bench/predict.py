@@ -27,6 +27,7 @@ from typing import Any
 
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, RoleKind, UnitLayout, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan, newton_schulz_flops
+from lightning_matrixfsdp.runtime.replica_comm import CHUNK_BYTES, chain_end
 from lightning_matrixfsdp.runtime.replicas import assign_steppers
 
 from .baselines import assign_owners
@@ -324,10 +325,10 @@ def _passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float
     copy = [2 * b / (c.hbm_gbs * 1e9) if span > 1 else 0.0 for b in busiest]  # materialized bytes copied once
     ready = [0.0] * len(units)
     if split:
-        rep = _split_exchange(plan, shape, c, replicas)
-        sent = [0.0] * len(rep[0])  # the updated weights go back from the end of the step, unit by unit
+        rep, back = _split_exchange(plan, shape, c, replicas)
+        sent = [0.0] * len(back[0])  # the updated weights go back from the end of the step, unit by unit
         for u in range(len(units)):
-            sent = [t + x for t, x in zip(sent, rep[u])]
+            sent = [t + x for t, x in zip(sent, back[u])]
             ready[u] = max(sent)
     else:
         rep = [[c.replica_all_reduce(lay.owned_bytes(r), replicas) for r in range(span)] for lay in plan.units]
@@ -339,22 +340,34 @@ def _passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float
     return fwd, bwd
 
 
-def _split_exchange(plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -> list[list[float]]:
-    """Seconds per unit and per GPU (replica k, shard rank r) of ``replica_split``'s point-to-point
-    exchange (runtime/replica_comm.py). In the backward every replica sends its partial gradient
-    of a role to the role's stepper, which receives ``R-1`` of them; after the step the stepper
-    sends the updated role to the ``R-1`` others: the same bytes per GPU both ways."""
+def _split_exchange(plan: Plan, shape: ModelShape, c: Cluster, replicas: int
+                    ) -> tuple[list[list[float]], list[list[float]]]:
+    """Seconds per unit and per GPU (replica k, shard rank r) of ``replica_split``'s exchange
+    (runtime/replica_comm.py): the backward's reduction chain and the broadcast of the updated
+    weights after the step. The chain runs in replica order ``0 -> ... -> m`` (``chain_end``), in
+    chunks of ``CHUNK_BYTES``: a GPU sends every role once except where it steps the role and the
+    chain ends there, receives it on replicas ``1 .. m``, and the stepper receives one more copy (the
+    final sum or the last replica's part) where the chain does not end on it. The broadcast moves
+    each byte of the GPU's owned roles once through its share of the NICs."""
     steppers = assign_steppers(plan, list(unit_specs(shape)), replicas, shape.ns_steps)[0]
-    out = []
+    reduce, back = [], []
     for lay in plan.units:
-        row = []
+        row_r, row_b = [], []
         for k in range(replicas):
             for r in range(plan.world):
-                mine = sum(s.nbytes for s in lay.shards if s.owner == r and steppers[s.fqn] == k)
-                other = sum(s.nbytes for s in lay.shards if s.owner == r and steppers[s.fqn] != k)
-                row.append(c.replica_p2p((replicas - 1) * mine, other, replicas))
-        out.append(row)
-    return out
+                roles = [(s.nbytes, steppers[s.fqn]) for s in lay.shards if s.owner == r]
+                total = sum(b for b, _ in roles)
+                sent = recv = 0
+                for b, st in roles:
+                    m = chain_end(st, replicas)
+                    sent += 0 if k == st == m else b
+                    recv += b * ((1 <= k <= m) + (k == st and m != st) + (k == st and m < replicas - 1))
+                chunks = sum(-(-b // CHUNK_BYTES) for b, _ in roles)
+                row_r.append(c.replica_chain(recv, sent, replicas, min(CHUNK_BYTES, total), chunks) if total else 0.0)
+                row_b.append(c.replica_broadcast(total, replicas) if total else 0.0)
+        reduce.append(row_r)
+        back.append(row_b)
+    return reduce, back
 
 
 def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -> tuple[float, float, float]:
