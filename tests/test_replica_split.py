@@ -182,6 +182,8 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     st = state_of(sharded)
     if cfg.get("direct") and st.replicas is not None:  # NCCL's layout on gloo: every tensor as it is
         st.replicas.exchange.pack = False
+    if cfg.get("chunk"):  # the reduction chain in many chunks, cut across tensors
+        st.replicas.exchange.chunk_bytes = cfg["chunk"]
     R = world // W
     me = st.replicas.exchange.rg.rank if R > 1 else 0
     assert plan.replica_split == (R > 1)
@@ -306,8 +308,9 @@ def test_split_matches_ddp_bitwise_and_counts_bytes(R, W, dist_pools):
     (2, 1, dict(optimizer="shampoo", sync="lazy")),
     (3, 1, dict(direct=True, sync="explicit")),
     (2, 2, dict(direct=True, accumulate=2, sync="lazy")),
+    (4, 1, dict(chunk=200, accumulate=2, sync="lazy")),
 ], ids=["accumulate-clip-lazy", "frozen-clip-torch", "zero-missing-2x2", "soap", "shampoo", "direct-3x1",
-        "direct-2x2"])
+        "direct-2x2", "chunked-4x1"])
 def test_split_matches_ddp_with_features(R, W, cfg, dist_pools):
     _run(dist_pools, R * W, shard_size=W, steps=2, **cfg)
 
