@@ -18,17 +18,17 @@ TINY = ["--device", "cpu", "--corpus", "pydoc", "--max-bytes", "60000", "--steps
 
 def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     out = tmp_path / "conv"
-    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "fast",
+    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "polar_express",
                              "--timing-steps", "1"])
     runs = {p.stem: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
-    assert set(runs) == {"newton_schulz_lr0.02_s0", "fast_lr0.02_s0"}
+    assert set(runs) == {"newton_schulz_lr0.02_s0", "polar_express_lr0.02_s0"}
     for r in runs.values():
         assert len(r["train_loss"]) == 4 and r["finite"]
         assert [s for s, _ in r["val_loss"]] == [2, 4] and r["val_loss"][-1][1] == r["final_val_loss"]
-    ns, fast = runs["newton_schulz_lr0.02_s0"], runs["fast_lr0.02_s0"]
+    ns, other = runs["newton_schulz_lr0.02_s0"], runs["polar_express_lr0.02_s0"]
     # same seed: same initial weights and batches, so the loss before the first step is the same
-    assert ns["train_loss"][0] == fast["train_loss"][0]
-    assert ns["train_loss"][1:] != fast["train_loss"][1:]  # the optimizers differ afterwards
+    assert ns["train_loss"][0] == other["train_loss"][0]
+    assert ns["train_loss"][1:] != other["train_loss"][1:]  # the optimizers differ afterwards
     # the same run again in this process (one thread, as the worker): the same losses, bit for bit
     spec = convergence.RunSpec(**ns["spec"])
     corpus = dict(zip(("train", "val"), _corpus()))
@@ -41,10 +41,10 @@ def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     assert again["train_loss"] == ns["train_loss"] and again["final_val_loss"] == ns["final_val_loss"]
 
     md = (out / "convergence.md").read_text()
-    assert "| newton_schulz | 0.02 | 1 |" in md and "| fast | 0.02 | 1 |" in md
+    assert "| newton_schulz | 0.02 | 1 |" in md and "| polar_express | 0.02 | 1 |" in md
     timing = json.loads((out / "timing.json").read_text())
     assert set(timing["models"]) == {"trained", "d_model 48"}
-    assert set(timing["models"]["trained"]["rows"]) == {"newton_schulz", "fast"}
+    assert set(timing["models"]["trained"]["rows"]) == {"newton_schulz", "polar_express"}
     assert "opt step ms (d_model 48)" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "convergence.png").stat().st_size > 1000
@@ -52,7 +52,7 @@ def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     # --skip-done: nothing is run again
     stamp = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
     capsys.readouterr()
-    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "fast", "--skip-done"])
+    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "polar_express", "--skip-done"])
     assert "0 runs to do" in capsys.readouterr().out
     assert stamp == {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
 

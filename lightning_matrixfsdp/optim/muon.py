@@ -11,6 +11,7 @@ orthogonalizer and how matrices are stacked for it.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -23,8 +24,6 @@ from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
     SYMMETRIC_MIN_ROWS,
-    gram_newton_schulz,
-    gram_newton_schulz_batched,
     gram_polar_express,
     newton_schulz,
     newton_schulz_batched,
@@ -37,12 +36,19 @@ __all__ = ["Muon", "ORTHOGONALIZERS", "adjust_lr", "uses_muon"]
 #: Valid ``orthogonalizer`` names. "newton_schulz" is bitwise torch.optim.Muon;
 #: "batched" is the same math with same-shape matrices of a group stacked;
 #: "polar_express" and "gram_polar_express" are opt-in schemes closer to ``U V^T`` (other
-#: training math); "fast" is the default's quintic, in Gram space for wide matrices.
+#: training math); "fast" runs the default iteration for now (see :data:`FAST_WARNING`).
 ORTHOGONALIZERS = ("newton_schulz", "batched", "polar_express", "gram_polar_express", "fast")
 
-#: "fast" picks per matrix: the Gram-space iteration where the aspect ratio is at
-#: least this (it saves FLOPs there), the default iteration otherwise.
-FAST_GRAM_MIN_ASPECT = 4
+#: Why "fast" is the default iteration today. Its Gram-space iterations (the default's
+#: quintic, or Polar Express) spiked and diverged in bf16 training on a GPU, so a flag
+#: meant to save time must not cost the model; docs/benchmarks.md "Convergence".
+FAST_WARNING = (
+    'Muon(orthogonalizer="fast") runs the default Newton-Schulz iteration ("newton_schulz"): its '
+    "Gram-space iteration trained unstably in bfloat16 (loss spikes and divergence in the project's "
+    "convergence benchmark, docs/benchmarks.md \"Convergence\"), so it is switched off until it is stable.")
+GRAM_WARNING = (
+    'Muon(orthogonalizer="gram_polar_express") is experimental: in bfloat16 training its Gram-space '
+    "iteration diverged in the project's convergence benchmark (docs/benchmarks.md \"Convergence\").")
 
 #: Most elements stacked into one batched Newton-Schulz (bounds the transient copies:
 #: 256 MiB of bfloat16 per stack).
@@ -85,11 +91,9 @@ class Muon(TailOptimizer):
         adamw_weight_decay: AdamW decoupled weight decay; ``None`` -> ``weight_decay``.
         orthogonalizer: one of :data:`ORTHOGONALIZERS`. With "polar_express" /
             "gram_polar_express", ``ns_coefficients`` is ignored and ``ns_steps``
-            iterations of the Polar Express schedule run instead. "fast" keeps the
-            default's polynomial (``ns_coefficients``, ``ns_steps``), so the update has
-            the default's size at the same ``lr``, and iterates it in Gram space for
-            matrices with an aspect ratio of at least :data:`FAST_GRAM_MIN_ASPECT`
-            (:func:`~lightning_matrixfsdp.optim.orthogonalize.gram_newton_schulz`).
+            iterations of the Polar Express schedule run instead ("gram_polar_express"
+            warns: experimental). "fast" runs the default iteration, with a warning
+            (:data:`FAST_WARNING`).
         symmetric_blocks: row blocks for the symmetric products ``X X^T`` and
             ``A A`` of the iteration (only their upper block triangle is
             multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
@@ -142,6 +146,11 @@ class Muon(TailOptimizer):
             "batch_shapes": batch_shapes,
         }
         super().__init__(params, defaults)
+        chosen = {g["orthogonalizer"] for g in self.param_groups}
+        if "fast" in chosen:
+            warnings.warn(FAST_WARNING, UserWarning, stacklevel=2)
+        if "gram_polar_express" in chosen:
+            warnings.warn(GRAM_WARNING, UserWarning, stacklevel=2)
 
     # ------------------------------------------------------------------ groups
 
@@ -253,13 +262,8 @@ class Muon(TailOptimizer):
             return [polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "gram_polar_express":
             return [gram_polar_express(u, steps, eps, blocks=blocks) for u in updates]
-        if name == "fast":  # a bucket holds one shape: one choice for all of it
-            rows, cols = updates[0].shape
-            if max(rows, cols) < FAST_GRAM_MIN_ASPECT * min(rows, cols):
-                if len(updates) > 1:
-                    return newton_schulz_batched(updates, coefficients, steps, eps)
-                return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
+        if name == "fast":  # the default iteration until a Gram-space one trains stably: FAST_WARNING
             if len(updates) > 1:
-                return gram_newton_schulz_batched(updates, coefficients, steps, eps)
-            return [gram_newton_schulz(u, coefficients, steps, eps, blocks=blocks) for u in updates]
+                return newton_schulz_batched(updates, coefficients, steps, eps)
+            return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
         raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")

@@ -16,7 +16,8 @@ measure it alone.
   the small ``m x m`` Gram matrix instead of the ``m x n`` matrix, with restarts.
 * :func:`gram_newton_schulz` runs torch.optim.Muon's own quintic in Gram space: the
   default's update (same size, same singular-value profile) with the Gram-space
-  FLOP saving for wide matrices; ``Muon(orthogonalizer="fast")`` uses it.
+  FLOP saving for wide matrices (not used by ``Muon`` today: in bf16 training it
+  spiked and diverged, see ``optim/muon.py``'s ``FAST_WARNING``).
 * :func:`polar_error` measures any of them against the exact polar factor.
 """
 
@@ -543,7 +544,7 @@ def gram_newton_schulz(
     the same quintic applied to the singular values, so the same update size and
     singular-value profile at the same learning rate; only the rounding differs. The
     cost is that of :func:`gram_polar_express` (fewer FLOPs for aspect ratios of about
-    4 and more). This is what ``Muon(orthogonalizer="fast")`` runs on such matrices.
+    4 and more). ``Muon(orthogonalizer="fast")`` ran it until it proved unstable in bf16.
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
