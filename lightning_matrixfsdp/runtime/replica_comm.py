@@ -164,9 +164,11 @@ class ReplicaExchange:
             for c, (_, n) in enumerate(g.chunks):
                 for hop, fn, peer, buf in mine:
                     steps[k + c + hop if hop > 0 else 0].append((fn, peer, g, c, buf))
-                    b = n * own.element_size()
-                    sent, recv, calls = sent + (b if fn is dist.isend else 0), recv + (b if fn is dist.irecv else 0), \
-                        calls + 1
+                    if fn is dist.isend:
+                        sent += n * own.element_size()
+                    else:
+                        recv += n * own.element_size()
+                    calls += 1
             k += len(g.chunks)
             groups.append(g)
         self.stats.add("replica_reduce", sent, recv, calls=calls)
