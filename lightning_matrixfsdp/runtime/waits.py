@@ -42,7 +42,10 @@ class _Waiter(threading.Thread):
 
     def run(self) -> None:
         while True:
-            works, done, errors = self.jobs.get()
+            job = self.jobs.get()
+            if job is None:  # stop(): the interpreter is exiting
+                return
+            works, done, errors = job
             try:
                 for w in works:
                     w.wait()
@@ -62,7 +65,22 @@ def _the_waiter() -> _Waiter:
         if _waiter is None or not _waiter.is_alive():  # threads do not survive fork
             _waiter = _Waiter()
             _waiter.start()
+            if not _stop_registered:
+                _stop_registered.append(True)
+                atexit.register(_stop_waiter)
         return _waiter
+
+
+_stop_registered: list[bool] = []
+
+
+def _stop_waiter() -> None:
+    """At exit, end the helper thread instead of leaving it blocked while the interpreter and
+    the C++ runtime are torn down under it."""
+    waiter = _waiter
+    if waiter is not None and waiter.is_alive() and not _leaving:
+        waiter.jobs.put(None)  # type: ignore[arg-type]
+        waiter.join(timeout=5.0)
 
 
 def wait_works(works: Sequence[Any], what: str) -> None:

@@ -1,0 +1,37 @@
+"""The helper thread behind interruptible gloo waits is gone before the interpreter exits.
+
+Left blocked while Python and the C++ runtime were torn down under it, processes that had
+waited through it aborted now and then at exit ("terminate called without an active
+exception", exit status -6) after a clean run: scripts/cpu_convnet.py hit it in about one
+of eight runs. The check here is deterministic: an exit handler registered before the
+library is imported runs after the library's own and reports whether the thread is alive.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import atexit, os, threading
+    atexit.register(lambda: print("waiter alive at exit:",
+                                  any(t.name == "matrix-fsdp-wait" for t in threading.enumerate()), flush=True))
+    import torch, torch.distributed as dist
+    from lightning_matrixfsdp.runtime.waits import wait_works
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    t = torch.ones(4)
+    wait_works([dist.all_reduce(t, async_op=True)], "a test all-reduce")
+    print("waiter started:", any(t.name == "matrix-fsdp-wait" for t in threading.enumerate()), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_the_wait_thread_is_stopped_at_exit():
+    from _dist import _free_port
+
+    env = {**__import__("os").environ, "PORT": str(_free_port())}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "waiter started: True" in out.stdout, out.stdout
+    assert "waiter alive at exit: False" in out.stdout, out.stdout
