@@ -127,6 +127,9 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         replica_split: under HSDP (``shard_size`` below the world size), step each role
             on one replica only and send the updated weights to the others after the
             step (see ``matrix_shard`` and docs/multi-node.md); no effect without replicas.
+        flatten_conv: make parameters of more than two dimensions (convolution kernels)
+            matrix roles too, trained by ``Muon`` as their ``(shape[0], -1)`` matrix
+            (``matrix_filter`` is then asked about them as well).
     """
 
     strategy_name = "matrix_fsdp"
@@ -154,6 +157,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         verify_checkpoints: bool = True,
         reset_changed_roles: bool = False,
         replica_split: bool = False,
+        flatten_conv: bool = False,
     ) -> None:
         # Every option is checked here, at construction, so a wrong one fails where it was written.
         opts = check_strategy_options(
@@ -164,7 +168,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
-            replica_split=replica_split,
+            replica_split=replica_split, flatten_conv=flatten_conv,
         )
         super().__init__(
             data_parallel_size="auto", tensor_parallel_size="auto",
@@ -185,6 +189,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.prefetch = opts["prefetch"]
         self.zero_missing_grads = opts["zero_missing_grads"]
         self.replica_split = opts["replica_split"]
+        self.flatten_conv = opts["flatten_conv"]
         self.log_plan = opts["log_plan"]
         self._shard_mesh: Any = None
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
@@ -257,6 +262,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                 reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
                 zero_missing_grads=self.zero_missing_grads, replica_split=self.replica_split,
+                flatten_conv=self.flatten_conv,
             )
         self.model_to_device()  # buffers and anything outside the shard
         self._install_clip_group()

@@ -108,6 +108,7 @@ class Muon(TailOptimizer):
     """
 
     who = "Muon (with its AdamW tail)"
+    flattens_matrices = True  # a convolution kernel role (flatten_conv) is its (out, -1) matrix
 
     def __init__(
         self,
@@ -210,10 +211,11 @@ class Muon(TailOptimizer):
                 state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             updates.append(momentum_update(grad, state["momentum_buffer"], momentum, nesterov, FUSED_MOMENTUM))
         decay = 1 - lr * weight_decay
-        for p, update in zip(bucket, self._orthogonalize(group, updates)):
+        flat = [u if u.ndim == 2 else u.reshape(u.shape[0], -1) for u in updates]
+        for p, update in zip(bucket, self._orthogonalize(group, flat)):
             if decay != 1:  # multiplying by 1 is the identity: skip a read and write of p
                 p.mul_(decay)
-            p.add_(update, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+            p.add_(update.reshape(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], update.shape))
 
     @staticmethod
     def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[Tensor]]:
@@ -234,7 +236,7 @@ class Muon(TailOptimizer):
         stacks: dict[tuple[torch.Size, torch.device], list[Tensor]] = defaultdict(list)
         single: list[list[Tensor]] = []
         for p in params:
-            small = min(p.shape) < SYMMETRIC_MIN_ROWS or name == "batched"
+            small = min(p.shape[0], p.numel() // p.shape[0]) < SYMMETRIC_MIN_ROWS or name == "batched"
             if not small or (aliased and p.grad.dtype == torch.bfloat16):
                 single.append([p])
             else:

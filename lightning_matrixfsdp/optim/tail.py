@@ -63,8 +63,11 @@ def is_matrix_role(p: Tensor) -> bool:
     return role is RoleKind.MATRIX
 
 
-def split_by_role(param_groups: list[dict[str, Any]], who: str) -> Routed:
+def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool = False) -> Routed:
     """Per group: (group, matrix-role params, AdamW params) with a gradient to apply.
+
+    ``flattens``: the optimizer takes a matrix role of more than two dimensions (a
+    convolution kernel under ``flatten_conv``) as its ``(shape[0], -1)`` matrix.
 
     Checks everything before any state is touched, so a bad parameter raises without
     leaving the optimizer half-stepped. Empty non-owner placeholders are skipped.
@@ -81,10 +84,12 @@ def split_by_role(param_groups: list[dict[str, Any]], who: str) -> Routed:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{who} does not support sparse gradients")
             if is_matrix_role(p):
-                if p.ndim != 2:
+                if p.ndim < 2 or (p.ndim > 2 and not flattens):
+                    hint = (" (flatten_conv=True made this kernel a matrix role; of this library's optimizers "
+                            "only Muon trains such roles, as their (shape[0], -1) matrix)" if p.ndim > 2 else "")
                     raise ValueError(
                         f"{who} updates 2D matrices only; a parameter routed to it as a matrix has "
-                        f"size {tuple(p.size())}"
+                        f"size {tuple(p.size())}{hint}"
                     )
                 matrices.append(p)
             else:
@@ -225,6 +230,9 @@ class TailOptimizer(torch.optim.Optimizer):
 
     #: how errors name the optimizer; the class name unless overridden
     who: ClassVar[str | None] = None
+    #: whether ``_matrix_group`` takes matrix roles of more than two dimensions (as their
+    #: ``(shape[0], -1)`` matrix); the others refuse them with a message naming the parameter
+    flattens_matrices: ClassVar[bool] = False
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
         # Validate the defaults even if every group overrides them: a bad default is a
@@ -271,7 +279,7 @@ class TailOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        routed = split_by_role(self.param_groups, self._name())
+        routed = split_by_role(self.param_groups, self._name(), self.flattens_matrices)
         self._begin_step()
         for group, matrices, others in routed:
             if matrices:

@@ -26,11 +26,16 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
     """FLOPs of ``steps`` Newton-Schulz iterations on an m x n matrix (m <= n).
 
     Each iteration forms ``A = X X^T`` (2 m^2 n), ``B = b A + c A A`` (2 m^3) and
-    ``X' = a X + B X`` (2 m^2 n).
+    ``X' = a X + B X`` (2 m^2 n). A shape of more than two dimensions (a convolution
+    kernel under ``flatten_conv``) counts as its ``(shape[0], prod(rest))`` matrix.
     """
-    if len(shape) != 2:
+    if len(shape) < 2:
         return 0
-    m, n = sorted(int(s) for s in shape)
+    rows = int(shape[0])
+    cols = 1
+    for s in shape[1:]:
+        cols *= int(s)
+    m, n = sorted((rows, cols))
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 

@@ -89,6 +89,7 @@ def matrix_shard(
     prefetch: bool = True,
     zero_missing_grads: bool = False,
     replica_split: bool = False,
+    flatten_conv: bool = False,
 ) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
 
@@ -115,6 +116,11 @@ def matrix_shard(
     reduced to that replica alone, which alone holds the role's optimizer state, and the
     updated weights go to the other replicas after the step, overlapping the next forward
     (docs/multi-node.md).
+
+    ``flatten_conv=True``: a parameter with more than two dimensions (a convolution
+    kernel ``(out, in, *k)``) is a matrix role too, when ``matrix_filter`` (now also
+    asked about it) accepts it; ``Muon`` orthogonalizes it as the ``(out, in * prod(k))``
+    matrix, as several Muon implementations do for convolutional networks.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
@@ -123,7 +129,7 @@ def matrix_shard(
         wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
         ns_steps=ns_steps, shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-        replica_split=replica_split, device=device, mesh=mesh)
+        replica_split=replica_split, flatten_conv=flatten_conv, device=device, mesh=mesh)
     wrap_policy, planner, param_dtype, reduce_dtype = (opts[k] for k in ("wrap_policy", "planner", "param_dtype",
                                                                            "reduce_dtype"))
     device, shard_size = opts["device"], opts["shard_size"]
@@ -163,7 +169,7 @@ def matrix_shard(
     param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters()}
 
     def is_matrix(fqn: str, p: nn.Parameter) -> bool:
-        if p.ndim != 2:
+        if p.ndim < 2 or (p.ndim > 2 and not opts["flatten_conv"]):
             return False
         return bool(matrix_filter(fqn, p)) if matrix_filter is not None else True
 
