@@ -87,6 +87,9 @@ def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
             if task is None:
                 break
             fn, args = task
+            # Each task starts from the defaults: a task that set float64 (tests/equiv.py does for
+            # some runs) must not hand it to the next test that happens to run in this process.
+            torch.set_default_dtype(torch.float32)
             try:
                 results.put((rank, "ok", fn(rank, world, *args)))
             except BaseException:  # noqa: BLE001
