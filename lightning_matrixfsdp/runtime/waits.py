@@ -43,7 +43,7 @@ class _Waiter(threading.Thread):
     def run(self) -> None:
         while True:
             job = self.jobs.get()
-            if job is None:  # stop(): the interpreter is exiting
+            if job is None:  # _stop_waiter(): the interpreter is exiting
                 return
             works, done, errors = job
             try:
