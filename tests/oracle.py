@@ -29,9 +29,10 @@ def oracle_optimizers(model: nn.Module, is_matrix: Optional[Callable[[str, nn.Pa
     return opts
 
 
-def allreduce_mean_grads(model: nn.Module, zero_missing: bool = False) -> None:
+def allreduce_mean_grads(model: nn.Module, zero_missing: bool = False, group: int = 1) -> None:
     """``zero_missing``: every parameter counts as used (zeros where a rank has no
-    gradient), the semantics of ``matrix_shard(zero_missing_grads=True)`` and FSDP2."""
+    gradient), the semantics of ``matrix_shard(zero_missing_grads=True)`` and FSDP2.
+    ``group``: see :func:`ordered_all_reduce`."""
     world = dist.get_world_size()
     params = [p for p in model.parameters() if p.requires_grad]
     used = torch.tensor([int(p.grad is not None or zero_missing) for p in params], dtype=torch.int32)
@@ -41,21 +42,27 @@ def allreduce_mean_grads(model: nn.Module, zero_missing: bool = False) -> None:
             p.grad = None
             continue
         g = p.grad if p.grad is not None else torch.zeros_like(p)
-        p.grad = ordered_all_reduce(g) / world
+        p.grad = ordered_all_reduce(g, group) / world
 
 
-def ordered_all_reduce(g: torch.Tensor) -> torch.Tensor:
+def ordered_all_reduce(g: torch.Tensor, group: int = 1) -> torch.Tensor:
     """All-reduce (sum) with a fixed summation order: rank 0 + rank 1 + ... .
 
     Mathematically the all-reduce DDP does; the fixed order makes float32 results
     reproducible, so the comparison with the sharded run can be exact where the
-    sharded side sums in the same order.
+    sharded side sums in the same order. ``group > 1``: blocks of ``group`` consecutive
+    ranks are summed first (each in rank order), then the blocks in block order (the
+    order of HSDP's per-shard-group sums); ``group=1`` is the flat order above.
     """
-    parts = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+    world = dist.get_world_size()
+    parts = [torch.empty_like(g) for _ in range(world)]
     dist.all_gather(parts, g.contiguous())
-    total = parts[0].clone()
-    for x in parts[1:]:
-        total.add_(x)
+    total = None
+    for b in range(0, world, group):
+        block = parts[b].clone()
+        for x in parts[b + 1:b + group]:
+            block.add_(x)
+        total = block if total is None else total.add_(block)
     return total
 
 

@@ -3,8 +3,8 @@
 The oracle (``tests/oracle.py``) is DDP on full replicas. With ``W = 1`` its flat
 rank-order sum is exactly what the stepping replica computes, so the comparison uses
 the oracle's own all-reduce. With ``W > 1`` the stepper adds the shard groups' partial
-sums in replica order, ``(g_0 + ... + g_{W-1}) + (g_W + ... ) + ...``: the oracle here
-then sums in that grouping (``grouped_mean_grads``, written independently of the
+sums in replica order, ``(g_0 + ... + g_{W-1}) + (g_W + ... ) + ...``: the oracle
+then sums in that grouping (``oracle.allreduce_mean_grads(group=W)``, written independently of the
 runtime), which is still a data-parallel mean, only with its terms grouped per node.
 """
 from __future__ import annotations
@@ -102,32 +102,6 @@ def test_option_is_checked():
 
 
 # ---------------------------------------------------------------------- distributed: equal to DDP
-def grouped_mean_grads(model: torch.nn.Module, group: int, zero_missing: bool = False) -> None:
-    """DDP's mean, summed per block of ``group`` consecutive ranks in rank order, then the
-    blocks' sums in block order, then divided by the world size (``group=1``: the flat sum)."""
-    world = dist.get_world_size()
-    params = [p for p in model.parameters() if p.requires_grad]
-    used = torch.tensor([int(p.grad is not None or zero_missing) for p in params], dtype=torch.int32)
-    dist.all_reduce(used, op=dist.ReduceOp.MAX)
-    for p, u in zip(params, used.tolist()):
-        if not u:
-            p.grad = None
-            continue
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        parts = [torch.empty_like(g) for _ in range(world)]
-        dist.all_gather(parts, g.contiguous())
-        blocks = []
-        for b in range(0, world, group):
-            s = parts[b].clone()
-            for x in parts[b + 1:b + group]:
-                s.add_(x)
-            blocks.append(s)
-        total = blocks[0]
-        for s in blocks[1:]:
-            total.add_(s)
-        p.grad = total / world
-
-
 def _optimizers(model, kind: str, sharded: bool):
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo
@@ -206,7 +180,7 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if W == 1:
                 allreduce_mean_grads(oracle, zero_missing)  # the oracle's own flat sum
             else:
-                grouped_mean_grads(oracle, W, zero_missing)
+                allreduce_mean_grads(oracle, zero_missing, group=W)
             for n, p in oracle.named_parameters():
                 if p.grad is not None:
                     acc[n] = acc[n] + p.grad if n in acc else p.grad

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lightning_matrixfsdp.demos.data import ByteTextDataModule, split_documents
+from lightning_matrixfsdp.demos.data import ByteTextDataModule, split_documents, truncate_documents
 from lightning_matrixfsdp.demos.gpt import GPT
 from lightning_matrixfsdp.optim.muon import Muon
 
@@ -97,15 +97,7 @@ def corpus_documents(kind: str, max_bytes: int | None) -> list[bytes]:
                 docs.append(f.read())
     elif kind != "pydoc":
         raise ValueError(f"unknown corpus {kind!r}; valid: pydoc, stdlib")
-    if max_bytes is not None:
-        kept, budget = [], max_bytes
-        for doc in docs:
-            if budget <= 0:
-                break
-            kept.append(doc[:budget])
-            budget -= len(kept[-1])
-        docs = kept
-    return docs
+    return truncate_documents(docs, max_bytes)
 
 
 def prepare_corpus(kind: str, max_bytes: int | None, val_fraction: float, work_dir: Path) -> dict[str, Any]:

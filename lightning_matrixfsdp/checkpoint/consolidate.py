@@ -32,10 +32,10 @@ from lightning_matrixfsdp.checkpoint.agree import single_process_quiet
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.export import DTYPES, export_safetensors, model_order
 from lightning_matrixfsdp.checkpoint.formats import from_native, hparams, nest, parse_dcp, placeholder, to_native
-from lightning_matrixfsdp.checkpoint.integrity import file_records, verify_files
-from lightning_matrixfsdp.checkpoint.load import meta_required, read_dcp, read_file, read_meta
+from lightning_matrixfsdp.checkpoint.integrity import file_records
+from lightning_matrixfsdp.checkpoint.load import meta_required, open_dcp, read_dcp, read_file, read_meta
 from lightning_matrixfsdp.checkpoint.save import check_target, new_partial, publish, remove_stale, write_file
-from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, read_sidecar, single_writer_layout
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, single_writer_layout
 
 __all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main"]
 
@@ -46,15 +46,8 @@ TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "loops", "callbacks"
 
 def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True) -> None:
     """A DCP directory -> one Lightning checkpoint file with full tensors."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     src, dst = Path(src), Path(dst)
-    if not (src / ".metadata").is_file():
-        raise CheckpointCorruptError(f"{src} has no DCP '.metadata': not a distributed checkpoint, or incomplete")
-    side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
-    if side is not None and isinstance(side.get("files"), Mapping):
-        verify_files(src, side["files"], checksums=verify, collective=False)
-    md = FileSystemReader(str(src)).read_metadata()
+    md, side = open_dcp(src, verify)
     model_keys = list(parse_dcp(md, []).model)
     ck = parse_dcp(md, model_keys)  # second pass: optimizer keys can be split even without planner data
     flats = [f for f, _ in ck.model.values()]

@@ -20,12 +20,9 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.formats import parse_dcp, placeholder
-from lightning_matrixfsdp.checkpoint.integrity import verify_files
-from lightning_matrixfsdp.checkpoint.load import read_dcp, read_file
+from lightning_matrixfsdp.checkpoint.load import open_dcp, read_dcp, read_file
 from lightning_matrixfsdp.checkpoint.save import new_partial, publish, remove_stale
-from lightning_matrixfsdp.checkpoint.sidecar import SIDECAR_NAME, read_sidecar
 
 __all__ = ["DTYPES", "ExportResult", "SAFETENSORS_NAME", "export_safetensors", "model_order", "read_weights"]
 
@@ -70,14 +67,7 @@ def read_weights(src: Union[str, os.PathLike], safe: bool = True, verify: bool =
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist")
     if src.is_dir():
-        from torch.distributed.checkpoint import FileSystemReader
-
-        if not (src / ".metadata").is_file():
-            raise CheckpointCorruptError(f"{src} has no DCP '.metadata': not a distributed checkpoint, or incomplete")
-        side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
-        if side is not None and isinstance(side.get("files"), Mapping):
-            verify_files(src, side["files"], checksums=verify, collective=False)
-        md = FileSystemReader(str(src)).read_metadata()
+        md, side = open_dcp(src, verify)
         model = parse_dcp(md, []).model
         req: dict[str, Any] = {f: placeholder(md.state_dict_metadata[f]) for f, _ in model.values()}
         read_dcp(req, src, no_dist=True)

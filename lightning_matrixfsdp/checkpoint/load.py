@@ -93,6 +93,19 @@ def _detect(path: Path) -> str:
     return "file"
 
 
+def open_dcp(src: Path, verify: bool = True) -> tuple[Any, Optional[dict[str, Any]]]:
+    """A DCP directory's metadata and layout sidecar (None if it has none), after checking
+    its files against the sidecar's sizes (and checksums with ``verify``) in this process."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (src / ".metadata").is_file():
+        raise CheckpointCorruptError(f"{src} has no DCP '.metadata': not a distributed checkpoint, or incomplete")
+    side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
+    if side is not None and isinstance(side.get("files"), Mapping):
+        verify_files(src, side["files"], checksums=verify, collective=False)
+    return FileSystemReader(str(src)).read_metadata(), side
+
+
 def read_dcp(entries: dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """``dcp.load`` of ``entries`` from directory ``path``; a failure (torch's ``CheckpointException``,
     a ``BaseException``) becomes a :class:`CheckpointCorruptError` that names the data files."""

@@ -37,6 +37,20 @@ def _as_tensor(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+def truncate_documents(docs: Sequence[bytes], max_bytes: Optional[int]) -> list[bytes]:
+    """The first ``max_bytes`` bytes of the corpus, in document order (``None``: all of it)."""
+    if max_bytes is None:
+        return list(docs)
+    kept: list[bytes] = []
+    budget = max_bytes
+    for doc in docs:
+        if budget <= 0:
+            break
+        kept.append(doc[:budget])
+        budget -= len(kept[-1])
+    return kept
+
+
 def encode(text: str) -> Tensor:
     """UTF-8 bytes as a uint8 tensor: the whole tokenizer."""
     return _as_tensor(text.encode("utf-8"))
@@ -170,16 +184,7 @@ class ByteTextDataModule(LightningDataModule):
     def documents(self) -> list[bytes]:
         """The corpus as a list of documents, in a deterministic order."""
         docs = _default_documents() if self.data_dir is None else [_read(p) for p in _expand(self.data_dir)]
-        if self.max_bytes is not None:
-            kept: list[bytes] = []
-            budget = self.max_bytes
-            for doc in docs:
-                if budget <= 0:
-                    break
-                kept.append(doc[:budget])
-                budget -= len(kept[-1])
-            docs = kept
-        return docs
+        return truncate_documents(docs, self.max_bytes)
 
     def setup(self, stage: str) -> None:
         """Every rank reads the (small, local) corpus itself: there is nothing to download."""
