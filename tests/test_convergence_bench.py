@@ -3,9 +3,11 @@ table, the plot, ``--skip-done``, and reproducible runs (same seed, same losses)
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 
+import pytest
 import torch
 
 from lightning_matrixfsdp.bench import convergence
@@ -18,14 +20,14 @@ TINY = ["--device", "cpu", "--corpus", "pydoc", "--max-bytes", "60000", "--steps
 
 def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     out = tmp_path / "conv"
-    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "polar_express",
+    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "newton_schulz@4",
                              "--timing-steps", "1"])
     runs = {p.stem: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
-    assert set(runs) == {"newton_schulz_lr0.02_s0", "polar_express_lr0.02_s0"}
+    assert set(runs) == {"newton_schulz_lr0.02_s0", "newton_schulz@4_lr0.02_s0"}
     for r in runs.values():
         assert len(r["train_loss"]) == 4 and r["finite"]
         assert [s for s, _ in r["val_loss"]] == [2, 4] and r["val_loss"][-1][1] == r["final_val_loss"]
-    ns, other = runs["newton_schulz_lr0.02_s0"], runs["polar_express_lr0.02_s0"]
+    ns, other = runs["newton_schulz_lr0.02_s0"], runs["newton_schulz@4_lr0.02_s0"]
     # same seed: same initial weights and batches, so the loss before the first step is the same
     assert ns["train_loss"][0] == other["train_loss"][0]
     assert ns["train_loss"][1:] != other["train_loss"][1:]  # the optimizers differ afterwards
@@ -41,10 +43,10 @@ def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     assert again["train_loss"] == ns["train_loss"] and again["final_val_loss"] == ns["final_val_loss"]
 
     md = (out / "convergence.md").read_text()
-    assert "| newton_schulz | 0.02 | 1 |" in md and "| polar_express | 0.02 | 1 |" in md
+    assert "| newton_schulz | 0.02 | 1 |" in md and "| newton_schulz@4 | 0.02 | 1 |" in md
     timing = json.loads((out / "timing.json").read_text())
     assert set(timing["models"]) == {"trained", "d_model 48"}
-    assert set(timing["models"]["trained"]["rows"]) == {"newton_schulz", "polar_express"}
+    assert set(timing["models"]["trained"]["rows"]) == {"newton_schulz", "newton_schulz@4"}
     assert "opt step ms (d_model 48)" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "convergence.png").stat().st_size > 1000
@@ -52,7 +54,7 @@ def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     # --skip-done: nothing is run again
     stamp = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
     capsys.readouterr()
-    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "polar_express", "--skip-done"])
+    convergence.main(TINY + ["--out", str(out), "--orthogonalizers", "newton_schulz", "newton_schulz@4", "--skip-done"])
     assert "0 runs to do" in capsys.readouterr().out
     assert stamp == {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
 
@@ -80,3 +82,17 @@ def test_summary_spread_and_verdict():
     assert "within the spread" in convergence.verdict(rows)  # +0.05 against +-0.1
     worse = runs[:6] + [run("fast", 0.02, s, v) for s, v in enumerate([2.3, 2.4, 2.5])]
     assert "WORSE" in convergence.verdict(convergence.summarize(worse))
+
+
+def test_orthogonalizer_variants_set_ns_steps():
+    """``name@k`` runs Muon's ``name`` with ``ns_steps=k``; anything else is refused by name."""
+    assert convergence.parse_orthogonalizer("fast") == ("fast", 5)
+    assert convergence.parse_orthogonalizer("newton_schulz@4") == ("newton_schulz", 4)
+    spec = convergence.RunSpec("newton_schulz@4", 0.02, 0, d_model=32, n_layers=1, n_heads=2, seq_len=16)
+    _, opt, _ = convergence.build(spec, torch.device("cpu"))
+    assert {g["ns_steps"] for g in opt.param_groups} == {4}
+    for bad in ("newton", "newton_schulz@", "newton_schulz@x", "fast@four"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected one of"):
+            convergence.parse_orthogonalizer(bad)
+    with pytest.raises(SystemExit):
+        convergence.parse_args(["--orthogonalizers", "newton"])

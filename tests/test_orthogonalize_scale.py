@@ -1,15 +1,18 @@
 """``Muon(orthogonalizer="fast")`` is a drop-in for the default at the same learning rate.
 
-(Today ``fast`` runs the default iteration, with a warning, because its Gram-space
-iteration trained unstably in bf16 on a GPU; these tests keep holding it to the stock
-step, and keep the Gram-space kernel's own checks for when it returns.)
+``fast`` runs four quintics fitted to the default's five (``optim/fast.py``). The oracles
+are ``torch.optim.Muon`` (the update that ``fast`` replaces) and, for what ``fast`` itself
+computes, its composite polynomial applied to the singular values in float64.
 
-The oracle is ``torch.optim.Muon`` (stock Newton-Schulz). On random matrices of several
-aspect ratios and sizes, one step of ``fast`` must move the weights by the same amount
-(update RMS), with the same singular-value profile, as the stock step. The same checks
-applied to the Polar Express iterations (what ``fast`` ran before: ``polar_express`` for
-square-ish matrices, ``gram_polar_express`` for wide ones) must fail, so the tolerances
-are tight enough to tell a differently sized update apart.
+* On matrices with spread-out spectra (heavy-tailed, like real momenta) of several aspect
+  ratios, one ``fast`` step moves the weights by the same RMS as the stock step, within
+  5%; the Polar Express iteration (what ``fast`` once ran) is 13-15% larger and fails.
+* For bunched spectra (Gaussian noise) no fixed-size difference can be promised: both
+  responses oscillate within a band, at different places (docs/decisions.md).
+* ``fast`` costs 4/5 of the default's FLOPs, and refuses a changed ``ns_steps`` or
+  ``ns_coefficients``.
+
+The Gram-space kernels (no longer used by ``Muon``) keep their own checks here.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ import math
 import pytest
 import torch
 
-from lightning_matrixfsdp.optim.muon import FAST_WARNING, Muon
+from lightning_matrixfsdp.optim.muon import Muon
+from lightning_matrixfsdp.optim.fast import FAST_SCHEDULE, fast_newton_schulz
 from lightning_matrixfsdp.optim.orthogonalize import (
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
     gram_newton_schulz,
     gram_newton_schulz_batched,
     gram_polar_express,
@@ -82,16 +88,84 @@ def _one_step(shape, grad, **kw) -> torch.Tensor:
     return -w.detach() / adjusted
 
 
+#: ``fast``'s update RMS against the stock step's on spread-out spectra.
+FAST_RMS_TOL = 0.05
+
+
+def _composite(grad: torch.Tensor, schedule) -> torch.Tensor:
+    """The exact result of a quintic schedule: its composite polynomial applied to the
+    singular values of the Frobenius-normalized ``grad``, in float64 (an SVD, no iteration)."""
+    u, sv, vh = torch.linalg.svd(grad.double(), full_matrices=False)
+    x = sv / grad.double().norm()
+    for a, b, c in schedule:
+        x = x * (a + x * x * (b + c * x * x))
+    return (u * x) @ vh
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("kind", ["gaussian", "heavy"])
-def test_fast_update_matches_stock_muon(shape, kind):
-    grad = _matrix(shape, kind, seed=shape[0] * 7 + shape[1])
+def test_fast_update_matches_stock_muon_on_spread_spectra(shape):
+    grad = _matrix(shape, "heavy", seed=shape[0] * 7 + shape[1])
     stock = _one_step(shape, grad, cls=torch.optim.Muon)
     fast = _one_step(shape, grad, orthogonalizer="fast")
-    rms, sv, dist = _compare(fast, stock)
-    assert abs(rms) < RMS_TOL, (shape, kind, rms)
-    assert sv < SV_TOL, (shape, kind, sv)
-    assert dist < DIST_TOL, (shape, kind, dist)
+    rms, _, _ = _compare(fast, stock)
+    assert abs(rms) < FAST_RMS_TOL, (shape, rms)
+    # what fast once ran is a differently sized step on the same matrices
+    old = _compare(_one_step(shape, grad, orthogonalizer="polar_express"), stock)[0]
+    assert abs(old) > 2 * FAST_RMS_TOL, (shape, old)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["gaussian", "heavy"])
+def test_fast_computes_its_composite_polynomial(shape, kind):
+    """bf16 ``fast`` is its four quintics up to bf16 rounding, as the stock iteration is its five."""
+    grad = _matrix(shape, kind, seed=shape[0] * 7 + shape[1])
+    exact = _composite(grad, FAST_SCHEDULE)
+    dist = float(torch.linalg.matrix_norm(fast_newton_schulz(grad).double() - exact) / torch.linalg.matrix_norm(exact))
+    stock_exact = _composite(grad, [DEFAULT_NS_COEFFICIENTS] * DEFAULT_NS_STEPS)
+    stock = newton_schulz(grad, blocks=1).double()
+    stock_dist = float(torch.linalg.matrix_norm(stock - stock_exact) / torch.linalg.matrix_norm(stock_exact))
+    assert dist < max(0.06, 1.5 * stock_dist), (shape, kind, dist, stock_dist)
+
+
+def test_fast_response_stays_in_its_band():
+    """The properties the fit promises (optim/fast.py), on a fine grid in float64: every
+    intermediate iterate in [0, 1.5], the output in [0.6, 1.3] once the default has reached
+    its band, slope at 0 about 0.7 of the default's."""
+    s = torch.logspace(-6, math.log10(1.02), 20000, dtype=torch.float64)
+    default = s.clone()
+    for _ in range(DEFAULT_NS_STEPS):
+        a, b, c = DEFAULT_NS_COEFFICIENTS
+        default = default * (a + default**2 * (b + c * default**2))
+    x = s.clone()
+    for a, b, c in FAST_SCHEDULE:
+        x = x * (a + x**2 * (b + c * x**2))
+        assert x.min() >= 0 and x.max() <= 1.5
+    reached = default.cummax(0).values > 0.95
+    assert 0.6 <= x[reached].min() and x[reached].max() <= 1.3
+    slope = math.prod(a for a, _, _ in FAST_SCHEDULE) / DEFAULT_NS_COEFFICIENTS[0] ** DEFAULT_NS_STEPS
+    assert 0.65 < slope < 0.75
+
+
+def test_fast_costs_four_fifths_of_the_default():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    grad = torch.randn(64, 256)
+    flops = []
+    for kind in ("newton_schulz", "fast"):
+        w = torch.nn.Parameter(torch.zeros(64, 256))
+        w.grad = grad.clone()
+        opt = Muon([w], lr=0.02, orthogonalizer=kind)
+        with FlopCounterMode(display=False) as counter:
+            opt.step()
+        flops.append(counter.get_total_flops())
+    assert flops[1] * 5 == flops[0] * 4
+
+
+@pytest.mark.parametrize("change", [{"ns_steps": 4}, {"ns_coefficients": (3.0, -3.2, 1.2)}])
+def test_fast_refuses_a_changed_iteration(change):
+    (name, value), = change.items()
+    with pytest.raises(ValueError, match=f'orthogonalizer="fast" replaces the default iteration.*{name}'):
+        Muon([torch.nn.Parameter(torch.randn(8, 32))], orthogonalizer="fast", **change)
 
 
 @pytest.mark.parametrize("shape", [(32, 512), (48, 384)])
@@ -106,7 +180,7 @@ def test_known_bias_on_small_well_conditioned_matrices(shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_polar_express_fails_the_same_tolerances(shape):
-    """What ``fast`` ran before this change: its update is a different size and profile."""
+    """What ``fast`` ran before issue 15: its update is a different size and profile."""
     grad = _matrix(shape, "gaussian", seed=shape[0] * 7 + shape[1])
     stock = newton_schulz(grad, blocks=1)
     wide = max(shape) >= GRAM_MIN_ASPECT * min(shape)
@@ -142,27 +216,6 @@ def test_gram_newton_schulz_batched_equals_per_matrix():
         torch.testing.assert_close(stacked.float(), single.float(), rtol=0, atol=1e-2)
     with pytest.raises(ValueError, match="one shape"):
         gram_newton_schulz_batched([grads[0], grads[0].T])
-
-
-def test_fast_is_the_default_iteration_and_says_so():
-    """Until a Gram-space iteration trains stably, ``fast`` is bitwise the default and warns."""
-    torch.manual_seed(0)
-    shapes = [(32, 256), (64, 64), (256, 32)]
-    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    with pytest.warns(UserWarning, match="Gram-space iteration trained unstably") as record:
-        opt_fast = Muon(a, lr=0.02, orthogonalizer="fast")
-    assert str(record[0].message) == FAST_WARNING
-    opt_default = Muon(b, lr=0.02)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for p, q in zip(a, b):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt_fast.step()
-        opt_default.step()
-    for p, q in zip(a, b):
-        assert torch.equal(p, q)
 
 
 def test_gram_polar_express_warns_that_it_is_experimental():

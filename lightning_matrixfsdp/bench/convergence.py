@@ -49,6 +49,21 @@ ORTHOGONALIZERS = ("newton_schulz", "fast", "polar_express", "gram_polar_express
 DEFAULT = "newton_schulz"
 
 
+def parse_orthogonalizer(name: str) -> tuple[str, int]:
+    """``"newton_schulz@4"`` -> ``("newton_schulz", 4)``: a Muon orthogonalizer and its ``ns_steps``
+    (5 without ``@``). Lets the grid hold e.g. the default iteration cut to four steps."""
+    base, sep, steps = name.partition("@")
+    if base not in ORTHOGONALIZERS or (sep and not steps.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"orthogonalizer {name!r}: expected one of {', '.join(ORTHOGONALIZERS)}, optionally with @<ns_steps>")
+    return base, int(steps) if sep else 5
+
+
+def _orthogonalizer_arg(name: str) -> str:
+    parse_orthogonalizer(name)
+    return name
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One training run: everything that determines its losses."""
@@ -116,8 +131,9 @@ def build(spec: RunSpec, device: torch.device) -> tuple[torch.nn.Module, torch.o
     torch.manual_seed(spec.seed)
     model = GPT(vocab_size=256, max_seq_len=spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers,
                 n_heads=spec.n_heads).to(device)
+    orthogonalizer, ns_steps = parse_orthogonalizer(spec.orthogonalizer)
     opt = Muon(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, adjust_lr_fn="match_rms_adamw",
-               adamw_lr=spec.adamw_lr, orthogonalizer=spec.orthogonalizer)
+               adamw_lr=spec.adamw_lr, orthogonalizer=orthogonalizer, ns_steps=ns_steps)
 
     def factor(step: int) -> float:
         if step < spec.warmup:
@@ -484,7 +500,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--gpus", type=lambda s: s.split(","), default=["0", "1"], help="CUDA device ids, comma-separated")
     ap.add_argument("--procs-per-device", "--procs-per-gpu", type=int, default=3, help="runs at once on each device")
-    ap.add_argument("--orthogonalizers", nargs="+", default=list(ORTHOGONALIZERS), choices=ORTHOGONALIZERS)
+    ap.add_argument("--orthogonalizers", nargs="+", default=list(ORTHOGONALIZERS), type=_orthogonalizer_arg,
+                    help="names of ORTHOGONALIZERS, each optionally with @<ns_steps> (e.g. newton_schulz@4)")
     ap.add_argument("--lrs", nargs="+", type=float, default=[0.02, 0.01], help="the first is the reference lr")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--no-extras", dest="extras", action="store_false",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .fast import fast_newton_schulz, fast_newton_schulz_batched
 from .fused import momentum_update
 from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
@@ -35,17 +36,10 @@ __all__ = ["Muon", "ORTHOGONALIZERS", "adjust_lr", "uses_muon"]
 
 #: Valid ``orthogonalizer`` names. "newton_schulz" is bitwise torch.optim.Muon;
 #: "batched" is the same math with same-shape matrices of a group stacked;
-#: "polar_express" and "gram_polar_express" are opt-in schemes closer to ``U V^T`` (other
-#: training math); "fast" runs the default iteration for now (see :data:`FAST_WARNING`).
+#: "fast" is four iterations fitted to the default's five (:mod:`.fast`: 4/5 of the work, the
+#: same update size); "polar_express" and "gram_polar_express" are opt-in schemes closer to
+#: ``U V^T`` (other training math).
 ORTHOGONALIZERS = ("newton_schulz", "batched", "polar_express", "gram_polar_express", "fast")
-
-#: Why "fast" is the default iteration today. Its Gram-space iterations (the default's
-#: quintic, or Polar Express) spiked and diverged in bf16 training on a GPU, so a flag
-#: meant to save time must not cost the model; docs/benchmarks.md "Convergence".
-FAST_WARNING = (
-    'Muon(orthogonalizer="fast") runs the default Newton-Schulz iteration ("newton_schulz"): its '
-    "Gram-space iteration trained unstably in bfloat16 (loss spikes and divergence in the project's "
-    "convergence benchmark, docs/benchmarks.md \"Convergence\"), so it is switched off until it is stable.")
 GRAM_WARNING = (
     'Muon(orthogonalizer="gram_polar_express") is experimental: in bfloat16 training its Gram-space '
     "iteration diverged in the project's convergence benchmark (docs/benchmarks.md \"Convergence\").")
@@ -92,8 +86,9 @@ class Muon(TailOptimizer):
         orthogonalizer: one of :data:`ORTHOGONALIZERS`. With "polar_express" /
             "gram_polar_express", ``ns_coefficients`` is ignored and ``ns_steps``
             iterations of the Polar Express schedule run instead ("gram_polar_express"
-            warns: experimental). "fast" runs the default iteration, with a warning
-            (:data:`FAST_WARNING`).
+            warns: experimental). "fast" runs the four fitted iterations of :mod:`.fast`
+            in place of the default's five; it needs the default ``ns_coefficients`` and
+            ``ns_steps`` (it replaces exactly that iteration) and raises otherwise.
         symmetric_blocks: row blocks for the symmetric products ``X X^T`` and
             ``A A`` of the iteration (only their upper block triangle is
             multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
@@ -148,8 +143,6 @@ class Muon(TailOptimizer):
         }
         super().__init__(params, defaults)
         chosen = {g["orthogonalizer"] for g in self.param_groups}
-        if "fast" in chosen:
-            warnings.warn(FAST_WARNING, UserWarning, stacklevel=2)
         if "gram_polar_express" in chosen:
             warnings.warn(GRAM_WARNING, UserWarning, stacklevel=2)
 
@@ -182,6 +175,15 @@ class Muon(TailOptimizer):
         if group["orthogonalizer"] not in ORTHOGONALIZERS:
             raise ValueError(
                 f"Unknown orthogonalizer {group['orthogonalizer']!r}; valid: {', '.join(ORTHOGONALIZERS)}"
+            )
+        if group["orthogonalizer"] == "fast" and (
+            steps != DEFAULT_NS_STEPS or tuple(float(c) for c in coefficients) != DEFAULT_NS_COEFFICIENTS
+        ):
+            raise ValueError(
+                f'orthogonalizer="fast" replaces the default iteration (ns_steps={DEFAULT_NS_STEPS}, '
+                f"ns_coefficients={DEFAULT_NS_COEFFICIENTS}) by four fitted ones; got ns_steps={steps!r}, "
+                f"ns_coefficients={tuple(coefficients)!r}. Use the defaults with \"fast\", or "
+                'orthogonalizer="newton_schulz" to run your own iteration'
             )
 
     # -------------------------------------------------------------------- step
@@ -264,8 +266,8 @@ class Muon(TailOptimizer):
             return [polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "gram_polar_express":
             return [gram_polar_express(u, steps, eps, blocks=blocks) for u in updates]
-        if name == "fast":  # the default iteration until a Gram-space one trains stably: FAST_WARNING
+        if name == "fast":
             if len(updates) > 1:
-                return newton_schulz_batched(updates, coefficients, steps, eps)
-            return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
+                return fast_newton_schulz_batched(updates, eps)
+            return [fast_newton_schulz(u, eps, blocks) for u in updates]
         raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")

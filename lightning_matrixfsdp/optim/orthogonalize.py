@@ -42,6 +42,8 @@ __all__ = [
     "gram_polar_express",
     "newton_schulz",
     "newton_schulz_batched",
+    "orthogonalize_batched",
+    "orthogonalize_with",
     "polar_error",
     "polar_factor",
     "polar_express",
@@ -178,10 +180,8 @@ def _iterate(x: Tensor, schedule: Sequence[Coefficients], blocks: int = 1) -> Te
     return x
 
 
-def _orthogonalize(
-    grad: Tensor, schedule: Sequence[Coefficients], eps: float, blocks: int | None = 1
-) -> Tensor:
-    """bf16, wide orientation, Frobenius normalization, iterate, restore orientation."""
+def orthogonalize_with(grad: Tensor, schedule: Sequence[Coefficients], eps: float, blocks: int | None = 1) -> Tensor:
+    """Run ``schedule`` on ``grad``: bf16, wide orientation, Frobenius normalization, iterate."""
     _check_matrix(grad)
     x = grad.bfloat16()
     tall = grad.size(0) > grad.size(1)
@@ -203,7 +203,7 @@ def _orthogonalize(
     return x.T if tall else x
 
 
-def _orthogonalize_batched(
+def orthogonalize_batched(
     grads: Sequence[Tensor], schedule: Sequence[Coefficients], eps: float, gram_restarts: set[int] | None = None
 ) -> list[Tensor]:
     """Stack same-shape matrices and iterate on the stack (in Gram space with ``gram_restarts``)."""
@@ -252,7 +252,7 @@ def newton_schulz(
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
-    return _orthogonalize(grad, [coefficients] * ns_steps, eps, blocks)
+    return orthogonalize_with(grad, [coefficients] * ns_steps, eps, blocks)
 
 
 def newton_schulz_batched(
@@ -270,7 +270,7 @@ def newton_schulz_batched(
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
-    return _orthogonalize_batched(grads, [coefficients] * ns_steps, eps)
+    return orthogonalize_batched(grads, [coefficients] * ns_steps, eps)
 
 
 # ------------------------------------------------------------------ Polar Express
@@ -415,14 +415,14 @@ def polar_express(
     larger one converges in fewer iterations for well-conditioned matrices but
     leaves smaller singular values behind. ``blocks``: as :func:`newton_schulz`.
     """
-    return _orthogonalize(grad, polar_express_coefficients(steps, lower), eps, blocks)
+    return orthogonalize_with(grad, polar_express_coefficients(steps, lower), eps, blocks)
 
 
 def polar_express_batched(
     grads: Sequence[Tensor], steps: int = DEFAULT_NS_STEPS, eps: float = 1e-7, lower: float = 1e-3
 ) -> list[Tensor]:
     """:func:`polar_express` on a stack of same-shape matrices (batched GEMMs)."""
-    return _orthogonalize_batched(grads, polar_express_coefficients(steps, lower), eps)
+    return orthogonalize_batched(grads, polar_express_coefficients(steps, lower), eps)
 
 
 # --------------------------------------------------------------- Gram-space variant
@@ -471,7 +471,7 @@ def _gram_iterate(x: Tensor, schedule: Sequence[Coefficients], restarts: set[int
     return x if q is None else q @ x
 
 
-def _gram_orthogonalize(
+def _gramorthogonalize_with(
     grad: Tensor,
     schedule: Sequence[Coefficients],
     eps: float,
@@ -520,7 +520,7 @@ def gram_polar_express(
     ones (docs/benchmarks.md). ``blocks``: as :func:`newton_schulz` (here every
     ``m x m`` product is symmetric).
     """
-    return _gram_orthogonalize(grad, polar_express_coefficients(steps, lower), eps, restart_at, dtype, blocks)
+    return _gramorthogonalize_with(grad, polar_express_coefficients(steps, lower), eps, restart_at, dtype, blocks)
 
 
 #: Where the Gram-space iteration with torch.optim.Muon's quintic restarts: after
@@ -548,7 +548,7 @@ def gram_newton_schulz(
     """
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
-    return _gram_orthogonalize(grad, [coefficients] * ns_steps, eps, restart_at, torch.bfloat16, blocks)
+    return _gramorthogonalize_with(grad, [coefficients] * ns_steps, eps, restart_at, torch.bfloat16, blocks)
 
 
 def gram_newton_schulz_batched(
@@ -561,7 +561,7 @@ def gram_newton_schulz_batched(
     """:func:`gram_newton_schulz` on a stack of same-shape matrices (batched GEMMs)."""
     _check_steps(ns_steps)
     coefficients = _check_coefficients(ns_coefficients)
-    return _orthogonalize_batched(grads, [coefficients] * ns_steps, eps, set(restart_at))
+    return orthogonalize_batched(grads, [coefficients] * ns_steps, eps, set(restart_at))
 
 
 # ---------------------------------------------------------------------- accuracy
