@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from lightning_matrixfsdp.bench import convergence
+from lightning_matrixfsdp.optim.muon import Muon
+from lightning_matrixfsdp.optim.orthogonalize import orthogonalize_with
 
 TINY = ["--device", "cpu", "--corpus", "pydoc", "--max-bytes", "60000", "--steps", "4", "--warmup", "2",
         "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
@@ -86,12 +88,21 @@ def test_summary_spread_and_verdict():
 
 def test_orthogonalizer_variants_set_ns_steps():
     """``name@k`` runs Muon's ``name`` with ``ns_steps=k``; anything else is refused by name."""
-    assert convergence.parse_orthogonalizer("fast") == ("fast", 5)
-    assert convergence.parse_orthogonalizer("newton_schulz@4") == ("newton_schulz", 4)
+    assert convergence.parse_orthogonalizer("fast") == ("fast", 5, None)
+    assert convergence.parse_orthogonalizer("newton_schulz@4") == ("newton_schulz", 4, None)
+    assert convergence.parse_orthogonalizer("fast~slope083") == ("fast", 5, "slope083")
     spec = convergence.RunSpec("newton_schulz@4", 0.02, 0, d_model=32, n_layers=1, n_heads=2, seq_len=16)
     _, opt, _ = convergence.build(spec, torch.device("cpu"))
     assert {g["ns_steps"] for g in opt.param_groups} == {4}
-    for bad in ("newton", "newton_schulz@", "newton_schulz@x", "fast@four"):
+    # a candidate schedule runs instead of fast's: its update is the candidate's composite
+    spec = convergence.RunSpec("fast~slope099", 0.02, 0, d_model=32, n_layers=1, n_heads=2, seq_len=16)
+    _, opt, _ = convergence.build(spec, torch.device("cpu"))
+    grad = torch.randn(16, 48, generator=torch.Generator().manual_seed(0))
+    group = opt.param_groups[0]
+    mine = type(opt).orthogonalize(group, [grad])[0]
+    assert torch.equal(mine, orthogonalize_with(grad, convergence.CANDIDATE_SCHEDULES["slope099"], group["eps"], 1))
+    assert not torch.equal(mine, Muon.orthogonalize(group, [grad])[0])
+    for bad in ("newton", "newton_schulz@", "newton_schulz@x", "fast@four", "fast~nope", "newton_schulz~slope083"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected one of"):
             convergence.parse_orthogonalizer(bad)
     with pytest.raises(SystemExit):

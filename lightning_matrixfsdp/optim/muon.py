@@ -214,7 +214,7 @@ class Muon(TailOptimizer):
             updates.append(momentum_update(grad, state["momentum_buffer"], momentum, nesterov, FUSED_MOMENTUM))
         decay = 1 - lr * weight_decay
         flat = [u if u.ndim == 2 else u.reshape(u.shape[0], -1) for u in updates]
-        for p, update in zip(bucket, self._orthogonalize(group, flat)):
+        for p, update in zip(bucket, self.orthogonalize(group, flat)):
             if decay != 1:  # multiplying by 1 is the identity: skip a read and write of p
                 p.mul_(decay)
             p.add_(update.reshape(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], update.shape))
@@ -250,8 +250,9 @@ class Muon(TailOptimizer):
         return buckets
 
     @staticmethod
-    def _orthogonalize(group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
-        """Apply the group's orthogonalizer to one bucket of momentum updates."""
+    def orthogonalize(group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
+        """Apply the group's orthogonalizer to one bucket of momentum updates (2-D, same shape
+        if more than one); a subclass may override it to try another iteration."""
         name = group["orthogonalizer"]
         coefficients = tuple(group["ns_coefficients"])
         steps, eps = group["ns_steps"], group["eps"]
