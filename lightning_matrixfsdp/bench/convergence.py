@@ -290,16 +290,26 @@ def time_optimizer(spec: RunSpec, device: torch.device, steps: int, warmup: int 
 
 
 def timing_pass(base: RunSpec, orthogonalizers: list[str], device: torch.device, steps: int,
-                large_d_models: list[int]) -> dict[str, Any]:
-    """Each orthogonalizer's optimizer step on the trained model and on wider 2-layer ones."""
-    out: dict[str, Any] = {"device": _device_name(device), "steps": steps, "models": {}}
+                large_d_models: list[int], rounds: int = 1) -> dict[str, Any]:
+    """Each orthogonalizer's optimizer step on the trained model and on wider 2-layer ones.
+
+    With ``rounds > 1`` the orthogonalizers take turns ``rounds`` times and each row is the
+    median over rounds (``opt_ms_rounds`` keeps them all): a drift of the machine while
+    one of them is measured then shows up as spread instead of as a difference.
+    """
+    out: dict[str, Any] = {"device": _device_name(device), "steps": steps, "rounds": rounds, "models": {}}
     models = {"trained": base}
     for d in large_d_models:
         models[f"d_model {d}"] = replace(base, d_model=d, n_layers=2, n_heads=max(1, d // 128), batch_size=4)
     for label, spec in models.items():
-        rows = {}
-        for name in orthogonalizers:
-            rows[name] = time_optimizer(replace(spec, orthogonalizer=name), device, steps)
+        per_round: dict[str, list[dict[str, float]]] = {name: [] for name in orthogonalizers}
+        for _ in range(rounds):
+            for name in orthogonalizers:
+                per_round[name].append(time_optimizer(replace(spec, orthogonalizer=name), device, steps))
+        rows = {name: {"opt_ms": statistics.median(r["opt_ms"] for r in rs),
+                       "fwd_bwd_ms": statistics.median(r["fwd_bwd_ms"] for r in rs),
+                       "opt_ms_rounds": [r["opt_ms"] for r in rs]}
+                for name, rs in per_round.items()}
         out["models"][label] = {"d_model": spec.d_model, "n_layers": spec.n_layers, "rows": rows}
     return out
 
@@ -358,7 +368,7 @@ def run_grid(args: argparse.Namespace, work_dir: Path) -> None:
     if not timed:  # the timing pass alone on the first device, while the others train
         device = torch.device("cuda", int(devices[0])) if args.device == "cuda" else torch.device("cpu")
         result = timing_pass(grid(args)[0], list(args.orthogonalizers), device, args.timing_steps,
-                             args.timing_d_model)
+                             args.timing_d_model, args.timing_rounds)
         _write_json(Path(args.out) / "timing.json", result)
         print(f"[convergence] timing: {json.dumps(result['models'])}", flush=True)
     fill(devices)
@@ -434,6 +444,20 @@ def verdict(rows: list[dict[str, Any]]) -> str:
     ok = diff <= spread
     return (f"default's best lr (of those with several seeds) is {best['lr']:g}; fast - default = {diff:+.4f} "
             f"(default's seed spread +-{spread:.4f}): {'within the spread or better' if ok else 'WORSE'}")
+
+
+def timing_markdown(timing: dict[str, Any]) -> str:
+    """The timing pass alone: optimizer-step ms per model, and each one relative to the default."""
+    lines = [f"Optimizer step, median of {timing.get('rounds', 1)} rounds x {timing['steps']} steps, "
+             f"{timing['device']}", "", "| model | orthogonalizer | opt step ms | / default | rounds (ms) |",
+             "| --- | --- | ---: | ---: | --- |"]
+    for label, model in timing["models"].items():
+        base = model["rows"].get(DEFAULT, {}).get("opt_ms")
+        for name, row in model["rows"].items():
+            rel = f"{row['opt_ms'] / base:.3f}" if base else ""
+            rounds = ", ".join(f"{v:.2f}" for v in row.get("opt_ms_rounds", [row["opt_ms"]]))
+            lines.append(f"| {label} | {name} | {row['opt_ms']:.2f} | {rel} | {rounds} |")
+    return "\n".join(lines)
 
 
 def to_markdown(rows: list[dict[str, Any]], timing: dict[str, Any] | None, meta: dict[str, Any]) -> str:
@@ -552,6 +576,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timing-steps", type=int, default=30, help="0: no timing pass")
     ap.add_argument("--timing-d-model", type=int, nargs="*", default=[2048, 4096],
                     help="also time 2-layer models of these widths (MLP 4x: wide matrices); none: off")
+    ap.add_argument("--timing-rounds", type=int, default=1,
+                    help="orthogonalizers take turns this many times in the timing pass (median reported)")
+    ap.add_argument("--timing-only", action="store_true",
+                    help="only the timing pass, alone on the first device (no training): the clean speed figure")
     ap.add_argument("--deadline-s", type=float, default=float("inf"),
                     help="start no run that would end after this many seconds; stop those still running then")
     ap.add_argument("--skip-done", action="store_true", help="keep runs (and the timing) already under OUT")
@@ -568,6 +596,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.timing_only:
+        device = torch.device("cuda", int(args.gpus[0])) if args.device == "cuda" else torch.device("cpu")
+        result = timing_pass(grid(args)[0], list(args.orthogonalizers), device, args.timing_steps,
+                             args.timing_d_model, args.timing_rounds)
+        _write_json(out / "timing.json", result)
+        print(timing_markdown(result))
+        return
     if not args.report_only:
         with tempfile.TemporaryDirectory(prefix="mfsdp-convergence-") as tmp:
             work_dir = Path(args.work_dir or tmp)
