@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_matrixfsdp.bench import convergence
+from lightning_matrixfsdp.bench.convergence_report import plot
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.optim.orthogonalize import orthogonalize_with
 
@@ -52,6 +53,9 @@ def test_grid_writes_runs_table_plot_and_is_reproducible(tmp_path, capsys):
     assert "opt step ms (d_model 48)" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "convergence.png").stat().st_size > 1000
+        # variants get their own curve, not only the names of the default grid
+        drawn = plot(list(runs.values()), tmp_path / "again.png")
+        assert sorted(drawn) == [(0.02, "newton_schulz"), (0.02, "newton_schulz@4")]
 
     # --skip-done: nothing is run again
     stamp = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")}
