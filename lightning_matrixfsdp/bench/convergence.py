@@ -59,8 +59,6 @@ from .convergence_report import (
 __all__ = ["CANDIDATE_SCHEDULES", "DEFAULT", "ORTHOGONALIZERS", "RunSpec", "build", "main", "parse_orthogonalizer",
            "summarize", "timing_pass", "train_run", "verdict", "write_report"]
 
-
-
 #: Other four-quintic schedules fitted like ``FAST_SCHEDULE`` (``scripts/fit_fast_schedule.py``
 #: with other band limits and a weight on matching the default below 1e-3), run as
 #: ``"fast~<name>"`` to compare them in training (docs/decisions.md, issue 15). The name is

@@ -2,8 +2,8 @@
 
 torch.optim.Muon applies one fixed odd quintic five times. As a function of a singular
 value ``s`` of the Frobenius-normalized momentum, that composition is linear (slope
-about 487) below ``s ~ 1e-3`` (the momentum's noise floor, where most singular values
-of real gradients sit) and oscillates between 0.68 and 1.20 above ``s ~ 3e-3``. The
+about 485) below ``s ~ 1e-3`` (the momentum's noise floor, where a quarter to over half
+of the singular values of real momenta sit) and oscillates between 0.68 and 1.20 above ``s ~ 3e-3``. The
 training behaviour follows that response: an iteration that lifts the noise floor
 further (Polar Express) trained worse at the same learning rate (docs/decisions.md,
 issue 15).
