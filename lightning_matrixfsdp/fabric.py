@@ -162,6 +162,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         self.zero_missing_grads = opts["zero_missing_grads"]
         self.replica_split = opts["replica_split"]
         self.flatten_conv = opts["flatten_conv"]
+        self.timeout = opts["timeout"]  # also for the HSDP mesh's groups (runtime.mesh.hsdp_mesh)
         self.log_plan = opts["log_plan"]
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
         self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
@@ -188,7 +189,10 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         size = self.shard_size or world
         if world % size:
             raise ValueError(f"shard_size={size} must divide the world size {world}")
-        self._shard_mesh = self.device_mesh["data_parallel"] if size == world else hsdp_mesh(size, self.root_device)
+        if size == world:
+            self._shard_mesh = self.device_mesh["data_parallel"]
+        else:
+            self._shard_mesh = hsdp_mesh(size, self.root_device, self.timeout)
 
     # ------------------------------------------------------------------ setup
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -190,6 +190,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.zero_missing_grads = opts["zero_missing_grads"]
         self.replica_split = opts["replica_split"]
         self.flatten_conv = opts["flatten_conv"]
+        self.timeout = opts["timeout"]  # also for the HSDP mesh's groups (runtime.mesh.hsdp_mesh)
         self.log_plan = opts["log_plan"]
         self._shard_mesh: Any = None
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
@@ -234,7 +235,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if W == world:
             self._shard_mesh = self.device_mesh["data_parallel"]
         else:
-            self._shard_mesh = hsdp_mesh(W, self.root_device)
+            self._shard_mesh = hsdp_mesh(W, self.root_device, self.timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._shard_mesh  # what configure_model sees as self.device_mesh
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -11,10 +12,17 @@ from lightning_matrixfsdp.runtime.collectives import comm_device
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
 
-def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None) -> Any:
+def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None, timeout: Optional[timedelta] = None) -> Any:
     """A ``(replicate, shard)`` DeviceMesh with shard groups of ``shard_size`` consecutive ranks
-    (HSDP), on ``device``'s type (default: where communication runs)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    (HSDP), on ``device``'s type (default: where communication runs).
+
+    ``timeout``: for the collectives of its groups. ``init_device_mesh`` gives its groups
+    torch's default timeout, not the one the world group was created with, so a hang in
+    the shard or replicate group would outlast the user's ``timeout``; with a value, the
+    groups are created here with it (``new_group`` on every rank for every group, as
+    torch requires) and wrapped as a DeviceMesh.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if not dist.is_initialized():
         raise MatrixShardError("shard_size needs an initialized process group")
@@ -22,7 +30,18 @@ def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None) -> Any:
     if shard_size < 1 or world % shard_size:
         raise MatrixShardError(f"shard_size={shard_size} must be a positive divisor of the world size {world}")
     device_type = torch.device(device).type if device is not None else comm_device().type
-    return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    names = ("replicate", "shard")
+    if timeout is None:
+        return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=names)
+    layout = torch.arange(world).view(world // shard_size, shard_size)
+    rank = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    for name, rows in (("shard", layout), ("replicate", layout.T)):
+        for ranks in rows.tolist():
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[name] = group
+    return DeviceMesh.from_group([mine["replicate"], mine["shard"]], device_type, mesh=layout, mesh_dim_names=names)
 
 
 def shard_and_replicate_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
