@@ -29,7 +29,8 @@ WINDOW_DECADES = 0.15
 PENALTY = 1000.0
 
 
-def quintic(x: torch.Tensor, a, b, c) -> torch.Tensor:
+def quintic(x: torch.Tensor, a: float | torch.Tensor, b: float | torch.Tensor, c: float | torch.Tensor) -> torch.Tensor:
+    """The odd quintic ``a x + b x^3 + c x^5`` (coefficients may be tensors: autograd)."""
     x2 = x * x
     return x * (a + x2 * (b + c * x2))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -63,3 +64,12 @@ def _layout(rank: int, world: int) -> None:
     assert x.item() == (0 + 1 if rank < 2 else 2 + 3)
     dist.all_reduce(x, group=timed.get_group(0))
     assert x.item() == 6
+
+
+def test_hsdp_mesh_refuses_a_bad_timeout_before_any_collective():
+    """No process group here: the option check comes first and names the option."""
+    from lightning_matrixfsdp.runtime.options import MatrixShardError
+
+    for bad in (30, timedelta(seconds=0), "30s"):
+        with pytest.raises(MatrixShardError, match="timeout"):
+            hsdp_mesh(1, torch.device("cpu"), bad)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.collectives import comm_device
-from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.options import MatrixShardError, check_timeout
 
 
 def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None, timeout: Optional[timedelta] = None) -> Any:
@@ -24,6 +24,7 @@ def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None, timeout: O
     """
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    timeout = check_timeout(timeout)  # before any collective: a wrong type fails alone, at once
     if not dist.is_initialized():
         raise MatrixShardError("shard_size needs an initialized process group")
     world = dist.get_world_size()
