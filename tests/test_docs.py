@@ -21,6 +21,7 @@ import shlex
 import subprocess
 import sys
 import time
+import tomllib
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDE = ROOT / "docs" / "user-guide.md"
 SETUP_COMMANDS = [
-    "pip install torch==2.13.0 -e . && lightning-matrixfsdp fit --config examples/pretrain_gpt.yaml",
-    'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q -p no:cacheprovider',
+    "pip install torch==2.13.0 -c constraints.txt -e . && lightning-matrixfsdp fit --config examples/pretrain_gpt.yaml",
+    'pip install torch==2.13.0 -c constraints.txt -e ".[test,litgpt]" && python -m pytest -q -p no:cacheprovider',
 ]
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 
@@ -68,6 +69,39 @@ def test_readme_starts_with_the_two_setup_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert SETUP_COMMANDS[1] in [ln.strip() for ln in ci]
+
+
+def _requirements() -> list[str]:
+    """The package's dependencies and the extras the README installs, as requirement strings."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    return [*project["dependencies"], *extras["test"], *extras["litgpt"], "torch==2.13.0"]
+
+
+def test_constraints_pin_every_requirement_within_its_range() -> None:
+    """constraints.txt must pin (==) each declared requirement at a version its range admits.
+
+    Fails when a floor in pyproject.toml moves past the pin, or a new dependency is added
+    without regenerating the pins (scripts/update_constraints.sh).
+    """
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pins: dict[str, Version] = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep, f"constraints.txt: {line!r} is not an exact pin (name==version)"
+            pins[canonicalize_name(name)] = Version(version)
+    for text in _requirements():
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"constraints.txt does not pin {req.name} (required as {text!r})"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"constraints.txt pins {req.name}=={pins[name]}, outside the required {text!r}")
+    assert "lightning-matrixfsdp" not in pins, "constraints.txt must not pin the package itself"
 
 
 # ---------------------------------------------------------------------- option tables vs. signatures
