@@ -49,6 +49,7 @@ from lightning_matrixfsdp.runtime import get_plan, hsdp_mesh, is_matrix_sharded
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
 from lightning_matrixfsdp.runtime.tags import sharded_roots
+from lightning_matrixfsdp.runtime.waits import stop_waiter
 
 __all__ = ["MatrixFSDPFabricStrategy", "register_fabric"]
 
@@ -239,6 +240,11 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         module = self.setup_module(module)
         check_optimizers_follow([module], optimizers)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    def teardown(self) -> None:
+        """Also end the helper thread of interruptible gloo waits (no thread of ours outlives the run)."""
+        super().teardown()
+        stop_waiter()
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # setup_module places the shards

@@ -10,7 +10,6 @@ checkpoints and observability.
 from __future__ import annotations
 
 import logging
-import time
 import types
 from contextlib import contextmanager
 from datetime import timedelta
@@ -52,19 +51,16 @@ from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.join import EvalJoin
 from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
 from lightning_matrixfsdp.runtime import (
-    get_comm_stats,
     get_plan,
     hsdp_mesh,
 )
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
+from lightning_matrixfsdp.runtime.waits import stop_waiter
+from lightning_matrixfsdp.telemetry import StepTelemetry
 
 log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
-
-#: Optimizer-step timings kept between two metric logs (older ones are dropped).
-_MAX_TIMED_STEPS = 1000
-
 
 def _evenly_sampled(dataloader: object) -> bool:
     """True when torch's ``DistributedSampler`` (or a subclass, as Lightning's wrappers are)
@@ -195,8 +191,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self._shard_mesh: Any = None
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
         self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
-        self._last_stats: dict[str, dict[str, int]] = {}
-        self._opt_marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
+        self._telemetry = StepTelemetry()
 
     # ------------------------------------------------------------------ precision
     @property
@@ -368,54 +363,17 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
         def timed_closure() -> Any:
             out = closure()
-            marks["start"] = self._clock()
+            marks["start"] = StepTelemetry.clock(self.root_device)
             return out
 
         out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
         if self.lightning_module is not None:  # replica_split: updated weights on their way, after the step
             replicas_after_step(self.lightning_module, optimizer)
         if "start" in marks:
-            self._opt_marks.append((marks["start"], self._clock()))
-            del self._opt_marks[:-_MAX_TIMED_STEPS]  # bounded when nothing logs them
-        self._log_metrics()
+            self._telemetry.record_step(marks["start"], StepTelemetry.clock(self.root_device))
+        if self.is_global_zero and self.lightning_module is not None:
+            self._telemetry.log(self.lightning_module.trainer, self._sharded_roots())
         return out
-
-    def _clock(self) -> Any:
-        """A timestamp: a CUDA event on the current stream (no device-wide synchronization; it
-        is read when metrics are logged), or the host clock on CPU, where ops are synchronous."""
-        if self.root_device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    @staticmethod
-    def _elapsed_ms(start: Any, end: Any) -> float:
-        if isinstance(start, torch.cuda.Event):
-            end.synchronize()  # waits for this step's optimizer kernels only
-            return start.elapsed_time(end)
-        return (end - start) * 1e3
-
-    def _log_metrics(self) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.logger is None or not self.is_global_zero:
-            return
-        step = trainer.global_step
-        if trainer.log_every_n_steps <= 0 or (step + 1) % trainer.log_every_n_steps:
-            return
-        metrics: dict[str, float] = {}
-        if self._opt_marks:
-            times = [self._elapsed_ms(a, b) for a, b in self._opt_marks]
-            metrics["matrix_fsdp/optimizer_step_ms"] = sum(times) / len(times)
-            self._opt_marks = []
-        for root in self._sharded_roots():
-            now = get_comm_stats(root)
-            for phase, d in now.items():
-                prev = self._last_stats.get(phase, {"sent": 0, "recv": 0})
-                moved = d["sent"] + d["recv"] - prev["sent"] - prev["recv"]
-                metrics[f"matrix_fsdp/{phase}_MB"] = metrics.get(f"matrix_fsdp/{phase}_MB", 0.0) + moved / 2**20
-            self._last_stats = now
-        trainer.logger.log_metrics(metrics, step=step)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -437,6 +395,11 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             settle_replicas(self.lightning_module)
 
     on_test_start = on_predict_start = on_train_end = on_validation_start
+
+    def teardown(self) -> None:
+        """Also end the helper thread of interruptible gloo waits: no thread of ours outlives ``fit``."""
+        super().teardown()
+        stop_waiter()
 
     # ------------------------------------------------------------------ steps through the root unit
     def _through_root(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import warnings
 from typing import Any
 
@@ -140,6 +141,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(lit)
+    threads_after_fit = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
     full = gather_full(lit.model)
 
     # ---- oracle: DDP Muon replaying exactly the batches every rank saw
@@ -194,7 +196,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     return {"losses": lit.losses, "oracle_losses": oracle_losses, "param_diff": max(diffs.values()),
             "worst_param": max(diffs, key=diffs.get), "steps": trainer.global_step,
             "optimizer": type(trainer.optimizers[0]).__name__,
-            "lrs": lit.lrs, "uneven_check": trainer.strategy._train_counts_may_differ, "warnings": [str(w.message) for w in caught], "summary": summary, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
+            "lrs": lit.lrs, "uneven_check": trainer.strategy._train_counts_may_differ, "warnings": [str(w.message) for w in caught], "summary": summary, "threads": threads_after_fit, "planner": mf.get_plan(lit).planner, "distinct_batches": not torch.equal(seen[0], _other_rank_first(seen[0]))}
 
 
 def _other_rank_first(x: torch.Tensor) -> torch.Tensor:

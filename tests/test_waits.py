@@ -37,3 +37,31 @@ def test_the_wait_thread_is_stopped_at_exit():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "waiter started: True" in out.stdout, out.stdout
     assert "waiter alive at exit: False" in out.stdout, out.stdout
+
+
+
+def _stop_and_restart(rank: int, world: int) -> tuple[bool, bool]:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_matrixfsdp.runtime.waits import wait_works
+
+    wait_works([dist.all_reduce(torch.ones(2), async_op=True)], "a test all-reduce")
+    waiter = next(t for t in threading.enumerate() if t.name == "matrix-fsdp-wait")
+    stop = getattr(waiter, "stop", None)
+    assert waiter.daemon and callable(stop), "the wait thread has no stop() for a test suite to call"
+    stop()
+    gone = not waiter.is_alive()
+    wait_works([dist.all_reduce(torch.ones(2), async_op=True)], "another all-reduce")  # a new one starts
+    return gone, any(t.name == "matrix-fsdp-wait" for t in threading.enumerate())
+
+
+def test_the_wait_thread_stops_as_test_suites_stop_leftover_threads():
+    """Lightning's test suite calls ``stop()`` on a daemon thread a test left behind, then
+    requires it to be gone; without the method the test fails ("Test left zombie thread")."""
+    from _dist import run_distributed
+
+    for gone, restarted in run_distributed(_stop_and_restart, 1):
+        assert gone and restarted

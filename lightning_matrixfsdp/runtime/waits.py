@@ -40,10 +40,17 @@ class _Waiter(threading.Thread):
         super().__init__(name="matrix-fsdp-wait", daemon=True)
         self.jobs: "queue.SimpleQueue[_Job]" = queue.SimpleQueue()
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread once its current job is done. The name is the convention that test
+        suites' thread checks call on a daemon thread left over from a test (Lightning's does)."""
+        if self.is_alive():
+            self.jobs.put(None)  # type: ignore[arg-type]
+            self.join(timeout=timeout)
+
     def run(self) -> None:
         while True:
             job = self.jobs.get()
-            if job is None:  # _stop_waiter(): the interpreter is exiting
+            if job is None:  # stop(): the run or the interpreter is ending
                 return
             works, done, errors = job
             try:
@@ -67,21 +74,25 @@ def _the_waiter() -> _Waiter:
             _waiter.start()
             if not _stop_registered:
                 _stop_registered.append(True)
-                atexit.register(_stop_waiter)
+                atexit.register(stop_waiter)
         return _waiter
 
 
 _stop_registered: list[bool] = []
 
 
-def _stop_waiter() -> None:
-    """At exit, end the helper thread instead of leaving it blocked (holding the last gloo
-    work it waited for) while the interpreter and the C++ runtime are torn down under it:
-    one way a gloo process aborts at exit after a clean run."""
+def stop_waiter() -> None:
+    """End the helper thread; the next wait starts a new one.
+
+    Called at interpreter exit, so the thread is not left blocked (holding the last gloo
+    work it waited for) while the interpreter and the C++ runtime are torn down under it
+    (one way a gloo process aborted at exit after a clean run), and by the strategies'
+    ``teardown`` so that no thread of ours outlives ``fit``. A rank that abandoned a wait
+    (``CollectiveInterrupted``) leaves the thread alone: it is blocked for good.
+    """
     waiter = _waiter
-    if waiter is not None and waiter.is_alive() and not _leaving:
-        waiter.jobs.put(None)  # type: ignore[arg-type]
-        waiter.join(timeout=5.0)
+    if waiter is not None and not _leaving:
+        waiter.stop()
 
 
 def wait_works(works: Sequence[Any], what: str) -> None:

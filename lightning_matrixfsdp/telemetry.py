@@ -1,0 +1,68 @@
+"""Per-step telemetry of the Trainer strategy: the optimizer step's time and each phase's traffic.
+
+The strategy records a timestamp pair around every optimizer step and, at the Trainer's
+logging interval, logs their mean and the megabytes each phase moved since the last log.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.runtime import get_comm_stats
+
+#: Optimizer-step timings kept between two metric logs (older ones are dropped).
+MAX_TIMED_STEPS = 1000
+
+
+class StepTelemetry:
+    """Optimizer-step times and per-phase traffic, logged as ``matrix_fsdp/*`` metrics."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
+        self._last_stats: dict[str, dict[str, int]] = {}
+
+    @staticmethod
+    def clock(device: torch.device) -> Any:
+        """A timestamp: a CUDA event on the current stream (no device-wide synchronization; it
+        is read when metrics are logged), or the host clock on CPU, where ops are synchronous."""
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def record_step(self, start: Any, end: Any) -> None:
+        self._marks.append((start, end))
+        del self._marks[:-MAX_TIMED_STEPS]  # bounded when nothing logs them
+
+    @staticmethod
+    def _elapsed_ms(start: Any, end: Any) -> float:
+        if isinstance(start, torch.cuda.Event):
+            end.synchronize()  # waits for this step's optimizer kernels only
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    def log(self, trainer: Any, roots: Iterable[nn.Module]) -> None:
+        """Log at the Trainer's interval (call on global rank 0 only)."""
+        if trainer is None or trainer.logger is None:
+            return
+        step = trainer.global_step
+        if trainer.log_every_n_steps <= 0 or (step + 1) % trainer.log_every_n_steps:
+            return
+        metrics: dict[str, float] = {}
+        if self._marks:
+            times = [self._elapsed_ms(a, b) for a, b in self._marks]
+            metrics["matrix_fsdp/optimizer_step_ms"] = sum(times) / len(times)
+            self._marks = []
+        for root in roots:
+            now = get_comm_stats(root)
+            for phase, d in now.items():
+                prev = self._last_stats.get(phase, {"sent": 0, "recv": 0})
+                moved = d["sent"] + d["recv"] - prev["sent"] - prev["recv"]
+                metrics[f"matrix_fsdp/{phase}_MB"] = metrics.get(f"matrix_fsdp/{phase}_MB", 0.0) + moved / 2**20
+            self._last_stats = now
+        trainer.logger.log_metrics(metrics, step=step)
