@@ -2,11 +2,13 @@
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime import (
     CollectiveInterrupted,
+    LoneForwardError,
     MatrixShard,
     MatrixShardError,
     Plan,
     RankDivergenceError,
     UnevenInputsError,
+    full_model,
     get_comm_stats,
     get_plan,
     hsdp_mesh,
@@ -33,7 +35,7 @@ register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 register_fabric()  # and Fabric(strategy="matrix_fsdp")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "load_sharded", "load_weights", "save_sharded", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan", "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted", "clip_grad_norm_", "get_comm_stats", "get_plan",
+           "load_sharded", "load_weights", "save_sharded", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan", "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted", "LoneForwardError", "clip_grad_norm_", "full_model", "get_comm_stats", "get_plan",
            "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo

@@ -50,10 +50,7 @@ from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.join import EvalJoin
 from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
-from lightning_matrixfsdp.runtime import (
-    get_plan,
-    hsdp_mesh,
-)
+from lightning_matrixfsdp.runtime import get_plan, hsdp_mesh, scheduled_forwards, watch_lone_forwards
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 from lightning_matrixfsdp.runtime.waits import stop_waiter
 from lightning_matrixfsdp.telemetry import StepTelemetry
@@ -261,6 +258,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 flatten_conv=self.flatten_conv,
             )
         self.model_to_device()  # buffers and anything outside the shard
+        watch_lone_forwards(module)  # a forward outside the steps (a hook's) must be joined by every rank
         self._install_clip_group()
         self._install_summary(trainer)
         self.barrier()
@@ -408,6 +406,10 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         directly, which would bypass module hooks)."""
         module = self.lightning_module
         assert module is not None
+        with scheduled_forwards(module):  # every rank runs the steps: no lone-forward check
+            return self._call_as_forward(module, name, *args, **kwargs)
+
+    def _call_as_forward(self, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
         if state_of(module) is None:
             return getattr(module, name)(*args, **kwargs)
         had_own = "forward" in module.__dict__

@@ -7,6 +7,12 @@ so that a unit skipped or run on some ranks only, or gradients given to differen
 parameters, raise :class:`RankDivergenceError` naming the units and ranks instead of
 hanging or aborting inside a mismatched collective.
 
+A third, :class:`PeerCheck`, is for forwards that no training loop schedules on every
+rank (under the Trainer: outside its steps, e.g. sampling in a hook under
+``trainer.is_global_zero``): the ranks meet at a monitored barrier that gives up after
+seconds, and a rank that waited in vain raises :class:`LoneForwardError` instead of
+hanging in the materialization until the process-group timeout.
+
 The sequence check costs one small all-gather per unit operation on a CPU (gloo)
 group, on the host.  It is on where the shard group itself runs on gloo, and off on
 NCCL unless ``MATRIX_FSDP_CHECK_SEQUENCE=1`` (then a gloo group beside the shard group
@@ -18,12 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.collectives import ShardGroup, gather_ints, gather_objects
-from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+from lightning_matrixfsdp.runtime.errors import LoneForwardError, RankDivergenceError
 from lightning_matrixfsdp.runtime.placement import Plan, first_difference
 
 #: ``1``: check the sequence on every backend; ``0``: nowhere; unset: where the shard group is gloo.
@@ -31,6 +38,9 @@ CHECK_ENV = "MATRIX_FSDP_CHECK_SEQUENCE"
 #: What a rank is about to do to a unit, by operation code (:data:`MATERIALIZE` ...).
 OPS = ("materialize", "reduce the gradients of", "agree on the used gradients of")
 MATERIALIZE, REDUCE, AGREE_USED = range(len(OPS))
+#: Seconds every rank has to join a forward outside the Trainer's steps; ``0`` turns the check off.
+LONE_FORWARD_ENV = "MATRIX_FSDP_LONE_FORWARD_TIMEOUT"
+LONE_FORWARD_TIMEOUT_S = 30.0
 
 
 def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup) -> None:
@@ -112,13 +122,57 @@ class SequenceCheck:
             + (f" Gradients missing: {waiting}." if waiting else ""))
 
 
-def make_sequence_check(sg: ShardGroup, unit_names: list[str]) -> SequenceCheck:
-    """The sequence check of this shard group (where :func:`sequence_check_wanted`).
-    Collective over the whole world when the shard group is not gloo: a gloo group is
-    created beside every shard group."""
+def host_group(sg: ShardGroup) -> Optional[dist.ProcessGroup]:
+    """A gloo group over the shard group's ranks: the shard group itself on gloo; else one
+    created beside every shard group (collective over the whole world)."""
     if sg.blocks_host:
-        return SequenceCheck(sg.group, unit_names)
+        return sg.group
     spans = gather_objects(sg.global_ranks)
     unique = [list(s) for s in dict.fromkeys(tuple(s) for s in spans)]
     group, _ = dist.new_subgroups_by_enumeration(unique, backend="gloo")
-    return SequenceCheck(group, unit_names)
+    return group
+
+
+def make_sequence_check(sg: ShardGroup, unit_names: list[str]) -> SequenceCheck:
+    """The sequence check of this shard group (where :func:`sequence_check_wanted`).
+    Collective over the whole world when the shard group is not gloo (:func:`host_group`)."""
+    return SequenceCheck(host_group(sg), unit_names)
+
+
+def lone_forward_timeout() -> float:
+    """Seconds a :class:`PeerCheck` waits (``MATRIX_FSDP_LONE_FORWARD_TIMEOUT``; ``0``: no check)."""
+    setting = os.environ.get(LONE_FORWARD_ENV, "").strip()
+    try:
+        return float(setting) if setting else LONE_FORWARD_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{LONE_FORWARD_ENV}={setting!r} is not a number of seconds") from None
+
+
+class PeerCheck:
+    """Before a forward that no training loop scheduled on every rank, the ranks of the shard
+    group meet within :func:`lone_forward_timeout` seconds (a gloo monitored barrier, which
+    gives up on its own instead of waiting for the process-group timeout)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], global_ranks: list[int]) -> None:
+        self.group = group  # gloo, over the shard group's ranks (:func:`host_group`)
+        self.global_ranks = global_ranks
+
+    def __call__(self) -> None:
+        timeout = lone_forward_timeout()
+        if timeout <= 0 or len(self.global_ranks) == 1:
+            return
+        try:
+            dist.monitored_barrier(self.group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as e:
+            me = dist.get_rank()
+            others = [r for r in self.global_ranks if r != me]
+            raise LoneForwardError(
+                f"MatrixFSDP: rank {me} started a forward of the sharded model outside the Trainer's steps "
+                f"(in a hook such as on_validation_epoch_end, or after fit), and the other rank(s) {others} of "
+                f"its shard group did not join it within {timeout:g} s ({e}). Every forward of a sharded model "
+                "is collective: each unit's weights come from their owner ranks, so a forward on some ranks only "
+                "(under `if trainer.is_global_zero:` or another rank-dependent branch) cannot run and would hang "
+                "until the process-group timeout. Run the forward on every rank, or, to use the whole model on "
+                "one rank (sampling, export), enter `with lightning_matrixfsdp.full_model(module, rank=0):` on "
+                "every rank and run it on rank 0 inside (docs/user-guide.md, 'The whole model on one rank'). "
+                f"{LONE_FORWARD_ENV} sets this wait in seconds (0 turns the check off)") from e

@@ -23,3 +23,10 @@ class UnevenInputsError(RuntimeError):
     """Ranks have different numbers of training batches (evaluation handles uneven inputs;
     training, as under DDP, cannot).  Every rank raises it at the first step where the
     counts differ."""
+
+
+class LoneForwardError(RuntimeError):
+    """A forward of a sharded model outside the Trainer's steps (a hook, or after ``fit``)
+    was not joined by every rank of its shard group within seconds: every forward is
+    collective, so one run under ``if trainer.is_global_zero:`` cannot proceed.  Raised on
+    the rank(s) that started it; ``full_model`` is the way to use the whole model on one rank."""

@@ -1,15 +1,18 @@
-"""Questions about a sharded model: its plan, its traffic, the no-sync switch, and the
-``replica_split`` weight transfers (start, and wait until the replicas are equal)."""
+"""Questions about a sharded model: its plan, its traffic, the no-sync switch, the
+``replica_split`` weight transfers (start, and wait until the replicas are equal), and
+which forwards a training loop schedules on every rank (the lone-forward check)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator, Optional
 
 from torch import nn
 
+from lightning_matrixfsdp.runtime.consensus import PeerCheck, host_group
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import find_state
+from lightning_matrixfsdp.runtime.tags import find_state, sharded_roots, state_of
 
 
 def _state(module: nn.Module) -> MatrixFSDPState:
@@ -64,3 +67,24 @@ def sync_replicas(module: nn.Module) -> None:
     what may have changed, waits for every transfer in flight). Collective over the
     replicas: call it on every rank. No-op without ``replica_split``."""
     _state(module).settle_replicas()
+
+
+def watch_lone_forwards(module: nn.Module) -> None:
+    """From now on, a forward of each sharded model inside ``module`` that does not run
+    inside :func:`scheduled_forwards` first meets the other ranks of its shard group, and
+    raises ``LoneForwardError`` if they do not come within seconds (``consensus.PeerCheck``).
+    Collective on every rank (it may create a gloo group beside an NCCL shard group);
+    idempotent. The Trainer's strategy calls it at setup."""
+    for root in sharded_roots(module):
+        st = state_of(root)
+        if st.schedule.peer_check is None:
+            st.schedule.peer_check = PeerCheck(host_group(st.sg), list(st.sg.global_ranks))
+
+
+@contextmanager
+def scheduled_forwards(module: nn.Module) -> Iterator[None]:
+    """Forwards inside are a training loop's steps, which every rank runs: no lone-forward check."""
+    with ExitStack() as stack:
+        for root in sharded_roots(module):
+            stack.enter_context(state_of(root).schedule.scheduled())
+        yield

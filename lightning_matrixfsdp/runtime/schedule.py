@@ -11,7 +11,8 @@ callable, so nothing here knows units or the state.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Optional, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Generic, Iterator, Optional, TypeVar
 
 import torch
 
@@ -21,17 +22,41 @@ U = TypeVar("U")  # a unit; the schedule only compares and returns them
 class Schedule(Generic[U]):
     """Forward order, prefetch targets, the reduction in flight and the backward flag."""
 
-    def __init__(self, prefetch: bool, end_of_backward: Callable[[], None]) -> None:
+    def __init__(self, prefetch: bool, end_of_backward: Callable[[], None],
+                 abandon: Optional[Callable[[], None]] = None) -> None:
         self.prefetch = prefetch
         self.root: Optional[U] = None  # the root unit: it wraps the others, so backward starts there
         self.in_backward = False
         self._end_of_backward_work = end_of_backward
+        self._abandon_work = abandon
         self._forward_order: list[U] = []  # last iteration's, used for prefetching
         self._order_now: list[U] = []
         self._pending_reduces: list[Callable[[], None]] = []
         #: called with a unit's index before it materializes, while ranks without a batch
         #: follow an evaluation step (``runtime/join.py``); None otherwise
         self.announce: Optional[Callable[[int], None]] = None
+        #: called before an outermost root forward that no training loop scheduled (outside
+        #: :meth:`scheduled`): every rank must join it (``consensus.PeerCheck``); None: no check
+        self.peer_check: Optional[Callable[[], None]] = None
+        self._scheduled = 0
+        #: inside ``full_model`` on another rank: the global rank that holds the whole model,
+        #: and forwards here are refused (this rank holds placeholders); None otherwise
+        self.full_on: Optional[int] = None
+
+    # ------------------------------------------------------------------ forwards every rank runs
+    @contextmanager
+    def scheduled(self) -> Iterator[None]:
+        """Forwards inside are a training loop's steps, which every rank runs: no peer check."""
+        self._scheduled += 1
+        try:
+            yield
+        finally:
+            self._scheduled -= 1
+
+    def check_peers(self) -> None:
+        """Before an outermost root forward: outside the loop's steps, meet the other ranks first."""
+        if self.peer_check is not None and not self._scheduled and not self.in_backward:
+            self.peer_check()
 
     # ------------------------------------------------------------------ order and prefetch
     def record_forward(self, unit: U) -> None:
@@ -68,6 +93,13 @@ class Schedule(Generic[U]):
     def drain_reduces(self) -> None:
         while self._pending_reduces:
             self._pending_reduces.pop(0)()
+
+    def abandon_forward(self) -> None:
+        """A forward raised: forget this iteration's forwards (the root's reset work, then the
+        partial forward order)."""
+        self._order_now = []
+        if self._abandon_work is not None:
+            self._abandon_work()
 
     # ------------------------------------------------------------------ backward
     def begin_backward(self) -> None:

@@ -230,9 +230,7 @@ def matrix_shard(
         state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange, first=root_index)
         for unit in state.units:
             unit.replicas = state.replicas
-        module.register_forward_pre_hook(state.before_root_forward, prepend=True)
-        # module.state_dict() reads resident tensors: the transfers already started land first
-        module.register_state_dict_pre_hook(state.wait_replicas)
+        state.install_hooks()  # the root's replica hooks
     _materialize_meta(module, meta_modules, device)
     attach_state(module, state)
     return module

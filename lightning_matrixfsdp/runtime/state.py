@@ -9,13 +9,14 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.collectives import CommStats, GradientReducer, ShardGroup
 from lightning_matrixfsdp.runtime.param import ShardedParam
+from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
 from lightning_matrixfsdp.runtime.unit import Unit
 
 
-class MatrixFSDPState:
+class MatrixFSDPState(RefusePickle):
     """Everything ``matrix_shard`` attaches to the root module."""
 
     def __init__(
@@ -37,9 +38,13 @@ class MatrixFSDPState:
         self.units: list[Unit] = []
         self.prefetch = bool(options.get("prefetch", True))
         self.zero_missing_grads = bool(options.get("zero_missing_grads", False))
-        self.schedule: Schedule[Unit] = Schedule(self.prefetch, self._end_of_backward)
+        self.schedule: Schedule[Unit] = Schedule(self.prefetch, self._end_of_backward, self.abandon_iteration)
         #: ``replica_split`` under HSDP: the weight transfers from each role's stepping replica
         self.replicas: Optional[ReplicaSync] = None
+        self._root_handles: list[Any] = []
+
+    def _pickle_name(self) -> str:
+        return "the runtime state on the root module"
 
     # ------------------------------------------------------------------ queries
     @property
@@ -71,6 +76,13 @@ class MatrixFSDPState:
         for unit in self.units:
             unit.flush()
         self.schedule.drain_reduces()
+        for unit in self.units:
+            unit.end_iteration()
+
+    def abandon_iteration(self) -> None:
+        """After a forward raised: every unit back to its resident parameters, with no
+        materialization pending (a prefetch in flight is waited for: its peers issued it too)
+        and no forward counted, so that nothing of the failed iteration reaches the next one."""
         for unit in self.units:
             unit.end_iteration()
 
@@ -118,6 +130,29 @@ class MatrixFSDPState:
         not in backward, where a forward is activation-checkpoint recomputation."""
         if self.replicas is not None and not self.schedule.in_backward:
             self.replicas.start()
+
+    # ------------------------------------------------------------------ hooks
+    def install_hooks(self) -> None:
+        """Register the hooks on the modules (after ``remove_hooks``; the units install theirs
+        when built): the units', then the root's own ahead of them (``replica_split``: the
+        transfers start before the root unit materializes)."""
+        for unit in self.units:
+            unit.install_hooks()
+        if self.replicas is not None and not self._root_handles:
+            self._root_handles = [
+                self.root.register_forward_pre_hook(self.before_root_forward, prepend=True),
+                # root.state_dict() reads resident tensors: the transfers already started land first
+                self.root.register_state_dict_pre_hook(self.wait_replicas),
+            ]
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this state put on the modules (local): the model is then a plain
+        module as far as torch is concerned (``full_model``)."""
+        for unit in self.units:
+            unit.remove_hooks()
+        for h in self._root_handles:
+            h.remove()
+        self._root_handles = []
 
     def set_requires_gradient_sync(self, value: bool) -> None:
         for u in self.units:

@@ -34,6 +34,14 @@ def tag_param(p: Any, shard: MatrixShard, owned: bool) -> None:
     setattr(p, _OWNED, bool(owned))
 
 
+def untag_param(p: Any) -> None:
+    """Remove the placement marks (``full_model``: the parameter reads as a plain one, also in
+    a pickle taken meanwhile; ``tag_param`` puts them back)."""
+    for name in (_SHARD, _ROLE, _OWNED):
+        if name in getattr(p, "__dict__", {}):
+            delattr(p, name)
+
+
 def shard_of(p: Any) -> Optional[MatrixShard]:
     """The placement record of a sharded parameter, or None for a plain tensor."""
     return getattr(p, _SHARD, None)
@@ -63,6 +71,12 @@ def attach_state(module: nn.Module, state: Any) -> None:
     """Attach the runtime state (a ``MatrixFSDPState``) to the root ``matrix_shard`` sharded."""
     # object.__setattr__: the state is not an nn.Module attribute (no registration).
     object.__setattr__(module, _STATE, state)
+
+
+def detach_state(module: nn.Module) -> None:
+    """Remove the runtime state from ``module`` (``attach_state`` puts it back)."""
+    if _STATE in module.__dict__:
+        object.__delattr__(module, _STATE)
 
 
 def state_of(module: nn.Module) -> Optional[Any]:

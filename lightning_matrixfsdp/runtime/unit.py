@@ -32,6 +32,7 @@ from lightning_matrixfsdp.runtime.collectives import GradientReducer, OwnerColle
 from lightning_matrixfsdp.runtime.consensus import AGREE_USED, MATERIALIZE, REDUCE
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError
 from lightning_matrixfsdp.runtime.param import ShardedParam
+from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import UnitLayout
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
@@ -80,7 +81,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class Unit:
+class Unit(RefusePickle):
     """A wrapped module whose parameters are materialized and reduced together."""
 
     def __init__(
@@ -112,27 +113,51 @@ class Unit:
         self.zero_missing_grads = zero_missing_grads
         self.requires_gradient_sync = True
         self._depth = 0
+        self._returned = False  # the post-forward hook ran for the call now returning
         self._pending_unshard: Optional[Any] = None
         self._pending_params: list[ShardedParam] = []
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True),
-            module.register_forward_hook(self._post_forward_hook),
-        ]
+        self._handles = []
         for i, p in enumerate(params):
             self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
             p.unsharded.requires_grad_(p.requires_grad)
+        self._module_handles: list[Any] = []
+        self.install_hooks(first=True)
+        self._reset_iteration()
+
+    def install_hooks(self, first: bool = False) -> None:
+        """Register the unit's module hooks (``full_model`` removes them while the model is a
+        plain module on one rank and puts them back here, the pre-forward hooks ahead of any
+        registered meanwhile, so that materialization still comes first)."""
+        if self._module_handles:
+            return
+        module = self.module
+        self._module_handles = [
+            module.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True, prepend=not first),
+            module.register_forward_hook(self._post_forward_hook),
+            # after the one above on every return, and alone when the forward raised
+            module.register_forward_hook(self._forward_exit_hook, always_call=True),
+        ]
         # A submodule that holds this unit's parameters and runs while the unit is not
         # materialized was called outside the unit's forward: on a non-owner its weights are
         # empty placeholders and torch would fail with a bare shape error (and the owner would
         # go on alone). Say so, on the rank where it happens.
         inner: dict[int, tuple[nn.Module, str]] = {}
-        for p in params:
+        for p in self.params:
             for sub, name in p.registrations:
                 if sub is not module:
                     inner.setdefault(id(sub), (sub, p.shard.fqn))
         for sub, fqn in inner.values():
-            self._handles.append(sub.register_forward_pre_hook(self._outside_call_hook(fqn)))
-        self._reset_iteration()
+            self._module_handles.append(sub.register_forward_pre_hook(self._outside_call_hook(fqn),
+                                                                      prepend=not first))
+
+    def remove_hooks(self) -> None:
+        """Remove the unit's module hooks (local; ``install_hooks`` puts them back)."""
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles = []
+
+    def _pickle_name(self) -> str:
+        return f"the hooks of unit {self.fqn or '<root>'!r}"
 
     # ------------------------------------------------------------------ bookkeeping
     def _reset_iteration(self) -> None:
@@ -140,12 +165,18 @@ class Unit:
         self._forward_calls = 0
         self._pending_input_grads = 0
         self._calls_without_grad_inputs = 0
+        self._reentrant_pending = 0  # reentrant-checkpoint first passes whose recomputation is to come
         self._ready: set[int] = set()
         self.training_state = TrainingState.IDLE
 
     @property
     def trainable(self) -> list[int]:
         return [i for i, p in enumerate(self.params) if p.requires_grad]
+
+    @property
+    def in_forward(self) -> bool:
+        """A forward of this unit is running (not counting recomputation in backward)."""
+        return self._depth > 0
 
     @property
     def is_materialized(self) -> bool:
@@ -165,13 +196,15 @@ class Unit:
             unit = unit_ref()
             if unit is None or unit.is_materialized:
                 return
+            unit._refuse_if_full_elsewhere()
             where = unit.fqn or "<root>"
             raise RuntimeError(
                 f"{type(sub).__name__} holding {fqn!r} ran on rank {unit.collective.sg.rank} while its unit "
                 f"{where!r} was not materialized: it was called outside the unit's forward (directly, or after "
                 f"the unit's forward returned). Ranks that do not own a parameter hold an empty placeholder "
                 f"between forwards. Call the unit {where!r} itself, or choose units with wrap_policy so that "
-                "the call happens inside one")
+                "the call happens inside one. (On some ranks only, e.g. under trainer.is_global_zero? Enter "
+                "lightning_matrixfsdp.full_model(model, rank=0) on every rank and run it on rank 0 inside.)")
 
         return hook
 
@@ -223,13 +256,31 @@ class Unit:
             p.to_unsharded()
 
     # ------------------------------------------------------------------ forward
+    def _refuse_if_full_elsewhere(self) -> None:
+        if self.schedule.full_on is not None:
+            raise RuntimeError(
+                f"a forward of the sharded model ran on rank {self.collective.sg.g(self.collective.sg.rank)} inside "
+                f"lightning_matrixfsdp.full_model(..., rank={self.schedule.full_on}), where only rank "
+                f"{self.schedule.full_on} holds the whole model (the others keep their placeholders). Run it on "
+                f"that rank only (`if trainer.global_rank == {self.schedule.full_on}:`), or pass rank=None to "
+                "give every rank the whole model")
+
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        self._refuse_if_full_elsewhere()
         self.schedule.record_forward(self)
         if self.schedule.in_backward:  # activation-checkpoint recomputation inside backward
             # (not counted in _depth: early-stopping recomputation never runs post-forward)
             self.unshard()
             self._register_unsharded()
+            if self._reentrant_pending and torch.is_grad_enabled() and self.trainable:
+                # Reentrant checkpointing: this recomputation builds the graph that a backward
+                # nested in the outer one runs, so it is the call whose gradients this unit
+                # waits for and reduces (non-reentrant recomputation only refills saved tensors).
+                self._reentrant_pending -= 1
+                return self._track_call(args, kwargs)
             return None
+        if self._depth == 0 and self is self.schedule.root:
+            self.schedule.check_peers()  # outside a training loop's steps: are the other ranks here too?
         self._depth += 1
         self.unshard()
         self._register_unsharded()
@@ -237,8 +288,18 @@ class Unit:
             nxt = self.schedule.next_to_forward(self)
             if nxt is not None:
                 nxt.start_unshard()
+        if not torch.is_grad_enabled() and self.trainable and any(t.requires_grad for t in _tensors((args, kwargs))):
+            # A forward without grad on inputs that need one: the first pass of reentrant
+            # checkpointing (torch.utils.checkpoint(..., use_reentrant=True)), whose graph is
+            # built when backward recomputes it.
+            self._reentrant_pending += 1
         if not torch.is_grad_enabled() or not self.trainable:
             return None
+        return self._track_call(args, kwargs)
+
+    def _track_call(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """Count a forward whose backward this unit waits for; route the inputs that need a
+        gradient through ``_PostBackward``, which says when that backward is done."""
         self._forward_calls += 1
         flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
         if not flat:
@@ -258,6 +319,7 @@ class Unit:
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        self._returned = True
         if self.schedule.in_backward:
             return None
         self._depth = max(0, self._depth - 1)
@@ -272,6 +334,22 @@ class Unit:
         if outs:
             torch.autograd.graph.register_multi_grad_hook(outs, self._pre_backward_hook, mode="any")
         return None
+
+    def _forward_exit_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """After every forward of the unit, also one that raised (``always_call``). A forward
+        that raised ends the iteration: once the outermost unit call has raised, every unit
+        goes back to its resident parameters with nothing pending, as between iterations, so
+        that the model can be used again (a second ``fit``, a new optimizer over
+        ``parameters()``) as a DDP model can."""
+        if self._returned:
+            self._returned = False
+            return
+        if self.schedule.in_backward:
+            return  # a recomputation in backward: the backward raises on
+        self._depth = max(0, self._depth - 1)
+        root = self.schedule.root
+        if self._depth == 0 and (root is None or root is self or root._depth == 0):
+            self.schedule.abandon_forward()
 
     # ------------------------------------------------------------------ backward
     def _pre_backward_hook(self, *_: Any) -> None:

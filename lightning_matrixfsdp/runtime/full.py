@@ -1,0 +1,141 @@
+"""``full_model``: the whole model on one rank (or on every rank), as a plain module, for a while.
+
+Sampling in a hook, exporting, pickling: things that need every weight in one process.
+Every rank of the shard group enters the context (it is collective). The owners send
+their weights to the chosen rank, which then holds a plain ``nn.Module``: every parameter
+full (the same ``nn.Parameter`` objects, with the whole tensor as their data), no runtime
+hook, no placement mark, no runtime state. A forward there runs locally, as on one device,
+and ``torch.save(model)`` or ``copy.deepcopy(model)`` work. The other ranks keep their
+empty placeholders, and a forward there raises at once. On exit the chosen rank drops
+what it received and the model is sharded again, locally (no communication), so an
+exception inside on one rank does not strand the others.
+
+The weights are the resident ones, in their own dtype (a ``param_dtype`` applies to
+training's materializations, not here). Changes made inside are not sent back to the
+owners: use the context to read the model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_matrixfsdp.runtime.collectives import PendingOp, nbytes
+from lightning_matrixfsdp.runtime.param import ShardedParam
+from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+from lightning_matrixfsdp.runtime.tags import attach_state, detach_state, sharded_roots, state_of, tag_param, untag_param
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_idle(state: MatrixFSDPState) -> None:
+    if state.schedule.in_backward or any(u.in_forward for u in state.units):
+        raise RuntimeError(
+            "lightning_matrixfsdp.full_model(...) was entered during a forward or backward of the sharded model; "
+            "enter it between steps (in a hook, or outside the training loop), on every rank")
+
+
+def _gather(state: MatrixFSDPState, targets: list[int]) -> dict[int, torch.Tensor]:
+    """Every parameter's whole tensor on each of the global ranks ``targets``, from its owner
+    (plan order on every rank, so sends and receives pair up): {index in state.params: tensor}
+    on a target, empty elsewhere."""
+    sg = state.sg
+    me = sg.g(sg.rank)
+    works, received, sent, got = [], {}, 0, 0
+    for i, p in enumerate(state.params):
+        owner = sg.g(p.shard.owner)
+        dests = [t for t in targets if t != owner]
+        if me == owner:
+            src = p.resident.data.contiguous()
+            for t in dests:
+                works.append(dist.isend(src, dst=t, group=sg.group))
+                sent += nbytes(src)
+        elif me in dests:
+            buf = torch.empty(p.shape, dtype=p.orig_dtype, device=p.resident.device)
+            works.append(dist.irecv(buf, src=owner, group=sg.group))
+            received[i] = buf
+            got += nbytes(buf)
+    PendingOp(works, blocking=sg.blocks_host, what="full_model: the owners' weights").wait()
+    if works:
+        state.stats.add("full_model", sent, got)
+    return received
+
+
+class _Whole:
+    """One sharded root made a plain module on this rank until ``release``."""
+
+    def __init__(self, root: nn.Module, state: MatrixFSDPState, received: dict[int, torch.Tensor]) -> None:
+        self.root, self.state = root, state
+        self.params: list[ShardedParam] = state.params
+        self.placeholders: dict[int, torch.Tensor] = {}
+        for i, full in received.items():
+            p = self.params[i].resident
+            self.placeholders[i] = p.data
+            p.data = full
+        for sp in self.params:
+            untag_param(sp.resident)
+        state.remove_hooks()
+        detach_state(root)
+
+    def release(self) -> None:
+        attach_state(self.root, self.state)
+        for i, sp in enumerate(self.params):
+            if i in self.placeholders:
+                sp.resident.data = self.placeholders[i]
+            tag_param(sp.resident, sp.shard, sp.owned)
+        self.state.install_hooks()
+
+
+class _Elsewhere:
+    """One sharded root whose whole model is on another rank: forwards here are refused."""
+
+    def __init__(self, state: MatrixFSDPState, rank: int) -> None:
+        self.state = state
+        state.schedule.full_on = rank
+
+    def release(self) -> None:
+        self.state.schedule.full_on = None
+
+
+@contextmanager
+def full_model(module: nn.Module, rank: Optional[int] = 0) -> Iterator[nn.Module]:
+    """Gather the whole of the sharded ``module`` on global rank ``rank`` for the ``with`` block.
+
+    Every rank enters it (it is collective over each shard group); inside, ``rank`` holds
+    ``module`` as a plain module with every weight (run it there, under
+    ``if trainer.global_rank == rank:``), and the other ranks keep their empty placeholders.
+    ``rank=None`` gives every rank the whole model. The block runs under ``torch.no_grad()``;
+    changes to the weights are not sent back. Under HSDP the shard group holding ``rank``
+    gathers, the others keep their placeholders. On a model that is not sharded (DDP, one
+    device) it does nothing, so the same code runs under every strategy. Yields ``module``.
+    """
+    roots = sharded_roots(module)
+    if not roots:
+        with torch.no_grad():
+            yield module
+        return
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < _world()):
+        raise ValueError(f"full_model(rank={rank!r}): expected a global rank in [0, {_world()}) or None")
+    states = [state_of(r) for r in roots]
+    for st in states:
+        _check_idle(st)
+    held: list = []
+    try:
+        for root, st in zip(roots, states):
+            st.settle_replicas()  # replica_split: every replica's weights current
+            st.release_all()  # a unit left materialized (a forward without backward) is resharded
+            targets = list(st.sg.global_ranks) if rank is None else [r for r in st.sg.global_ranks if r == rank]
+            received = _gather(st, targets)
+            mine = st.sg.g(st.sg.rank)
+            held.append(_Whole(root, st, received) if mine in targets else _Elsewhere(st, rank))  # type: ignore[arg-type]
+        with torch.no_grad():
+            yield module
+    finally:
+        for h in reversed(held):
+            h.release()
