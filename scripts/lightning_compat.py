@@ -1,22 +1,27 @@
 """Lightning's own multi-process CPU tests, run with ``strategy="ddp"`` swapped for ``"matrix_fsdp"``.
 
     timeout -k 10 7200 python scripts/lightning_compat.py LIGHTNING_SRC [--out results.md]
-        [--only SUBSTRING ...] [--baseline] [--timeout 300]
+        [--only SUBSTRING ...] [--timeout 300]
 
 ``LIGHTNING_SRC`` is a Lightning source tree (a clone at the installed release, or any
 folder with its ``tests/tests_pytorch``); nothing is downloaded. Each test of ``TESTS``
 (tests that train or evaluate with ``strategy="ddp"``/``"ddp_spawn"`` or a ``DDPStrategy``
-on 2 CPU processes) runs in its own ``pytest`` process, with this file loaded as a pytest
-plugin (``-p lightning_compat``) that swaps the strategy in every ``Trainer(...)`` for
-``"matrix_fsdp"``; the subprocess launcher's other rank re-runs the same command, so it
-swaps too. ``--baseline`` runs the tests unswapped (what plain DDP does on this machine).
+on 2 CPU processes) runs twice, each time in its own ``pytest`` process with this file
+loaded as a pytest plugin (``-p lightning_compat``) that rewrites the strategy of every
+``Trainer(...)``:
 
-The table written to ``--out`` gives each test's result: ``pass``; ``fail`` (with the
-first error line, and the issue-24 row it falls under when one is known); ``N/A`` with
-the reason when the test checks something only DDP has (its class, its wrapper, the
-spawn launcher's return path), and ``skip`` as pytest reports it. The tests need only
-what Lightning's test conftest imports (pytest, tqdm), plus the packages of the single
-tests (listed in the table's notes when one is missing).
+- ``ddp``: ``"ddp_spawn"`` (``_fork``, ``_notebook``) becomes ``"ddp"``, so that DDP runs
+  with the launcher matrix_fsdp has (the script is started again for the other rank,
+  which gets its own ``tmp_path``); what fails here is a spawn-only expectation;
+- ``matrix_fsdp``: every ``"ddp*"`` string and plain ``DDPStrategy`` becomes matrix_fsdp.
+
+The launcher's other rank re-runs the same command, so it rewrites alike. The table written
+to ``--out`` gives both outcomes and a verdict: ``pass``; ``fail`` (matrix_fsdp fails
+where DDP passes: the first error line, and the issue-24 row it falls under when one is
+known); ``N/A`` with the reason (the test checks what only DDP has, or fails under DDP
+with this launcher too), and ``skip`` as pytest reports it. ``--only`` picks tests by
+substring. The tests need what Lightning's test conftest imports (pytest, tqdm) and
+``cloudpickle`` (several test modules), ``fastapi`` and ``uvicorn`` (the servable test).
 """
 from __future__ import annotations
 
@@ -54,7 +59,6 @@ TESTS: list[tuple[str, str]] = [
     (P + "models/test_amp.py::test_amp_cpus[ddp_spawn-16-mixed-2]", "precision"),
     (P + "models/test_amp.py::test_amp_cpus[ddp_spawn-bf16-mixed-2]", "precision"),
     (P + "overrides/test_distributed.py::test_params_synced_during_nonfit", "strategies"),
-    (P + "plugins/precision/test_double.py::test_double_precision_ddp", "precision"),
     (P + "profilers/test_profiler.py::test_simple_profiler_distributed_files", "logging"),
     (P + "serve/test_servable_module_validator.py::test_servable_module_validator_with_trainer", "callbacks"),
     (P + "strategies/launchers/test_multiprocessing.py::test_fit_twice_raises", "strategies"),
@@ -86,7 +90,7 @@ NOT_APPLICABLE: dict[str, str] = {}
 # Failures that fall under a row of issue 24's table (fixed by another change).
 KNOWN_ROWS: dict[str, str] = {}
 
-SWAP_ENV = "MFSDP_COMPAT_SWAP"  # "1": swap the strategy
+SWAP_ENV = "MFSDP_COMPAT_SWAP"  # "matrix_fsdp" or "ddp": what the strategy becomes
 REPORT_ENV = "MFSDP_COMPAT_REPORT"  # a file every process appends its reports to (JSON lines)
 
 
@@ -101,11 +105,17 @@ def _record(entry: dict[str, Any]) -> None:
 
 def _swapped(strategy: Any) -> Any:
     """``"ddp*"`` strings and plain ``DDPStrategy`` objects become matrix_fsdp; a subclass of
-    ``DDPStrategy`` (a test's own) is kept and recorded as not swapped."""
+    ``DDPStrategy`` (a test's own) is kept and recorded as not swapped. In the ``ddp`` mode
+    only the spawn-launched strings change, to ``"ddp"``."""
     from lightning.pytorch.strategies import DDPStrategy
 
     import lightning_matrixfsdp as mf
 
+    if os.environ.get(SWAP_ENV) == "ddp":
+        if isinstance(strategy, str) and strategy in ("ddp_spawn", "ddp_fork", "ddp_notebook"):
+            _record({"swap": strategy})
+            return "ddp"
+        return strategy
     if isinstance(strategy, str) and strategy.startswith("ddp"):
         _record({"swap": strategy})
         return "matrix_fsdp"
@@ -122,7 +132,7 @@ def _swapped(strategy: Any) -> Any:
 
 def pytest_configure(config: Any) -> None:
     """Installed in every process of a swapped run, the launcher's children included."""
-    if os.environ.get(SWAP_ENV) != "1":
+    if os.environ.get(SWAP_ENV) not in ("ddp", "matrix_fsdp"):
         return
     import functools
 
@@ -176,19 +186,19 @@ def _standalone(tests_dir: Path, nodeid: str) -> bool:
     return False
 
 
-def run_one(tests_dir: Path, nodeid: str, swap: bool, timeout: float, worktree: Path) -> dict[str, Any]:
+def run_one(tests_dir: Path, nodeid: str, mode: str, timeout: float, worktree: Path) -> dict[str, Any]:
     """One test in its own pytest process group; its reports (every rank's) and the swaps made."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.jsonl"
         env = {k: v for k, v in os.environ.items()
                if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
-        env.update({SWAP_ENV: "1" if swap else "0", REPORT_ENV: str(report), "PYTHONUNBUFFERED": "1",
+        # Every process gets its own numbered tmp_path under this folder (pytest's default layout).
+        env.update({SWAP_ENV: mode, REPORT_ENV: str(report), "PYTHONUNBUFFERED": "1", "PYTEST_DEBUG_TEMPROOT": tmp,
                     "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), str(worktree),
                                                    env.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
         if _standalone(tests_dir, nodeid):
             env["PL_RUN_STANDALONE_TESTS"] = "1"
-        cmd = [sys.executable, "-m", "pytest", "-p", "lightning_compat", "-p", "no:cacheprovider", "-q", "-rN",
-               "--basetemp", str(Path(tmp) / "t"), nodeid]
+        cmd = [sys.executable, "-m", "pytest", "-p", "lightning_compat", "-p", "no:cacheprovider", "-q", "-rN", nodeid]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=tests_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, text=True)
@@ -204,31 +214,36 @@ def run_one(tests_dir: Path, nodeid: str, swap: bool, timeout: float, worktree: 
             "seconds": time.monotonic() - start}
 
 
-def classify(nodeid: str, res: dict[str, Any], swap: bool) -> tuple[str, str]:
-    """(result, note) of one run."""
+def outcome(res: dict[str, Any]) -> tuple[str, str]:
+    """(pass | fail | skip, note) of one run."""
     reports = [e for e in res["entries"] if "outcome" in e]
-    swaps = [e for e in res["entries"] if "swap" in e]
-    kept = sorted({e["kept"] for e in res["entries"] if "kept" in e})
     failed = [e for e in reports if e["outcome"] == "failed"]
     if res["timed_out"]:
-        result, note = "fail", f"timed out after {res['seconds']:.0f} s"
-    elif failed:
-        result, note = "fail", failed[0]["message"]
-    elif reports and all(e["outcome"] == "skipped" for e in reports):
-        result, note = "skip", reports[0]["message"]
-    elif reports:
-        result, note = "pass", ""
-    else:
-        tail = [ln for ln in res["output"].splitlines() if ln.strip()][-1:] or ["no output"]
-        result, note = "fail", f"no test report (exit {res['returncode']}): {tail[0][:200]}"
-    if swap and result != "skip" and not swaps:
-        note = ("no Trainer strategy swapped" + (f" (kept {', '.join(kept)})" if kept else "")
-                + (f"; {note}" if note else ""))
-    if swap and result == "fail" and nodeid in NOT_APPLICABLE:
-        result, note = "N/A", f"{NOT_APPLICABLE[nodeid]} ({note})"
-    elif swap and result == "fail" and nodeid in KNOWN_ROWS:
-        note = f"row: {KNOWN_ROWS[nodeid]}; {note}"
-    return result, note
+        return "fail", f"timed out after {res['seconds']:.0f} s"
+    if failed:
+        return "fail", failed[0]["message"]
+    if reports and all(e["outcome"] == "skipped" for e in reports):
+        return "skip", reports[0]["message"]
+    if reports:
+        return "pass", ""
+    tail = [ln for ln in res["output"].splitlines() if ln.strip()][-1:] or ["no output"]
+    return "fail", f"no test report (exit {res['returncode']}): {tail[0][:200]}"
+
+
+def verdict(nodeid: str, ddp: tuple[str, str], ours: tuple[str, str], swapped: bool, kept: list[str]) -> tuple[str, str]:
+    """The table's result and note from both runs."""
+    result, note = ours
+    if not swapped and result != "skip":
+        note = "no Trainer strategy swapped" + (f" (kept {', '.join(kept)})" if kept else "") + (f"; {note}" if note else "")
+    if result != "fail":
+        return result, note
+    if nodeid in NOT_APPLICABLE:
+        return "N/A", f"{NOT_APPLICABLE[nodeid]} ({note})"
+    if ddp[0] == "fail":
+        return "N/A", f"fails under ddp with this launcher too ({ddp[1]}); matrix_fsdp: {note}"
+    if nodeid in KNOWN_ROWS:
+        return "fail", f"row: {KNOWN_ROWS[nodeid]}; {note}"
+    return "fail", note
 
 
 def _cell(text: str) -> str:
@@ -241,33 +256,37 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the results table (Markdown) here")
     parser.add_argument("--only", action="append", default=None,
                         help="run only the tests whose id contains this (repeatable)")
-    parser.add_argument("--baseline", action="store_true", help="run the tests with DDP, unswapped")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test (default 300)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test run (default 300)")
     args = parser.parse_args(argv)
     tests_dir = args.lightning_src / "tests"
     if not (tests_dir / "tests_pytorch" / "conftest.py").exists():
         parser.error(f"{tests_dir}/tests_pytorch/conftest.py not found: give the Lightning source folder")
     worktree = Path(__file__).resolve().parent.parent
-    swap = not args.baseline
     rows = []
     for nodeid, area in TESTS:
         if args.only and not any(o in nodeid for o in args.only):
             continue
-        res = run_one(tests_dir, nodeid, swap, args.timeout, worktree)
-        result, note = classify(nodeid, res, swap)
-        rows.append((nodeid, area, result, note, res["seconds"]))
-        print(f"{result:5s} {res['seconds']:6.1f}s {nodeid}  {note[:160]}", flush=True)
-    counts = {k: sum(r[2] == k for r in rows) for k in ("pass", "fail", "N/A", "skip")}
+        base = run_one(tests_dir, nodeid, "ddp", args.timeout, worktree)
+        ours = run_one(tests_dir, nodeid, "matrix_fsdp", args.timeout, worktree)
+        swapped = any("swap" in e for e in ours["entries"])
+        kept = sorted({e["kept"] for e in ours["entries"] if "kept" in e})
+        d, m = outcome(base), outcome(ours)
+        result, note = verdict(nodeid, d, m, swapped, kept)
+        rows.append((nodeid, area, d[0], m[0], result, note))
+        print(f"{result:5s} ddp={d[0]:4s} {base['seconds']:5.0f}s mf={m[0]:4s} {ours['seconds']:5.0f}s {nodeid}  "
+              f"{note[:200]}", flush=True)
+    counts = {k: sum(r[4] == k for r in rows) for k in ("pass", "fail", "N/A", "skip")}
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
     print(summary)
     if args.out is not None:
         import lightning
         import torch
 
-        lines = [f"Strategy: {'matrix_fsdp (swapped for ddp)' if swap else 'ddp (baseline, unswapped)'}; "
-                 f"lightning {lightning.__version__}, torch {torch.__version__}; {summary}.", "",
-                 "| test | area | result | note |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{_cell(n.removeprefix(P))}` | {a} | {r} | {_cell(note)} |" for n, a, r, note, _ in rows]
+        lines = [f"lightning {lightning.__version__}, torch {torch.__version__}, tests of {args.lightning_src.name}; "
+                 f"{len(rows)} tests: {summary}.", "",
+                 "| test | area | ddp | matrix_fsdp | result | note |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| `{_cell(n.removeprefix(P))}` | {a} | {d} | {m} | {r} | {_cell(note)} |"
+                  for n, a, d, m, r, note in rows]
         args.out.write_text("\n".join(lines) + "\n")
     return 1 if counts["fail"] else 0
 
