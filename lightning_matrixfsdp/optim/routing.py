@@ -3,14 +3,17 @@
 ``route_optimizer`` edits ``param_groups`` in place (LR schedulers hold a reference
 to the optimizer object, so it must not be replaced): non-owned placeholders are
 dropped, group order and hyper-parameters are kept, so a scheduler's per-group
-values still line up.  Nothing here communicates except the global-norm clip,
+values still line up.  Groups added later (``BaseFinetuning`` unfreezing a module)
+are routed the same way, and parameters the optimizer held before routing are not
+added again, so every rank has the param groups the unsharded optimizer would have.  Nothing here communicates except the global-norm clip,
 whose one scalar all-reduce is ``collectives.all_reduce_norm``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Union
+import weakref
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,18 +24,64 @@ from lightning_matrixfsdp.runtime.tags import find_state, is_owned
 __all__ = ["clip_grad_norm_", "is_owned", "is_routed", "route_optimizer"]
 
 _ROUTED = "_mfsdp_routed"
+_DROPPED = "_mfsdp_dropped"  # id -> weakref of each placeholder routing removed
 
 
 def route_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Keep only owned, non-empty parameters in each param group (in place, idempotent)."""
+    """Keep only owned, non-empty parameters in each param group (in place, idempotent).
+
+    Later ``add_param_group`` calls are routed too (see ``_routed_add_param_group``).
+    """
     for group in optimizer.param_groups:
-        kept = [p for p in group["params"] if is_owned(p) and p.numel() > 0]
-        dropped = [p for p in group["params"] if not (is_owned(p) and p.numel() > 0)]
-        for p in dropped:
-            optimizer.state.pop(p, None)
-        group["params"] = kept
+        group["params"] = _keep(optimizer, group["params"])
+    if not is_routed(optimizer):
+        optimizer.add_param_group = _routed_add_param_group(optimizer)  # type: ignore[method-assign]
     setattr(optimizer, _ROUTED, True)
     return optimizer
+
+
+def _keep(optimizer: torch.optim.Optimizer, params: Iterable[Any]) -> list[Any]:
+    """The owned, non-empty ``params`` (tensors, or torch's ``(name, tensor)`` pairs); the others
+    lose their state and are remembered as dropped."""
+    dropped: dict[int, Any] = optimizer.__dict__.setdefault(_DROPPED, {})
+    kept = []
+    for item in params:
+        p = _tensor(item)
+        if is_owned(p) and p.numel() > 0:
+            kept.append(item)
+        else:
+            optimizer.state.pop(p, None)
+            dropped[id(p)] = weakref.ref(p)
+    return kept
+
+
+def _tensor(item: Any) -> torch.Tensor:
+    return item[1] if isinstance(item, tuple) else item
+
+
+def _routed_add_param_group(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.add_param_group`` for a routed optimizer.
+
+    A new group keeps only what this rank owns (possibly nothing: the group still exists,
+    so every rank has the same groups for schedulers and checkpoints). Placeholders that
+    routing removed earlier are skipped, and a group made only of them is not added:
+    the unsharded optimizer still holds those parameters, and ``BaseFinetuning``, which
+    compares the new parameters with the optimizer's, adds no group there.
+    """
+    add = optimizer.add_param_group
+
+    def add_param_group(param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        if isinstance(params, set):  # torch's own error
+            return add(param_group)
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        dropped = optimizer.__dict__.get(_DROPPED, {})
+        fresh = [x for x in params if not (id(_tensor(x)) in dropped and dropped[id(_tensor(x))]() is _tensor(x))]
+        if params and not fresh:
+            return None
+        return add({**param_group, "params": _keep(optimizer, fresh)})
+
+    return add_param_group
 
 
 def is_routed(optimizer: torch.optim.Optimizer) -> bool:
