@@ -486,15 +486,17 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks)
-        as ``ModelParallelStrategy.load_checkpoint`` does. A weights-only source (plain
-        ``state_dict`` file) restarts everything else fresh."""
+        as ``ModelParallelStrategy.load_checkpoint`` does. ``fit`` refuses a weights-only source,
+        as Lightning does under DDP; validate/test/predict load its weights."""
         module = self._checkpoint_module()
+        fitting = getattr(module, "_trainer", None) is not None and module.trainer.state.fn == "fit"
         rest = load_sharded(module, checkpoint_path, self.optimizers,
                             strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only,
-                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
+                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles,
+                            resume=fitting)
         import lightning.pytorch as pl
 
-        # A weights-only source, or a Fabric checkpoint (no loops in it): everything else restarts fresh.
+        # A weights-only source outside fit, or a Fabric checkpoint (no loops in it): the rest starts fresh.
         rest = dict(rest or {})
         rest.setdefault("pytorch-lightning_version", pl.__version__)
         rest.setdefault("lr_schedulers", [])
