@@ -153,8 +153,10 @@ def _why_not(s: Any, old: Optimizer, new: Optimizer) -> Optional[str]:
     if len(old.param_groups) != len(new.param_groups):
         return (f"the module's {type(old).__name__} has {len(old.param_groups)} param group(s) and the replacement "
                 f"{type(new).__name__} {len(new.param_groups)}, so the schedule's per-group factors have no "
-                "counterpart; build the scheduler in configure_optimizers for a single optimizer without optimizer=, "
-                "or give both the same param groups")
+                "counterpart (the optimizer= factory receives one list of parameters); use one param group in "
+                "configure_optimizers, or drop optimizer= and return the optimizer you want from it")
+    refs = _reference_lrs(old, [s]) if all(isinstance(t, S.LRScheduler) for t in _tree(s)) else []
+    uniform = len({float(gn["lr"]) / float(r) if r else None for gn, r in zip(new.param_groups, refs)}) <= 1
     for t in _tree(s):
         if not isinstance(t, S.LRScheduler):
             return (f"{type(t).__name__} is not a torch.optim.lr_scheduler.LRScheduler, so which of its values are "
@@ -167,9 +169,7 @@ def _why_not(s: Any, old: Optimizer, new: Optimizer) -> Optional[str]:
                     "neither 'momentum' nor 'betas'; pass cycle_momentum=False")
         shared = [k for cls, keys in STATE_LR_SCALARS.items() if isinstance(t, cls) for k in keys
                   if getattr(t, k, None)]
-        refs = _reference_lrs(old, [s])
-        ratios = {float(gn["lr"]) / float(r) if r else None for gn, r in zip(new.param_groups, refs)}
-        if shared and len(ratios) > 1:
+        if shared and not uniform:
             return (f"{type(t).__name__}'s {', '.join(shared)} is one learning rate for all param groups, and the "
                     "replacement changes the groups' learning rates by different ratios")
     return None

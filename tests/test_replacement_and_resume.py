@@ -15,8 +15,6 @@ ulps (checked at 1e-12 relative) and the weights to float32 rounding (rtol 1e-5,
 from __future__ import annotations
 
 import functools
-import os
-import pickle
 import warnings
 from pathlib import Path
 
