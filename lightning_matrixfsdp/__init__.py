@@ -22,11 +22,13 @@ from lightning_matrixfsdp.checkpoint import (
     CheckpointError,
     CheckpointKeyError,
     CheckpointMismatchError,
+    CheckpointNotResumableError,
     load_sharded,
     load_weights,
     save_sharded,
 )
 from lightning_matrixfsdp.strategy import MatrixFSDPStrategy, register
+from lightning_matrixfsdp.from_checkpoint import load_from_checkpoint
 from lightning_matrixfsdp.fabric import MatrixFSDPFabricStrategy, register_fabric
 
 __version__ = "0.1.0"
@@ -35,7 +37,10 @@ register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 register_fabric()  # and Fabric(strategy="matrix_fsdp")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "load_sharded", "load_weights", "save_sharded", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan", "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted", "LoneForwardError", "clip_grad_norm_", "full_model", "get_comm_stats", "get_plan",
+           "CheckpointNotResumableError", "load_from_checkpoint", "load_sharded", "load_weights", "save_sharded",
+           "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
+           "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
+           "LoneForwardError", "clip_grad_norm_", "full_model", "get_comm_stats", "get_plan",
            "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo

@@ -19,18 +19,15 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.adapter import (
-    build_replacement,
     check_precision,
     clip_group,
     is_sharded,
-    replacement_note,
     replicas_after_step,
     set_gradient_sync,
     settle_replicas,
@@ -47,6 +44,7 @@ from lightning_matrixfsdp.checkpoint import (
     write_checkpoint,
 )
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
+from lightning_matrixfsdp.replacement import replace_optimizer
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.join import EvalJoin
 from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
@@ -306,54 +304,13 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         if self.optimizer_factory is not None:
-            self._replace_optimizer()
+            assert self.lightning_module is not None
+            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+            new, self.lr_scheduler_configs = replace_optimizer(self.optimizer_factory, params, self.optimizers,
+                                                               self.lr_scheduler_configs)
+            self.optimizers = [new]
         for opt in self.optimizers:
             route_optimizer(opt)
-
-    def _replace_optimizer(self) -> None:
-        assert self.lightning_module is not None
-        if len(self.optimizers) > 1:
-            raise MisconfigurationException(
-                f"MatrixFSDPStrategy(optimizer=...) replaces one optimizer, but configure_optimizers returned "
-                f"{len(self.optimizers)}; drop the strategy's optimizer option or return a single optimizer"
-            )
-        old = self.optimizers[0] if self.optimizers else None
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        try:
-            new = build_replacement(self.optimizer_factory, params, 1, "MatrixFSDPStrategy")  # type: ignore[arg-type]
-        except TypeError as e:
-            raise MisconfigurationException(str(e)) from None
-        movable = [cfg for cfg in self.lr_scheduler_configs if old is not None and hasattr(cfg.scheduler, "base_lrs")
-                   and len(old.param_groups) == len(new.param_groups)]
-        for cfg in self.lr_scheduler_configs:
-            if cfg not in movable:
-                rank_zero_warn(f"MatrixFSDPStrategy(optimizer=...): dropping LR scheduler "
-                               f"{type(cfg.scheduler).__name__}, which cannot follow the replacement optimizer's "
-                               "param groups")
-        if movable:
-            assert old is not None
-            # Schedulers wrap their optimizer's step() when built, to check the call order; one
-            # moved to ``new`` would warn that step() "has been overridden". Building one on ``new``
-            # (before the rescale below: it sets each LR to its initial value times 1) installs it.
-            torch.optim.lr_scheduler.LambdaLR(new, lambda _: 1.0)
-            # Keep the schedule's shape (its factor so far) on the new optimizer's own learning rates.
-            for go, gn in zip(old.param_groups, new.param_groups):
-                factor = go["lr"] / go.get("initial_lr", go["lr"]) if go.get("initial_lr") else 1.0
-                gn["initial_lr"] = gn["lr"]
-                gn["lr"] = gn["lr"] * factor
-        kept = []
-        for cfg in movable:
-            sched = cfg.scheduler
-            sched.optimizer = new
-            sched.base_lrs = [g["initial_lr"] for g in new.param_groups]
-            if hasattr(sched, "_last_lr"):
-                sched._last_lr = [g["lr"] for g in new.param_groups]
-            rank_zero_warn(f"MatrixFSDPStrategy(optimizer=...): LR scheduler {type(sched).__name__} now drives "
-                           f"{type(new).__name__}, rescaled to its learning rates", category=UserWarning)
-            kept.append(cfg)
-        self.lr_scheduler_configs = kept
-        self.optimizers = [new]
-        rank_zero_info(f"MatrixFSDPStrategy: {replacement_note(new, old)}")
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
@@ -531,15 +488,17 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks)
-        as ``ModelParallelStrategy.load_checkpoint`` does. A weights-only source (plain
-        ``state_dict`` file) restarts everything else fresh."""
+        as ``ModelParallelStrategy.load_checkpoint`` does. ``fit`` refuses a weights-only source,
+        as Lightning does under DDP; validate/test/predict load its weights."""
         module = self._checkpoint_module()
+        fitting = getattr(module, "_trainer", None) is not None and module.trainer.state.fn == "fit"
         rest = load_sharded(module, checkpoint_path, self.optimizers,
                             strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only,
-                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
+                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles,
+                            resume=fitting)
         import lightning.pytorch as pl
 
-        # A weights-only source, or a Fabric checkpoint (no loops in it): everything else restarts fresh.
+        # A weights-only source outside fit, or a Fabric checkpoint (no loops in it): the rest starts fresh.
         rest = dict(rest or {})
         rest.setdefault("pytorch-lightning_version", pl.__version__)
         rest.setdefault("lr_schedulers", [])

@@ -38,6 +38,7 @@ from lightning_matrixfsdp.checkpoint.errors import (
     CheckpointError,
     CheckpointKeyError,
     CheckpointMismatchError,
+    CheckpointNotResumableError,
 )
 from lightning_matrixfsdp.checkpoint.formats import from_native, optimizer_class, to_native
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
@@ -47,7 +48,8 @@ from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, lay
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 
 __all__ = [
-    "CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError", "KeyIndex",
+    "CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
+    "CheckpointNotResumableError", "KeyIndex",
     "META_NAME", "PARTIAL_PREFIX", "SIDECAR_NAME", "build_index", "from_native", "layout_dict", "load_sharded",
     "load_weights", "optimizer_class", "read_sidecar", "save_sharded", "sharded_model_state_dict",
     "sharded_optimizer_state_dict", "to_native", "write_checkpoint",

@@ -37,7 +37,7 @@ from lightning_matrixfsdp.checkpoint.load import meta_required, open_dcp, read_d
 from lightning_matrixfsdp.checkpoint.save import check_target, new_partial, publish, remove_stale, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, single_writer_layout
 
-__all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main"]
+__all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main", "read_directory"]
 
 #: What ``--weights-only`` drops from a Lightning checkpoint: everything only resuming training
 #: needs. The epoch and global step stay, as in Lightning's own weights-only checkpoints.
@@ -46,7 +46,13 @@ TRAINING_STATE_KEYS = ("optimizer_states", "lr_schedulers", "loops", "callbacks"
 
 def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True) -> None:
     """A DCP directory -> one Lightning checkpoint file with full tensors."""
-    src, dst = Path(src), Path(dst)
+    write_file(read_directory(src, weights_only, safe, verify), Path(dst))
+
+
+def read_directory(src: Path, weights_only: bool = False, safe: bool = True, verify: bool = True) -> dict[str, Any]:
+    """A DCP directory as the one Lightning checkpoint (a dict of full tensors on the CPU) that
+    :func:`dcp_to_file` writes; in this process, without a process group."""
+    src = Path(src)
     md, side = open_dcp(src, verify)
     model_keys = list(parse_dcp(md, []).model)
     ck = parse_dcp(md, model_keys)  # second pass: optimizer keys can be split even without planner data
@@ -83,7 +89,7 @@ def dcp_to_file(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
             out.pop(k, None)
     if side is not None:
         out["matrix_fsdp_layout"] = side
-    write_file(out, dst)
+    return out
 
 
 def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "ERROR_CLASSES"]
+           "CheckpointNotResumableError", "ERROR_CLASSES"]
 
 
 class CheckpointError(RuntimeError):
@@ -23,10 +23,17 @@ class CheckpointCorruptError(CheckpointError):
     truncated files, checksum mismatch, partial save."""
 
 
+class CheckpointNotResumableError(CheckpointError, KeyError):
+    """``fit(ckpt_path=...)`` on a checkpoint without the training state (optimizer states): a
+    ``KeyError`` too, as Lightning raises for such a checkpoint under DDP."""
+
+    __str__ = BaseException.__str__  # the message as written (KeyError's would quote it)
+
+
 #: Errors a peer may re-raise by name when another rank failed (``agree``): the checkpoint
 #: errors, and the OS and argument errors whose meaning does not depend on the rank that met them.
 ERROR_CLASSES: dict[str, type[Exception]] = {
     c.__name__: c for c in (CheckpointError, CheckpointKeyError, CheckpointMismatchError, CheckpointCorruptError,
-                            FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
-                            PermissionError, TypeError, ValueError)
+                            CheckpointNotResumableError, FileNotFoundError, FileExistsError, IsADirectoryError,
+                            NotADirectoryError, PermissionError, TypeError, ValueError)
 }

@@ -27,7 +27,12 @@ from lightning_matrixfsdp.checkpoint.agree import (
     warn,
     world,
 )
-from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotResumableError,
+)
 from lightning_matrixfsdp.checkpoint.formats import (
     DcpEntries,
     from_native,
@@ -44,7 +49,7 @@ from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, che
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
 
-__all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
+__all__ = ["check_resumable", "load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +62,7 @@ def load_weights(module: nn.Module, path: PathLike, strict: bool = True, *, veri
 
 def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
                  strict: bool = True, weights_only: Optional[bool] = None, *, verify: bool = True,
-                 reset_changed_roles: bool = False) -> Optional[dict[str, Any]]:
+                 reset_changed_roles: bool = False, resume: bool = False) -> Optional[dict[str, Any]]:
     """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
 
     Returns the rest of a Lightning checkpoint (``meta.pt`` of a directory, or the file
@@ -66,15 +71,32 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
 
     ``verify``: check the checksums the save recorded (sizes are always checked).
     ``reset_changed_roles``: parameters whose optimizer role changed since the save (a
-    changed ``matrix_filter``) restart their optimizer state instead of raising."""
+    changed ``matrix_filter``) restart their optimizer state instead of raising.
+    ``resume``: the load resumes training (``fit(ckpt_path=...)``); a source without the training
+    state (weights only) raises :class:`CheckpointNotResumableError` before anything is written."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     path = agreed_path(path, optimizers=len(optimizers), strict=bool(strict), weights_only=weights_only,
-                       verify=bool(verify), reset_changed_roles=bool(reset_changed_roles))
+                       verify=bool(verify), reset_changed_roles=bool(reset_changed_roles), resume=bool(resume))
     kind = agree(_detect, path)
     index = build_index(module)
-    if kind == "dir":
-        return _load_dir(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
-    return _load_file(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
+    load = _load_dir if kind == "dir" else _load_file
+    return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume)
+
+
+def check_resumable(what: str, holds_optimizers: bool, rest: Optional[Mapping[str, Any]]) -> None:
+    """Refuse to resume training from a checkpoint without the training state, as Lightning does
+    under DDP (``rest``: the checkpoint without its tensors; None for a plain ``state_dict``). A
+    checkpoint holds it when it holds optimizer states, or the LR schedulers of a run that had no
+    optimizer; a Fabric checkpoint (optimizer states, no loops) resumes with fresh counters."""
+    if holds_optimizers or (rest is not None and "lr_schedulers" in rest):
+        return
+    kind = ("a plain state_dict (model weights only)" if rest is None else
+            "only the model (saved with ModelCheckpoint(save_weights_only=True) or save_checkpoint(weights_only=True))")
+    raise CheckpointNotResumableError(
+        f"Trying to restore optimizer state but {what} holds {kind}: fit(ckpt_path=...) resumes training and needs "
+        "the optimizer states and LR schedulers, as under DDP. To train from these weights, load them in the "
+        "module (e.g. lightning_matrixfsdp.load_weights(self, path) in on_fit_start) and call fit without ckpt_path; "
+        "validate/test/predict(ckpt_path=...) accept this checkpoint as it is")
 
 
 def _detect(path: Path) -> str:
@@ -168,7 +190,8 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 
 
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
+              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
+              resume: bool) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     what = f"checkpoint {path}"
@@ -193,6 +216,8 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     if side is not None and isinstance(side.get("files"), Mapping):
         verify_files(path, side["files"], checksums=verify)
     meta = agree(read_meta, path, weights_only) if (path / META_NAME).is_file() else None
+    if resume:
+        agree(check_resumable, what, ck.n_optimizers() > 0, meta)
     match = agree(match_model, index, ck.specs(), strict, what)
     if side is not None:
         _log_layout(side, index)
@@ -290,7 +315,8 @@ def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
 
 
 def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
+               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
+               resume: bool) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
     if verify:
         verify_zip(path)
@@ -307,6 +333,8 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
         raise CheckpointCorruptError(f"{what} holds neither a Lightning checkpoint nor a state_dict")
 
     ckpt, lightning = agree(read)
+    if resume:
+        agree(check_resumable, what, lightning and "optimizer_states" in ckpt, ckpt if lightning else None)
     sd = ckpt["state_dict"] if lightning else ckpt
     match = agree(match_model, index, {k: spec(v) for k, v in sd.items()}, strict, what)
     saved = list(ckpt.get("optimizer_states") or []) if lightning else []
