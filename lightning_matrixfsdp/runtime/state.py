@@ -12,6 +12,7 @@ from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
+from lightning_matrixfsdp.runtime.sync import BufferSync
 from lightning_matrixfsdp.runtime.unit import Unit
 
 
@@ -40,6 +41,9 @@ class MatrixFSDPState:
         self.schedule: Schedule[Unit] = Schedule(self.prefetch, self._end_of_backward)
         #: ``replica_split`` under HSDP: the weight transfers from each role's stepping replica
         self.replicas: Optional[ReplicaSync] = None
+        #: rank 0's buffers for every rank (``sync.BufferSync``; ``matrix_shard`` sets it)
+        self.buffers: Optional[BufferSync] = None
+        self.requires_gradient_sync = True
 
     # ------------------------------------------------------------------ queries
     @property
@@ -96,6 +100,18 @@ class MatrixFSDPState:
             if unit.is_materialized:
                 unit.reshard()
 
+    # ------------------------------------------------------------------ buffers
+    def broadcast_buffers(self, only_if_due: bool = False) -> None:
+        """Every rank takes global rank 0's buffers now (collective; nothing with
+        ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would
+        broadcast (the Trainer's validation start); either way the next forward need not."""
+        if self.buffers is not None:
+            if only_if_due:
+                self.buffers.sync_if_due()
+            elif self.buffers.enabled:
+                self.buffers.broadcast()
+                self.buffers.due = False
+
     # ------------------------------------------------------------------ replica_split
     def start_replica_sync(self, only: Optional[set[int]] = None) -> None:
         """Send the weights the steppers may have updated (``only``: ids of resident parameters)."""
@@ -120,5 +136,6 @@ class MatrixFSDPState:
             self.replicas.start()
 
     def set_requires_gradient_sync(self, value: bool) -> None:
+        self.requires_gradient_sync = value
         for u in self.units:
             u.requires_gradient_sync = value

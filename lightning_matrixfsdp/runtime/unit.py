@@ -119,8 +119,9 @@ class Unit:
             module.register_forward_hook(self._post_forward_hook),
         ]
         for i, p in enumerate(params):
-            self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
-            p.unsharded.requires_grad_(p.requires_grad)
+            if p.differentiable:  # an integer or bool parameter never gets a gradient
+                self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
+                p.unsharded.requires_grad_(p.requires_grad)
         # A submodule that holds this unit's parameters and runs while the unit is not
         # materialized was called outside the unit's forward: on a non-owner its weights are
         # empty placeholders and torch would fail with a bare shape error (and the owner would
