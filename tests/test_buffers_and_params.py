@@ -106,7 +106,8 @@ def _fit(strategy: Any, cfg: dict) -> tuple[Lit, Trainer]:
                       max_epochs=cfg.get("epochs", 2), enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=cfg.get("sanity", 1),
                       limit_val_batches=cfg.get("val_batches", 1), callbacks=cfg.get("callbacks", []),
-                      sync_batchnorm=cfg.get("sync_batchnorm", False), default_root_dir=cfg["root"])
+                      sync_batchnorm=cfg.get("sync_batchnorm", False), gradient_clip_val=cfg.get("clip"),
+                      default_root_dir=cfg["root"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch 2.13's FutureWarning on broadcast_buffers; Lightning's hints
         trainer.fit(lit)
@@ -238,6 +239,17 @@ def test_every_owner_takes_rank_zeros_weights_when_sharding(case, dist_pools):
         assert received > 8 * n_params, res[1]["stats"]
 
 
+def test_digest_sees_one_flipped_bit():
+    """The agreement moves only what differs, so its digest must see the smallest difference."""
+    from lightning_matrixfsdp.runtime.sync import digests
+
+    t = torch.randn(3, 70_000)  # more than one exact block of the digest
+    flipped = t.clone()
+    flipped.view(torch.int32)[2, 69_999] ^= 1
+    d = digests([t, t.clone(), flipped, t.reshape(70_000, 3), t.double()])
+    assert d[0] == d[1] and len(set(d[1:])) == 4, d  # equal copies agree; a bit, the shape, the dtype differ
+
+
 # ---------------------------------------------------------------------- 3. every kind of parameter
 def test_integer_bool_float64_complex_parameters_like_ddp(dist_pools, tmp_path):
     """Frozen int64 and bool parameters ride along, float64 and complex64 ones train, as under DDP
@@ -248,6 +260,23 @@ def test_integer_bool_float64_complex_parameters_like_ddp(dist_pools, tmp_path):
     p = res[0]["mf"]["params"]
     assert p["blocks.0.counts"].dtype == torch.int64 and p["blocks.0.keep"].dtype == torch.bool
     assert p["blocks.1.w64"].dtype == torch.float64 and p["blocks.1.phase"].dtype == torch.complex64
+
+
+def test_global_norm_clip_counts_complex_moduli_like_torch():
+    """Lightning's DDP clips with torch.nn.utils.clip_grad_norm_, whose norm of a complex gradient
+    is that of its moduli; the owners' clip took the real parts only (``.double()``)."""
+    torch.manual_seed(0)
+    grads = [torch.randn(5, dtype=torch.complex64), torch.randn(3, 4)]
+    ref = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    mine = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, q, g in zip(ref, mine, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    for norm_type in (2.0, 3.0):
+        want = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type=norm_type)
+        got = mf.clip_grad_norm_(mine, 0.5, norm_type=norm_type)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for p, q in zip(ref, mine):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=0)
 
 
 def test_sparse_gradients_refused_when_sharding_on_every_rank(dist_pools, tmp_path):

@@ -41,36 +41,49 @@ from lightning_matrixfsdp.runtime.sync_comm import as_bytes, broadcast_packed, g
 AGREE_PHASE = "init_sync"
 #: Phase of the buffer broadcasts.
 BUFFER_PHASE = "buffers"
-#: Bytes summed exactly into one partial sum of a digest: 2^20 bytes of at most 255 times
-#: weights below 2^16 stay below 2^44, exact in float64 whatever order the sum takes.
-_CHUNK = 1 << 20
+#: 32-bit words per exact partial sum of a digest: words below 2^31 in magnitude times weights
+#: below 2^16, 2^15 of them, stay below 2^62 in int64, whatever order the sum takes.
+_BLOCK = 1 << 15
+#: Words converted to int64 at a time (bounds the temporary memory to 64 MiB).
+_STEP = 1 << 22
 
 
 # ---------------------------------------------------------------------- digests
-def _position_weights(device: torch.device) -> torch.Tensor:
-    idx = torch.arange(_CHUNK, dtype=torch.int64, device=device)
-    return ((idx * 40503 + 12345) % 65521 + 1).double()
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int32 words (zero-padded to a multiple of 4 bytes)."""
+    raw = as_bytes(t)
+    pad = -raw.numel() % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    return raw.view(torch.int32)
 
 
 def digests(tensors: Sequence[Optional[torch.Tensor]]) -> list[int]:
     """A signed 64-bit digest of each tensor's dtype, shape and bytes (0 for None).
 
-    Each byte is weighted by its position and summed exactly in float64, chunk by chunk, where the
-    tensor lives (so the sum does not depend on the kernel's order); the host hashes the sums.
-    A change of any single byte always changes the digest."""
+    The bytes, read as 32-bit words, are weighted by their position and summed exactly in int64,
+    block by block, where the tensor lives (about one pass over its memory); the host hashes the
+    block sums. A change of any single word always changes the digest."""
     partial: list[Optional[torch.Tensor]] = []
     weights: dict[torch.device, torch.Tensor] = {}
     for t in tensors:
         if t is None:
             partial.append(None)
             continue
-        raw = as_bytes(t)
-        if raw.device not in weights:
-            weights[raw.device] = _position_weights(raw.device)
-        w = weights[raw.device]
-        sums = [(raw[s:s + _CHUNK].double() * w[:min(_CHUNK, raw.numel() - s)]).sum()
-                for s in range(0, raw.numel(), _CHUNK)]
-        partial.append(torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.float64))
+        words = _words(t)
+        if words.device not in weights:
+            idx = torch.arange(_BLOCK, dtype=torch.int64, device=words.device)
+            weights[words.device] = (idx * 40503 + 12345) % 65521 + 1
+        w = weights[words.device]
+        sums = []
+        for s in range(0, words.numel(), _STEP):
+            part = words[s:s + _STEP].to(torch.int64)
+            whole = part.numel() // _BLOCK * _BLOCK
+            if whole:
+                sums.append((part[:whole].view(-1, _BLOCK) * w).sum(1))
+            if whole < part.numel():
+                sums.append((part[whole:] * w[:part.numel() - whole]).sum().reshape(1))
+        partial.append(torch.cat(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64))
     out = []
     for t, sums in zip(tensors, partial):
         if t is None or sums is None:
