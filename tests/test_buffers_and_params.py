@@ -58,7 +58,7 @@ class Lit(LightningModule):
 
     def __init__(self, kind: str = "bn", d: int = 8, layers: int = 2, optimizer: str = "muon") -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(BNBlock(d) if kind == "bn" else Kinds(d) for _ in range(layers))
+        self.blocks = nn.ModuleList(Kinds(d) if kind == "kinds" else BNBlock(d) for _ in range(layers))
         self.emb = nn.Embedding(4, d, sparse=True) if kind == "sparse" else None
         self.head = nn.Linear(d, 1)
         self.optimizer_name = optimizer
