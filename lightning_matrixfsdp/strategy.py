@@ -409,7 +409,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         """Also, in fit: rank 0's buffers where DDP's first validation forward would broadcast them
         (here every rank is present, also when some have no validation batch)."""
         self.on_test_start()
-        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             sync_buffers(self.lightning_module, only_if_due=True)
 
     def teardown(self) -> None:
