@@ -25,7 +25,7 @@ from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 __all__ = [
     "SETUP_ORDER", "apply_activation_checkpointing", "build_replacement", "check_optimizers_follow",
     "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "replicas_after_step", "route_optimizers",
-    "set_gradient_sync", "settle_replicas", "shard_module",
+    "set_gradient_sync", "settle_replicas", "shard_module", "sync_buffers",
 ]
 
 #: How to set up a model and its optimizer under owner sharding, for error messages.
@@ -180,3 +180,10 @@ def settle_replicas(module: nn.Module) -> None:
     evaluation forward, which some ranks may skip under the uneven-inputs join, sends nothing)."""
     for root in sharded_roots(module):
         state_of(root).settle_replicas(clear=True)
+
+
+def sync_buffers(module: nn.Module, only_if_due: bool = False) -> None:
+    """Every sharded model inside ``module`` takes global rank 0's buffers (collective; nothing with
+    ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would broadcast."""
+    for root in sharded_roots(module):
+        state_of(root).broadcast_buffers(only_if_due)

@@ -132,6 +132,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         reset_changed_roles: bool = False,
         replica_split: bool = False,
         flatten_conv: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         opts = check_strategy_options(
             wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
@@ -141,7 +142,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
             shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
-            replica_split=replica_split, flatten_conv=flatten_conv,
+            replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers,
         )
         super().__init__(
             parallelize_fn=_not_used, data_parallel_size="auto", tensor_parallel_size="auto",
@@ -163,6 +164,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         self.zero_missing_grads = opts["zero_missing_grads"]
         self.replica_split = opts["replica_split"]
         self.flatten_conv = opts["flatten_conv"]
+        self.broadcast_buffers = opts["broadcast_buffers"]
         self.timeout = opts["timeout"]  # also for the HSDP mesh's groups (runtime.mesh.hsdp_mesh)
         self.log_plan = opts["log_plan"]
         self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
@@ -207,7 +209,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
                 matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                 reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
                 zero_missing_grads=self.zero_missing_grads, replica_split=self.replica_split,
-                flatten_conv=self.flatten_conv,
+                flatten_conv=self.flatten_conv, broadcast_buffers=self.broadcast_buffers,
             )
         module.to(self.root_device)  # buffers and anything outside the shard
         self._modules.append(module)

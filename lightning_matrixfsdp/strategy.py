@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
@@ -32,6 +33,7 @@ from lightning_matrixfsdp.adapter import (
     set_gradient_sync,
     settle_replicas,
     shard_module,
+    sync_buffers,
 )
 from lightning_matrixfsdp.checkpoint import (
     CheckpointError,
@@ -43,6 +45,7 @@ from lightning_matrixfsdp.checkpoint import (
     sharded_optimizer_state_dict,
     write_checkpoint,
 )
+from lightning_matrixfsdp.model_compat import convert_sync_batchnorm, refuse_pruning
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.replacement import replace_optimizer
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
@@ -149,6 +152,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         reset_changed_roles: bool = False,
         replica_split: bool = False,
         flatten_conv: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         # Every option is checked here, at construction, so a wrong one fails where it was written.
         opts = check_strategy_options(
@@ -159,7 +163,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
             save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
             timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
-            replica_split=replica_split, flatten_conv=flatten_conv,
+            replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers,
         )
         super().__init__(
             data_parallel_size="auto", tensor_parallel_size="auto",
@@ -181,6 +185,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         self.zero_missing_grads = opts["zero_missing_grads"]
         self.replica_split = opts["replica_split"]
         self.flatten_conv = opts["flatten_conv"]
+        self.broadcast_buffers = opts["broadcast_buffers"]
         self.timeout = opts["timeout"]  # also for the HSDP mesh's groups (runtime.mesh.hsdp_mesh)
         self.log_plan = opts["log_plan"]
         self._shard_mesh: Any = None
@@ -244,7 +249,12 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         assert module is not None
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError("Found FSDP1-wrapped modules; MatrixFSDPStrategy needs the plain model.")
-        if not self._is_sharded(module):
+        refuse_pruning(trainer.callbacks)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.model = convert_sync_batchnorm(self.model, self._layer_sync if fitting else None, self.root_device)
+        if self._is_sharded(module):  # sharded before (a second fit, a test after fit): rank 0's buffers, as DDP's setup
+            sync_buffers(module)
+        else:
             self.model = self.precision_plugin.convert_module(self.model)
             shard_module(
                 module, mesh=self._shard_mesh, device=self.root_device,
@@ -253,7 +263,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
                 reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
                 zero_missing_grads=self.zero_missing_grads, replica_split=self.replica_split,
-                flatten_conv=self.flatten_conv,
+                flatten_conv=self.flatten_conv, broadcast_buffers=self.broadcast_buffers,
             )
         self.model_to_device()  # buffers and anything outside the shard
         watch_lone_forwards(module)  # a forward outside the steps (a hook's) must be joined by every rank
@@ -263,13 +273,12 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if self.log_plan:
             for plan in self._plans():
                 rank_zero_info(str(plan))
-        from lightning.pytorch.trainer.states import TrainerFn
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _is_sharded(self, module: nn.Module) -> bool:
@@ -343,13 +352,20 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         finally:
             set_gradient_sync(self.lightning_module, True)
 
-    def on_validation_start(self) -> None:
+    def on_test_start(self) -> None:
         """``replica_split``: evaluation and the end of fit see every replica's weights current
         (Lightning's own hooks here do nothing)."""
         if self.lightning_module is not None:
             settle_replicas(self.lightning_module)
 
-    on_test_start = on_predict_start = on_train_end = on_validation_start
+    on_predict_start = on_train_end = on_test_start
+
+    def on_validation_start(self) -> None:
+        """Also, in fit: rank 0's buffers where DDP's first validation forward would broadcast them
+        (here every rank is present, also when some have no validation batch)."""
+        self.on_test_start()
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            sync_buffers(self.lightning_module, only_if_due=True)
 
     def teardown(self) -> None:
         """Also end the helper thread of interruptible gloo waits: no thread of ours outlives ``fit``."""

@@ -10,7 +10,7 @@ from lightning_matrixfsdp.runtime.tags import state_of
 
 def check_model(module: nn.Module) -> None:
     """Refuse a model ``matrix_shard`` cannot take: sharded already (by us or by FSDP),
-    holding DTensors, or spread over several devices."""
+    holding DTensors, an embedding with sparse gradients, or spread over several devices."""
     for name, m in module.named_modules():
         if state_of(m) is not None:
             raise MatrixShardError(
@@ -32,6 +32,14 @@ def check_model(module: nn.Module) -> None:
                 f"parameter {name!r} is a DTensor (tensor parallel or FSDP2). MatrixFSDP owns whole "
                 "matrices per rank and does not compose with tensor parallelism; use a plain model"
             )
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise MatrixShardError(
+                f"parameter {(name + '.weight') if name else 'weight'!r} belongs to {type(m).__name__}(sparse=True) "
+                "and would get sparse gradients, which matrix_fsdp cannot reduce to the parameter's owner (it sums "
+                "dense gradients, and every forward materializes the full weight anyway, so a sparse gradient "
+                f"would save nothing); build it with sparse=False (and an optimizer for dense gradients, e.g. Adam "
+                "instead of SparseAdam), or train this model with DDP")
     params = list(module.parameters())
     devices = {p.device for p in params if not p.is_meta}
     n_meta = sum(p.is_meta for p in params)

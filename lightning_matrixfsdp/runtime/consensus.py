@@ -36,8 +36,9 @@ from lightning_matrixfsdp.runtime.placement import Plan, first_difference
 #: ``1``: check the sequence on every backend; ``0``: nowhere; unset: where the shard group is gloo.
 CHECK_ENV = "MATRIX_FSDP_CHECK_SEQUENCE"
 #: What a rank is about to do to a unit, by operation code (:data:`MATERIALIZE` ...).
-OPS = ("materialize", "reduce the gradients of", "agree on the used gradients of")
-MATERIALIZE, REDUCE, AGREE_USED = range(len(OPS))
+OPS = ("materialize", "reduce the gradients of", "agree on the used gradients of",
+       "broadcast rank 0's buffers before the forward of")
+MATERIALIZE, REDUCE, AGREE_USED, SYNC_BUFFERS = range(len(OPS))
 #: Seconds every rank has to join a forward outside the Trainer's steps; ``0`` turns the check off.
 LONE_FORWARD_ENV = "MATRIX_FSDP_LONE_FORWARD_TIMEOUT"
 LONE_FORWARD_TIMEOUT_S = 30.0
@@ -95,7 +96,8 @@ class SequenceCheck:
         self.describe: Callable[[], str] = lambda: ""
 
     def __call__(self, op: int, unit: int) -> None:
-        """``op``: :data:`MATERIALIZE`, :data:`REDUCE` or :data:`AGREE_USED`; ``unit``: its index in the plan."""
+        """``op``: :data:`MATERIALIZE`, :data:`REDUCE`, :data:`AGREE_USED` or :data:`SYNC_BUFFERS`;
+        ``unit``: its index in the plan."""
         seen = gather_ints([self.count, op, unit], self.group,
                            f"the sequence check before it would {self._what(op, unit)}")
         self.count += 1

@@ -302,6 +302,7 @@ def check_shard_options(
     zero_missing_grads: Any = False,
     replica_split: Any = False,
     flatten_conv: Any = False,
+    broadcast_buffers: Any = True,
     device: Any = None,
     mesh: Any = None,
 ) -> dict[str, Any]:
@@ -323,6 +324,7 @@ def check_shard_options(
         "zero_missing_grads": check_bool(zero_missing_grads, "zero_missing_grads"),
         "replica_split": check_bool(replica_split, "replica_split"),
         "flatten_conv": check_bool(flatten_conv, "flatten_conv"),
+        "broadcast_buffers": check_bool(broadcast_buffers, "broadcast_buffers"),
         "device": check_device(device),
         "mesh": check_mesh(mesh),
     }
@@ -351,6 +353,7 @@ def check_strategy_options(
     log_plan: Any,
     replica_split: Any = False,
     flatten_conv: Any = False,
+    broadcast_buffers: Any = True,
 ) -> dict[str, Any]:
     """Every option of ``MatrixFSDPStrategy``, checked and normalized (same keys)."""
     if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
@@ -361,7 +364,7 @@ def check_strategy_options(
         wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
         shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-        replica_split=replica_split, flatten_conv=flatten_conv)
+        replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers)
     for key in ("ns_steps", "device", "mesh"):  # matrix_shard's own; the strategy sets them
         del shard[key]
     return dict(

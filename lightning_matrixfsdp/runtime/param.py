@@ -43,12 +43,18 @@ class ShardedParam:
         self.device = device
         self.shape = torch.Size(shard.shape)
         self.orig_dtype = resident.dtype
-        self.compute_dtype = compute_dtype or resident.dtype
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        #: floating or complex: it can have a gradient (integer and bool parameters are always frozen)
+        self.differentiable = resident.dtype.is_floating_point or resident.dtype.is_complex
+        # param_dtype / reduce_dtype are floating dtypes: they apply to floating parameters only,
+        # as in FSDP2 (an integer or complex parameter keeps its dtype)
+        floating = resident.dtype.is_floating_point
+        self.compute_dtype = (compute_dtype if floating else None) or resident.dtype
+        self.reduce_dtype = (reduce_dtype if floating else None) or self.compute_dtype
         self._make_resident()
         tag_param(self.resident, shard, self.owned)
-        # Created trainable so the unit can hook it once; frozen-ness follows the resident.
-        self.unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.compute_dtype, device=device))
+        # Created trainable (where the dtype allows) so the unit can hook it once; frozen-ness follows the resident.
+        self.unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.compute_dtype, device=device),
+                                      requires_grad=self.differentiable)
         # A plain alias of the same storage with its own version counter: writes
         # through it refill the buffer without tripping autograd's saved-tensor checks.
         self.data = self.unsharded.data
@@ -107,6 +113,11 @@ class ShardedParam:
         g = self.unsharded.grad
         if g is None:
             return None
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter {self.shard.fqn!r} got a {g.layout} gradient (e.g. from nn.Embedding(sparse=True)); "
+                "matrix_fsdp reduces dense gradients to each parameter's owner: make the module produce dense "
+                "gradients (nn.Embedding(..., sparse=False))")
         if g.dtype != self.reduce_dtype:
             g = g.to(self.reduce_dtype)
         return g.contiguous()

@@ -17,16 +17,23 @@ from lightning_matrixfsdp.runtime.collectives import (
     comm_device,
     make_collective,
 )
-from lightning_matrixfsdp.runtime.consensus import make_sequence_check, sequence_check_wanted, validate_schedule
+from lightning_matrixfsdp.runtime.consensus import (
+    SYNC_BUFFERS,
+    make_sequence_check,
+    sequence_check_wanted,
+    validate_schedule,
+)
 from lightning_matrixfsdp.runtime.mesh import hsdp_mesh, shard_and_replicate_groups
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
+from lightning_matrixfsdp.runtime.prune_guard import install_prune_guard
 from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.replicas import assign_steppers
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
 from lightning_matrixfsdp.runtime.tags import attach_state
 from lightning_matrixfsdp.runtime.unit import Unit
 
@@ -90,6 +97,7 @@ def matrix_shard(
     zero_missing_grads: bool = False,
     replica_split: bool = False,
     flatten_conv: bool = False,
+    broadcast_buffers: bool = True,
 ) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
 
@@ -121,6 +129,12 @@ def matrix_shard(
     kernel ``(out, in, *k)``) is a matrix role too, when ``matrix_filter`` (now also
     asked about it) accepts it; ``Muon`` orthogonalizes it as the ``(out, in * prod(k))``
     matrix, as several Muon implementations do for convolutional networks.
+
+    As DDP when it wraps a model, every role takes global rank 0's value here (ranks that built
+    the model with different weights train rank 0's; ranks that agree move no parameter bytes),
+    and so do the buffers. ``broadcast_buffers=True`` (DDP's default) also broadcasts rank 0's
+    buffers before each forward that follows a training forward, so BatchNorm statistics are rank
+    0's everywhere; ``False`` leaves each rank its own buffers, never broadcast.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
@@ -129,7 +143,8 @@ def matrix_shard(
         wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
         ns_steps=ns_steps, shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-        replica_split=replica_split, flatten_conv=flatten_conv, device=device, mesh=mesh)
+        replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers, device=device,
+        mesh=mesh)
     wrap_policy, planner, param_dtype, reduce_dtype = (opts[k] for k in ("wrap_policy", "planner", "param_dtype",
                                                                            "reduce_dtype"))
     device, shard_size = opts["device"], opts["shard_size"]
@@ -199,13 +214,22 @@ def matrix_shard(
         "zero_missing_grads": bool(zero_missing_grads),
         "replica_split": split,
         "sequence_check": sequence_check_wanted(sg),
+        "broadcast_buffers": opts["broadcast_buffers"],
+        "buffers": buffer_layout(module),
     }
     validate_schedule(plan, schedule, sg)
     if replicate_pg is not None:  # HSDP: every replica must hold the same layout too
         validate_schedule(plan, schedule, ShardGroup(replicate_pg))
 
-    # -- apply: resident tensors, pinned unsharded buffers, unit hooks
+    # -- every owner on global rank 0's values (DDP's broadcast at wrap), before non-owners drop theirs
     stats = CommStats()
+    fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
+    layouts = [shard for layout in plan.units for shard in layout.shards]
+    if not any(p.is_meta for p in param_objs.values()):
+        agree_params([param_objs[fqn_to_pid[s.fqn]].data for s in layouts], [s.owner for s in layouts], sg,
+                     replicate_pg, stats)
+
+    # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     coll = make_collective(collective, sg, stats)
     exchange = ReplicaExchange(replicate_pg, stats) if split else None
     reducer = GradientReducer(coll, replicate_pg, split=exchange, steppers=plan.steppers)
@@ -214,7 +238,6 @@ def matrix_shard(
     check = make_sequence_check(sg, [u.fqn for u in plan.units]) if schedule["sequence_check"] else None
     if check is not None:
         check.describe = state.describe_waiting
-    fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
     for index, (layout, (_, umod)) in enumerate(zip(plan.units, units)):
         sparams = []
@@ -230,8 +253,16 @@ def matrix_shard(
         state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange, first=root_index)
         for unit in state.units:
             unit.replicas = state.replicas
-        state.install_hooks()  # the root's replica hooks
     _materialize_meta(module, meta_modules, device)
+    if meta_modules:  # owners initialized their own roles: the replicas of each owner take replica 0's
+        agree_replicas([p.resident.data for p in state.params if p.owned], replicate_pg, stats)
+    state.buffers = BufferSync(module, sg, replicate_pg, stats, opts["broadcast_buffers"])
+    root_index = next(i for i, u in enumerate(state.units) if u.module is module)
+    if check is not None:
+        state.buffer_check = lambda: check(SYNC_BUFFERS, root_index)
+    state.install_hooks()  # the root's own: replica transfers, rank 0's buffers
+    state.broadcast_buffers()
+    install_prune_guard()
     attach_state(module, state)
     return module
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -13,6 +13,7 @@ from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
+from lightning_matrixfsdp.runtime.sync import BufferSync
 from lightning_matrixfsdp.runtime.unit import Unit
 
 
@@ -42,6 +43,11 @@ class MatrixFSDPState(RefusePickle):
         #: ``replica_split`` under HSDP: the weight transfers from each role's stepping replica
         self.replicas: Optional[ReplicaSync] = None
         self._root_handles: list[Any] = []
+        #: rank 0's buffers for every rank (``sync.BufferSync``; ``matrix_shard`` sets it)
+        self.buffers: Optional[BufferSync] = None
+        #: the sequence check of the buffer broadcast (``matrix_shard`` sets it where the check is on)
+        self.buffer_check: Optional[Callable[[], None]] = None
+        self.requires_gradient_sync = True
 
     def _pickle_name(self) -> str:
         return "the runtime state on the root module"
@@ -108,6 +114,18 @@ class MatrixFSDPState(RefusePickle):
             if unit.is_materialized:
                 unit.reshard()
 
+    # ------------------------------------------------------------------ buffers
+    def broadcast_buffers(self, only_if_due: bool = False) -> None:
+        """Every rank takes global rank 0's buffers now (collective; nothing with
+        ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would
+        broadcast (the Trainer's validation start); either way the next forward need not."""
+        if self.buffers is not None:
+            if only_if_due:
+                self.buffers.sync_if_due()
+            elif self.buffers.enabled:
+                self.buffers.broadcast()
+                self.buffers.due = False
+
     # ------------------------------------------------------------------ replica_split
     def start_replica_sync(self, only: Optional[set[int]] = None) -> None:
         """Send the weights the steppers may have updated (``only``: ids of resident parameters)."""
@@ -138,12 +156,17 @@ class MatrixFSDPState(RefusePickle):
         transfers start before the root unit materializes)."""
         for unit in self.units:
             unit.install_hooks()
-        if self.replicas is not None and not self._root_handles:
+        if self._root_handles:
+            return
+        if self.replicas is not None:
             self._root_handles = [
                 self.root.register_forward_pre_hook(self.before_root_forward, prepend=True),
                 # root.state_dict() reads resident tensors: the transfers already started land first
                 self.root.register_state_dict_pre_hook(self.wait_replicas),
             ]
+        if self.buffers is not None:  # registered last with prepend: rank 0's buffers come first
+            self._root_handles += self.buffers.install(self.schedule, lambda: self.requires_gradient_sync,
+                                                       self.buffer_check)
 
     def remove_hooks(self) -> None:
         """Remove every hook this state put on the modules (local): the model is then a plain
@@ -155,5 +178,6 @@ class MatrixFSDPState(RefusePickle):
         self._root_handles = []
 
     def set_requires_gradient_sync(self, value: bool) -> None:
+        self.requires_gradient_sync = value
         for u in self.units:
             u.requires_gradient_sync = value

@@ -118,8 +118,9 @@ class Unit(RefusePickle):
         self._pending_params: list[ShardedParam] = []
         self._handles = []
         for i, p in enumerate(params):
-            self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
-            p.unsharded.requires_grad_(p.requires_grad)
+            if p.differentiable:  # an integer or bool parameter never gets a gradient
+                self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
+                p.unsharded.requires_grad_(p.requires_grad)
         self._module_handles: list[Any] = []
         self.install_hooks(first=True)
         self._reset_iteration()
