@@ -86,10 +86,23 @@ TESTS: list[tuple[str, str]] = [
 ]
 
 # Tests that check what only DDP has: a failure of these is N/A, with the reason.
-NOT_APPLICABLE: dict[str, str] = {}
+NOT_APPLICABLE: dict[str, str] = {
+    P + "checkpointing/test_model_checkpoint.py::test_model_checkpoint_no_extraneous_invocations":
+        "asserts that only rank 0 calls torch.save; every rank writes its own tensors into a sharded checkpoint",
+    P + "strategies/test_ddp_integration.py::test_ddp_cpu": "asserts isinstance(trainer.strategy, DDPStrategy)",
+    P + "trainer/test_trainer.py::test_spawn_predict_return_predictions":
+        "asserts isinstance(trainer.strategy, DDPStrategy) and the spawn launcher's ProcessRaisedException",
+}
 
 # Failures that fall under a row of issue 24's table (fixed by another change).
-KNOWN_ROWS: dict[str, str] = {}
+KNOWN_ROWS: dict[str, str] = {
+    P + "callbacks/test_pruning.py::test_pruning_callback_ddp_cpu": "ModelPruning",
+    P + "callbacks/test_stochastic_weight_avg.py::test_swa_callback_ddp_cpu": "StochasticWeightAveraging",
+    P + "callbacks/test_weight_averaging.py::test_ema_ddp_spawn_cpu": "WeightAveraging / EMA",
+    P + "callbacks/test_weight_averaging.py::test_ema_resume_ddp": "WeightAveraging / EMA",
+    P + "checkpointing/test_torch_saving.py::test_model_torch_save_ddp_cpu": "torch.save(trainer.model) pickling",
+    P + "overrides/test_distributed.py::test_params_synced_during_nonfit": "rank-divergent initial weights",
+}
 
 SWAP_ENV = "MFSDP_COMPAT_SWAP"  # "matrix_fsdp" or "ddp": what the strategy becomes
 REPORT_ENV = "MFSDP_COMPAT_REPORT"  # a file every process appends its reports to (JSON lines)
@@ -238,13 +251,12 @@ def verdict(nodeid: str, ddp: tuple[str, str], ours: tuple[str, str], swapped: b
         note = "no Trainer strategy swapped" + (f" (kept {', '.join(kept)})" if kept else "") + (f"; {note}" if note else "")
     if result != "fail":
         return result, note
+    row = f"row: {KNOWN_ROWS[nodeid]}; " if nodeid in KNOWN_ROWS else ""
     if nodeid in NOT_APPLICABLE:
-        return "N/A", f"{NOT_APPLICABLE[nodeid]} ({note})"
+        return "N/A", f"{row}{NOT_APPLICABLE[nodeid]} ({note})"
     if ddp[0] == "fail":
-        return "N/A", f"fails under ddp with this launcher too ({ddp[1]}); matrix_fsdp: {note}"
-    if nodeid in KNOWN_ROWS:
-        return "fail", f"row: {KNOWN_ROWS[nodeid]}; {note}"
-    return "fail", note
+        return "N/A", f"{row}fails under ddp with this launcher too ({ddp[1]}); matrix_fsdp: {note}"
+    return "fail", f"{row}{note}"
 
 
 def _cell(text: str) -> str:
