@@ -10,10 +10,11 @@ on 2 CPU processes) runs twice, each time in its own ``pytest`` process with thi
 loaded as a pytest plugin (``-p lightning_compat``) that rewrites the strategy of every
 ``Trainer(...)``:
 
-- ``ddp``: ``"ddp_spawn"`` (``_fork``, ``_notebook``) becomes ``"ddp"``, so that DDP runs
-  with the launcher matrix_fsdp has (the script is started again for the other rank,
-  which gets its own ``tmp_path``); what fails here is a spawn-only expectation;
-- ``matrix_fsdp``: every ``"ddp*"`` string and plain ``DDPStrategy`` becomes matrix_fsdp.
+- ``matrix_fsdp``: every ``"ddp*"`` string and plain ``DDPStrategy`` becomes matrix_fsdp;
+- ``ddp`` (where matrix_fsdp fails, or for every test with ``--ddp-too``): ``"ddp_spawn"``
+  (``_fork``, ``_notebook``) becomes ``"ddp"``, so that DDP runs with the launcher
+  matrix_fsdp has (the script is started again for the other rank, which gets its own
+  ``tmp_path``); what fails here too is a spawn-only expectation.
 
 The launcher's other rank re-runs the same command, so it rewrites alike. The table written
 to ``--out`` gives both outcomes and a verdict: ``pass``; ``fail`` (matrix_fsdp fails
@@ -85,10 +86,23 @@ TESTS: list[tuple[str, str]] = [
 ]
 
 # Tests that check what only DDP has: a failure of these is N/A, with the reason.
-NOT_APPLICABLE: dict[str, str] = {}
+NOT_APPLICABLE: dict[str, str] = {
+    P + "checkpointing/test_model_checkpoint.py::test_model_checkpoint_no_extraneous_invocations":
+        "asserts that only rank 0 calls torch.save; every rank writes its own tensors into a sharded checkpoint",
+    P + "strategies/test_ddp_integration.py::test_ddp_cpu": "asserts isinstance(trainer.strategy, DDPStrategy)",
+    P + "trainer/test_trainer.py::test_spawn_predict_return_predictions":
+        "asserts isinstance(trainer.strategy, DDPStrategy) and the spawn launcher's ProcessRaisedException",
+}
 
 # Failures that fall under a row of issue 24's table (fixed by another change).
-KNOWN_ROWS: dict[str, str] = {}
+KNOWN_ROWS: dict[str, str] = {
+    P + "callbacks/test_pruning.py::test_pruning_callback_ddp_cpu": "ModelPruning",
+    P + "callbacks/test_stochastic_weight_avg.py::test_swa_callback_ddp_cpu": "StochasticWeightAveraging",
+    P + "callbacks/test_weight_averaging.py::test_ema_ddp_spawn_cpu": "WeightAveraging / EMA",
+    P + "callbacks/test_weight_averaging.py::test_ema_resume_ddp": "WeightAveraging / EMA",
+    P + "checkpointing/test_torch_saving.py::test_model_torch_save_ddp_cpu": "torch.save(trainer.model) pickling",
+    P + "overrides/test_distributed.py::test_params_synced_during_nonfit": "rank-divergent initial weights",
+}
 
 SWAP_ENV = "MFSDP_COMPAT_SWAP"  # "matrix_fsdp" or "ddp": what the strategy becomes
 REPORT_ENV = "MFSDP_COMPAT_REPORT"  # a file every process appends its reports to (JSON lines)
@@ -237,13 +251,12 @@ def verdict(nodeid: str, ddp: tuple[str, str], ours: tuple[str, str], swapped: b
         note = "no Trainer strategy swapped" + (f" (kept {', '.join(kept)})" if kept else "") + (f"; {note}" if note else "")
     if result != "fail":
         return result, note
+    row = f"row: {KNOWN_ROWS[nodeid]}; " if nodeid in KNOWN_ROWS else ""
     if nodeid in NOT_APPLICABLE:
-        return "N/A", f"{NOT_APPLICABLE[nodeid]} ({note})"
+        return "N/A", f"{row}{NOT_APPLICABLE[nodeid]} ({note})"
     if ddp[0] == "fail":
-        return "N/A", f"fails under ddp with this launcher too ({ddp[1]}); matrix_fsdp: {note}"
-    if nodeid in KNOWN_ROWS:
-        return "fail", f"row: {KNOWN_ROWS[nodeid]}; {note}"
-    return "fail", note
+        return "N/A", f"{row}fails under ddp with this launcher too ({ddp[1]}); matrix_fsdp: {note}"
+    return "fail", f"{row}{note}"
 
 
 def _cell(text: str) -> str:
@@ -257,6 +270,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--only", action="append", default=None,
                         help="run only the tests whose id contains this (repeatable)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test run (default 300)")
+    parser.add_argument("--ddp-too", action="store_true",
+                        help="run DDP for every test (default: only where matrix_fsdp fails)")
     args = parser.parse_args(argv)
     tests_dir = args.lightning_src / "tests"
     if not (tests_dir / "tests_pytorch" / "conftest.py").exists():
@@ -266,15 +281,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     for nodeid, area in TESTS:
         if args.only and not any(o in nodeid for o in args.only):
             continue
-        base = run_one(tests_dir, nodeid, "ddp", args.timeout, worktree)
         ours = run_one(tests_dir, nodeid, "matrix_fsdp", args.timeout, worktree)
+        m = outcome(ours)
+        # DDP runs where matrix_fsdp fails (or with --ddp-too): does the test pass with this launcher?
+        base = run_one(tests_dir, nodeid, "ddp", args.timeout, worktree) if m[0] == "fail" or args.ddp_too else None
+        d = outcome(base) if base is not None else ("-", "")
         swapped = any("swap" in e for e in ours["entries"])
         kept = sorted({e["kept"] for e in ours["entries"] if "kept" in e})
-        d, m = outcome(base), outcome(ours)
         result, note = verdict(nodeid, d, m, swapped, kept)
         rows.append((nodeid, area, d[0], m[0], result, note))
-        print(f"{result:5s} ddp={d[0]:4s} {base['seconds']:5.0f}s mf={m[0]:4s} {ours['seconds']:5.0f}s {nodeid}  "
-              f"{note[:200]}", flush=True)
+        print(f"{result:5s} mf={m[0]:4s} {ours['seconds']:4.0f}s ddp={d[0]:4s} {nodeid}  {note[:200]}", flush=True)
     counts = {k: sum(r[4] == k for r in rows) for k in ("pass", "fail", "N/A", "skip")}
     summary = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
     print(summary)
@@ -284,6 +300,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         lines = [f"lightning {lightning.__version__}, torch {torch.__version__}, tests of {args.lightning_src.name}; "
                  f"{len(rows)} tests: {summary}.", "",
+                 "ddp: the test under DDP with matrix_fsdp's launcher, run where matrix_fsdp fails (- elsewhere).", "",
                  "| test | area | ddp | matrix_fsdp | result | note |", "| --- | --- | --- | --- | --- | --- |"]
         lines += [f"| `{_cell(n.removeprefix(P))}` | {a} | {d} | {m} | {r} | {_cell(note)} |"
                   for n, a, d, m, r, note in rows]

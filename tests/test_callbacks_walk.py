@@ -90,6 +90,7 @@ def test_model_checkpoint_variants_equal_ddp(scenario):
 
 def test_checkpoint_contents_equal_ddp(scenario, walk_root, tmp_path):
     """The best top-k checkpoint (a directory under matrix_fsdp) holds DDP's weights and loop state."""
+    from lightning_matrixfsdp.checkpoint import from_native
     from lightning_matrixfsdp.checkpoint.consolidate import dcp_to_file
 
     ddp, mf = scenario("callbacks")
@@ -102,6 +103,14 @@ def test_checkpoint_contents_equal_ddp(scenario, walk_root, tmp_path):
         _same_tensors(theirs["state_dict"], ours["state_dict"], f"{sub}/{name}")
         assert (ours["epoch"], ours["global_step"]) == (theirs["epoch"], theirs["global_step"])
         assert ("optimizer_states" in ours) == ("optimizer_states" in theirs), sub
+        if sub == "topk":  # Muon's state, per parameter name (DDP's optimizer holds every parameter)
+            names = [[n for n, _ in WalkModule().named_parameters()]]
+            _, their_state = from_native(theirs["optimizer_states"][0], names)
+            _, our_state = from_native(ours["optimizer_states"][0])
+            assert their_state.keys() == our_state.keys() and their_state
+            for n in their_state:
+                _same_tensors({k: torch.as_tensor(v) for k, v in their_state[n].items()},
+                              {k: torch.as_tensor(v) for k, v in our_state[n].items()}, f"optimizer state of {n}")
 
 
 def test_early_stopping_equals_ddp(scenario):
