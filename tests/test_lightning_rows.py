@@ -77,8 +77,8 @@ def _reentrant_worker(rank: int, world: int) -> dict:
     return {"losses": (out["ddp"][0], out["matrix_fsdp"][0]), "differ": _differ(out["ddp"][1], out["matrix_fsdp"][1])}
 
 
-def test_reentrant_checkpointing_in_user_code_equals_ddp():
-    for r in run_distributed(_reentrant_worker, WORLD):
+def test_reentrant_checkpointing_in_user_code_equals_ddp(dist_pools):
+    for r in dist_pools(WORLD).run(_reentrant_worker):
         ddp_losses, losses = r["losses"]
         assert len(losses) == 4 and losses == ddp_losses
         assert not r["differ"], r["differ"]
@@ -153,6 +153,7 @@ def _sampling_worker(rank: int, world: int) -> dict:
 
 
 def test_rank_zero_forward_is_refused_within_seconds_and_full_model_samples_like_ddp():
+    # processes of its own: the refused forward leaves their process group unusable
     res = run_distributed(_sampling_worker, WORLD, timeout=150)
     # full_model: rank 0 samples exactly what DDP's rank 0 samples (token ids and logits, at
     # both epochs), the other rank samples nothing, and training goes on as under DDP
@@ -208,8 +209,8 @@ def _refit_worker(rank: int, world: int) -> dict:
             "differ": _differ(out["ddp"][2], out["matrix_fsdp"][2])}
 
 
-def test_second_fit_after_an_exception_in_forward_equals_ddp():
-    for r in run_distributed(_refit_worker, WORLD):
+def test_second_fit_after_an_exception_in_forward_equals_ddp(dist_pools):
+    for r in dist_pools(WORLD).run(_refit_worker):
         assert r["raised"] == ("user error in forward",) * 2
         ddp_losses, losses = r["losses"]
         assert len(losses) == 5 and losses == ddp_losses  # 2 steps before the error, 3 in the second fit
@@ -253,8 +254,8 @@ def _pickle_worker(rank: int, world: int) -> dict:
     return result
 
 
-def test_pickling_is_refused_clearly_and_full_model_pickles_what_ddp_pickles():
-    res = run_distributed(_pickle_worker, WORLD)
+def test_pickling_is_refused_clearly_and_full_model_pickles_what_ddp_pickles(dist_pools):
+    res = dist_pools(WORLD).run(_pickle_worker)
     for r in res:
         assert r["ddp", "save"] == "ok"
         message = r["matrix_fsdp", "save"]
