@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ def load_weights(module: nn.Module, path: PathLike, strict: bool = True, *, veri
 
 def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
                  strict: bool = True, weights_only: Optional[bool] = None, *, verify: bool = True,
-                 reset_changed_roles: bool = False) -> Optional[dict[str, Any]]:
+                 reset_changed_roles: bool = False,
+                 before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
     """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
 
     Returns the rest of a Lightning checkpoint (``meta.pt`` of a directory, or the file
@@ -66,15 +67,20 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
 
     ``verify``: check the checksums the save recorded (sizes are always checked).
     ``reset_changed_roles``: parameters whose optimizer role changed since the save (a
-    changed ``matrix_filter``) restart their optimizer state instead of raising."""
+    changed ``matrix_filter``) restart their optimizer state instead of raising.
+    ``before_optimizers(rest)``: runs on every rank once the rest of a Lightning checkpoint is
+    read and before the optimizers are looked at (the Trainer puts back param groups that a
+    fine-tuning callback added, as DDP's restore order does)."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     path = agreed_path(path, optimizers=len(optimizers), strict=bool(strict), weights_only=weights_only,
                        verify=bool(verify), reset_changed_roles=bool(reset_changed_roles))
     kind = agree(_detect, path)
     index = build_index(module)
     if kind == "dir":
-        return _load_dir(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
-    return _load_file(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
+        return _load_dir(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles,
+                         before_optimizers)
+    return _load_file(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles,
+                      before_optimizers)
 
 
 def _detect(path: Path) -> str:
@@ -168,7 +174,8 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 
 
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
+              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
+              before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     what = f"checkpoint {path}"
@@ -193,6 +200,8 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     if side is not None and isinstance(side.get("files"), Mapping):
         verify_files(path, side["files"], checksums=verify)
     meta = agree(read_meta, path, weights_only) if (path / META_NAME).is_file() else None
+    if before_optimizers is not None and optimizers and isinstance(meta, Mapping):
+        agree(before_optimizers, meta)
     match = agree(match_model, index, ck.specs(), strict, what)
     if side is not None:
         _log_layout(side, index)
@@ -290,7 +299,8 @@ def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
 
 
 def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
+               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
+               before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
     if verify:
         verify_zip(path)
@@ -307,6 +317,8 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
         raise CheckpointCorruptError(f"{what} holds neither a Lightning checkpoint nor a state_dict")
 
     ckpt, lightning = agree(read)
+    if before_optimizers is not None and optimizers and lightning:
+        agree(before_optimizers, ckpt)
     sd = ckpt["state_dict"] if lightning else ckpt
     match = agree(match_model, index, {k: spec(v) for k, v in sd.items()}, strict, what)
     saved = list(ckpt.get("optimizer_states") or []) if lightning else []
