@@ -44,6 +44,7 @@ from lightning_matrixfsdp.adapter import (
     set_gradient_sync,
     shard_module,
 )
+from lightning_matrixfsdp.optim.routing import full_params
 from lightning_matrixfsdp.checkpoint import load_sharded, save_sharded
 from lightning_matrixfsdp.runtime import get_plan, hsdp_mesh, is_matrix_sharded
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
@@ -253,6 +254,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step, then (``replica_split``) the updated weights start towards the other replicas."""
+        route_optimizers([getattr(optimizer, "optimizer", optimizer)])  # a group added through a wrapper
         out = super().optimizer_step(optimizer, **kwargs)
         for module in self._modules:
             replicas_after_step(module, getattr(optimizer, "optimizer", optimizer))
@@ -261,10 +263,10 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ gradients
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
-        """Clip by the global norm: each rank's owned gradients, summed over the shard group."""
+        """Clip by the global norm, as DDP's clip over the optimizer's parameters (every rank's
+        full list, in group order: the norms combine exactly as torch combines them)."""
         self.precision.unscale_gradients(optimizer)
-        return clip_gradients_norm(module, self.precision.main_params(optimizer), max_norm, norm_type,
-                                   error_if_nonfinite)
+        return clip_gradients_norm(module, full_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ checkpoints
     @staticmethod

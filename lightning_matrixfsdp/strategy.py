@@ -46,7 +46,9 @@ from lightning_matrixfsdp.checkpoint import (
     write_checkpoint,
 )
 from lightning_matrixfsdp.model_compat import convert_sync_batchnorm, refuse_pruning
-from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
+from lightning_matrixfsdp.optim.routing import clip_grad_norm_, full_params, route_optimizer
+from lightning_matrixfsdp.param_groups import (
+    full_finetuning_state, install_toggles, restore_finetuning_groups, uninstall_toggles)
 from lightning_matrixfsdp.replacement import replace_optimizer
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.join import EvalJoin
@@ -78,8 +80,9 @@ class _GlobalNormClip:
     _mfsdp_clip_stats: Any = None  # the sharded model's CommStats: the all-reduce counts as "clip"
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        clip_grad_norm_(params, float(clip_val), group=self._mfsdp_clip_group, stats=self._mfsdp_clip_stats)
+        # every rank's full list (DDP's order): the clip combines the norms exactly as torch does
+        clip_grad_norm_(full_params(optimizer), float(clip_val), group=self._mfsdp_clip_group,
+                        stats=self._mfsdp_clip_stats)
 
 
 class MatrixFSDPStrategy(ModelParallelStrategy):
@@ -269,6 +272,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         watch_lone_forwards(module)  # a forward outside the steps (a hook's) must be joined by every rank
         self._install_clip_group()
         self._install_summary(trainer)
+        install_toggles(module)  # toggle_optimizer over every rank's full param groups
         self.barrier()
         if self.log_plan:
             for plan in self._plans():
@@ -324,6 +328,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
         marks: dict[str, Any] = {}
+        route_optimizer(optimizer)  # a group added since (add_param_group on a LightningOptimizer)
 
         def timed_closure() -> Any:
             out = closure()
@@ -369,6 +374,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     def teardown(self) -> None:
         """Also end the helper thread of interruptible gloo waits: no thread of ours outlives ``fit``."""
+        uninstall_toggles(self.lightning_module)
         super().teardown()
         stop_waiter()
 
@@ -498,6 +504,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
         index, self._checkpoint_index = self._checkpoint_index, None
+        module = self._checkpoint_module()
+        full_finetuning_state(checkpoint, module.trainer.callbacks, module, self.optimizers)
         write_checkpoint(self._checkpoint_module(), checkpoint, filepath, full=not self._save_distributed_checkpoint,
                          optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index,
                          checksums=self.verify_checkpoints)
@@ -511,7 +519,9 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         rest = load_sharded(module, checkpoint_path, self.optimizers,
                             strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only,
                             verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles,
-                            resume=fitting)
+                            resume=fitting,
+                            before_optimizers=lambda ck: restore_finetuning_groups(ck, module.trainer, module,
+                                                                                   self.optimizers))
         import lightning.pytorch as pl
 
         # A weights-only source outside fit, or a Fabric checkpoint (no loops in it): the rest starts fresh.

@@ -67,8 +67,6 @@ def ordered_all_reduce(g: torch.Tensor, group: int = 1) -> torch.Tensor:
 
 
 def clip_global_norm(model: nn.Module, max_norm: float) -> None:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).float()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef)
+    """DDP's clipping: ``torch.nn.utils.clip_grad_norm_`` over the full gradients (what Lightning's
+    precision plugin calls), in the model's parameter order."""
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -62,7 +62,8 @@ def load_weights(module: nn.Module, path: PathLike, strict: bool = True, *, veri
 
 def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
                  strict: bool = True, weights_only: Optional[bool] = None, *, verify: bool = True,
-                 reset_changed_roles: bool = False, resume: bool = False) -> Optional[dict[str, Any]]:
+                 reset_changed_roles: bool = False, resume: bool = False,
+                 before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
     """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
 
     Returns the rest of a Lightning checkpoint (``meta.pt`` of a directory, or the file
@@ -73,14 +74,18 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     ``reset_changed_roles``: parameters whose optimizer role changed since the save (a
     changed ``matrix_filter``) restart their optimizer state instead of raising.
     ``resume``: the load resumes training (``fit(ckpt_path=...)``); a source without the training
-    state (weights only) raises :class:`CheckpointNotResumableError` before anything is written."""
+    state (weights only) raises :class:`CheckpointNotResumableError` before anything is written.
+    ``before_optimizers(rest)``: runs on every rank once the rest of a Lightning checkpoint is
+    read and before the optimizers are looked at (the Trainer puts back param groups that a
+    fine-tuning callback added, as DDP's restore order does)."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     path = agreed_path(path, optimizers=len(optimizers), strict=bool(strict), weights_only=weights_only,
                        verify=bool(verify), reset_changed_roles=bool(reset_changed_roles), resume=bool(resume))
     kind = agree(_detect, path)
     index = build_index(module)
     load = _load_dir if kind == "dir" else _load_file
-    return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume)
+    return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume,
+                before_optimizers)
 
 
 def check_resumable(what: str, holds_optimizers: bool, rest: Optional[Mapping[str, Any]]) -> None:
@@ -191,7 +196,8 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
-              resume: bool) -> Optional[dict[str, Any]]:
+              resume: bool,
+              before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     what = f"checkpoint {path}"
@@ -218,6 +224,8 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     meta = agree(read_meta, path, weights_only) if (path / META_NAME).is_file() else None
     if resume:
         agree(check_resumable, what, ck.n_optimizers() > 0, meta)
+    if before_optimizers is not None and optimizers and isinstance(meta, Mapping):
+        agree(before_optimizers, meta)
     match = agree(match_model, index, ck.specs(), strict, what)
     if side is not None:
         _log_layout(side, index)
@@ -316,7 +324,8 @@ def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
 
 def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
                strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
-               resume: bool) -> Optional[dict[str, Any]]:
+               resume: bool,
+               before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
     if verify:
         verify_zip(path)
@@ -335,6 +344,8 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
     ckpt, lightning = agree(read)
     if resume:
         agree(check_resumable, what, lightning and "optimizer_states" in ckpt, ckpt if lightning else None)
+    if before_optimizers is not None and optimizers and lightning:
+        agree(before_optimizers, ckpt)
     sd = ckpt["state_dict"] if lightning else ckpt
     match = agree(match_model, index, {k: spec(v) for k, v in sd.items()}, strict, what)
     saved = list(ckpt.get("optimizer_states") or []) if lightning else []

@@ -3,85 +3,86 @@
 ``route_optimizer`` edits ``param_groups`` in place (LR schedulers hold a reference
 to the optimizer object, so it must not be replaced): non-owned placeholders are
 dropped, group order and hyper-parameters are kept, so a scheduler's per-group
-values still line up.  Groups added later (``BaseFinetuning`` unfreezing a module)
-are routed the same way, and parameters the optimizer held before routing are not
-added again, so every rank has the param groups the unsharded optimizer would have.  Nothing here communicates except the global-norm clip,
-whose one scalar all-reduce is ``collectives.all_reduce_norm``.
+values still line up.  Groups added later (``add_param_group``, e.g. by a fine-tuning
+callback) are routed as they arrive.  Each group's parameters as the user gave them
+stay on record (:func:`full_param_groups`): code that must see the same lists on every
+rank (Lightning's ``toggle_optimizer``, the clip's parameter order) reads them there.
+Nothing here communicates except the global-norm clip (``collectives.all_reduce_norm``).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Any, Iterable, Optional, Union
+import zlib
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.collectives import CommStats, all_reduce_norm, comm_device
-from lightning_matrixfsdp.runtime.tags import find_state, is_owned
+from lightning_matrixfsdp.runtime.tags import find_state, is_owned, shard_of
 
-__all__ = ["clip_grad_norm_", "is_owned", "is_routed", "route_optimizer"]
+__all__ = ["clip_grad_norm_", "full_param_groups", "full_params", "is_owned", "is_routed", "route_optimizer"]
 
 _ROUTED = "_mfsdp_routed"
-_DROPPED = "_mfsdp_dropped"  # id -> weakref of each placeholder routing removed
+# Per param group: (its parameters as given, the routed list object that replaced them). A
+# record is valid while the group still holds that very list (``load_state_dict`` keeps it; a
+# group assigned anew, as ``BaseFinetuning`` does on resume, is routed again).
+_FULL = "_mfsdp_full_groups"
+_ADD = "_mfsdp_routes_added_groups"
+
+
+def _held(p: torch.Tensor) -> bool:
+    return is_owned(p) and p.numel() > 0
 
 
 def route_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Keep only owned, non-empty parameters in each param group (in place, idempotent).
+    """Keep only owned, non-empty parameters in each param group (in place, idempotent), and
+    route every group added later with ``add_param_group`` the same way."""
+    records: list[Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]] = getattr(optimizer, _FULL, [])
+    routed = []
+    for i, group in enumerate(optimizer.param_groups):
+        rec = records[i] if i < len(records) else None
+        if rec is not None and group["params"] is rec[1]:
+            routed.append(rec)
+            continue
+        full = list(group["params"])
+        kept = [p for p in full if _held(p)]
+        keep = {id(p) for p in kept}
+        for p in full:
+            if id(p) not in keep:
+                optimizer.state.pop(p, None)
+        group["params"] = kept
+        routed.append((full, kept))
+    records[:] = routed  # in place: Lightning's optimizer wrappers copy the attribute once
+    setattr(optimizer, _FULL, records)
+    if not getattr(optimizer, _ADD, False):
+        add = optimizer.add_param_group  # the bound method of the optimizer's class
 
-    Later ``add_param_group`` calls are routed too (see ``_routed_add_param_group``).
-    """
-    for group in optimizer.param_groups:
-        group["params"] = _keep(optimizer, group["params"])
-    if not is_routed(optimizer):
-        optimizer.add_param_group = _routed_add_param_group(optimizer)  # type: ignore[method-assign]
+        def add_param_group(param_group: dict[str, Any]) -> None:
+            add(param_group)
+            route_optimizer(optimizer)
+
+        optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+        setattr(optimizer, _ADD, True)
     setattr(optimizer, _ROUTED, True)
     return optimizer
 
 
-def _keep(optimizer: torch.optim.Optimizer, params: Iterable[Any]) -> list[Any]:
-    """The owned, non-empty ``params`` (tensors, or torch's ``(name, tensor)`` pairs); the others
-    lose their state and are remembered as dropped."""
-    dropped: dict[int, Any] = optimizer.__dict__.setdefault(_DROPPED, {})
-    kept = []
-    for item in params:
-        p = _tensor(item)
-        if is_owned(p) and p.numel() > 0:
-            kept.append(item)
-        else:
-            optimizer.state.pop(p, None)
-            dropped[id(p)] = weakref.ref(p)
-    return kept
+def full_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """Each param group's parameters as the user gave them, non-owned placeholders included:
+    the same lists on every rank (a group not routed yet is returned as it is)."""
+    records = getattr(optimizer, _FULL, [])
+    out = []
+    for i, group in enumerate(optimizer.param_groups):
+        rec = records[i] if i < len(records) else None
+        out.append(list(rec[0]) if rec is not None and group["params"] is rec[1] else list(group["params"]))
+    return out
 
 
-def _tensor(item: Any) -> torch.Tensor:
-    return item[1] if isinstance(item, tuple) else item
-
-
-def _routed_add_param_group(optimizer: torch.optim.Optimizer) -> Any:
-    """``optimizer.add_param_group`` for a routed optimizer.
-
-    A new group keeps only what this rank owns (possibly nothing: the group still exists,
-    so every rank has the same groups for schedulers and checkpoints). Placeholders that
-    routing removed earlier are skipped, and a group made only of them is not added:
-    the unsharded optimizer still holds those parameters, and ``BaseFinetuning``, which
-    compares the new parameters with the optimizer's, adds no group there.
-    """
-    add = optimizer.add_param_group
-
-    def add_param_group(param_group: dict[str, Any]) -> None:
-        params = param_group["params"]
-        if isinstance(params, set):  # torch's own error
-            return add(param_group)
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        dropped = optimizer.__dict__.get(_DROPPED, {})
-        fresh = [x for x in params if not (id(_tensor(x)) in dropped and dropped[id(_tensor(x))]() is _tensor(x))]
-        if params and not fresh:
-            return None
-        return add({**param_group, "params": _keep(optimizer, fresh)})
-
-    return add_param_group
+def full_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """:func:`full_param_groups` flattened in group order: what DDP's clipping iterates."""
+    return [p for ps in full_param_groups(optimizer) for p in ps]
 
 
 def is_routed(optimizer: torch.optim.Optimizer) -> bool:
@@ -89,7 +90,7 @@ def is_routed(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _owned_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None and is_owned(p) and p.numel() > 0]
+    return [p.grad for p in params if p.grad is not None and _held(p)]
 
 
 @torch.no_grad()
@@ -101,15 +102,26 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     stats: Optional[CommStats] = None,
 ) -> torch.Tensor:
-    """Clip owner-sharded gradients by their *global* norm (one scalar all-reduce).
+    """Clip owner-sharded gradients by their *global* norm, as ``torch.nn.utils.clip_grad_norm_``
+    over the full gradients (DDP's clipping) would.
 
-    Each gradient lives on exactly one rank of the shard group, so summing the
-    owners' partial sums over the shard group gives the norm DDP would see.
+    Each gradient lives whole on one rank of the shard group. When every rank passes the same
+    parameters (a module, ``module.parameters()``, an optimizer's :func:`full_params`), each
+    owner takes the norm of each gradient it holds as torch does, one all-reduce brings every
+    rank all of them, and every rank combines them in the list's order as torch does: total and
+    clipped gradients are bitwise torch's where the gradients share one dtype (several dtypes
+    are combined per dtype, in first-seen order). Lists that differ between ranks (each rank's
+    routed optimizer parameters) have no common order: the owners' float64 partial sums are
+    added instead, the same norm up to float32 rounding. A four-number all-reduce first tells
+    the two cases apart; the exact case reads which gradients exist on the host (one device
+    synchronization on an accelerator). Tensors without placement marks count as whole on
+    every rank (one copy enters the norm; every rank scales its own).
+
     ``group`` is the shard group. When ``parameters`` is a module that ``matrix_shard``
     sharded, the default is that module's shard group (under HSDP the replicas hold equal
     gradients, and summing over the world would count each of them once per replica),
     or the whole world under ``replica_split`` (each gradient then lives on one rank of
-    the world); otherwise the whole world. The all-reduce is counted under the ``clip`` phase of
+    the world); otherwise the whole world. The all-reduces are counted under the ``clip`` phase of
     ``stats`` (default: the sharded module's).
     """
     if isinstance(parameters, torch.nn.Module):
@@ -120,18 +132,60 @@ def clip_grad_norm_(
                 # replica_split: each gradient lives on one rank of the whole world
                 group = None if state.plan.replica_split else state.sg.group
         parameters = list(parameters.parameters())
-    grads = _owned_grads(list(parameters))
+    params = list(parameters)
+    grads = _owned_grads(params)
     norm_type = float(norm_type)
-    local, maximum = _partial_norm(grads, norm_type, grads[0].device if grads else comm_device(group))
-    total = _total_norm(all_reduce_norm(local, maximum=maximum, group=group, stats=stats), norm_type)
+    exact = _same_everywhere(params, group, stats)
+    if exact:
+        total = _exact_total(params, norm_type, group, stats)
+    else:
+        local, maximum = _partial_norm(grads, norm_type, grads[0].device if grads else comm_device(group))
+        total = _total_norm(all_reduce_norm(local, maximum=maximum, group=group, stats=stats), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot "
             "be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
+    for g in grads:  # exact: torch's step (a float32 factor multiplies lower-precision gradients as it is)
+        g.mul_(coef.to(g.device) if exact else coef.to(g.device, g.dtype))
     return total
+
+
+def _same_everywhere(params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
+                     stats: Optional[CommStats]) -> bool:
+    """Whether every rank of ``group`` passed the same list (length and names; a crc32 of the
+    names, exact in float64): one all-reduce of (n, -n, h, -h) by maximum."""
+    names = "\0".join(s.fqn if (s := shard_of(p)) is not None else str(tuple(p.shape)) for p in params)
+    key = [float(len(params)), float(zlib.crc32(names.encode()))]
+    mine = torch.tensor(key + [-k for k in key], dtype=torch.float64)
+    got = all_reduce_norm(mine, maximum=True, group=group, stats=stats).tolist()
+    return got[0] == -got[2] and got[1] == -got[3]
+
+
+def _exact_total(params: Sequence[torch.Tensor], p: float, group: Optional[dist.ProcessGroup],
+                 stats: Optional[CommStats]) -> torch.Tensor:
+    """torch's total norm over the full gradients of ``params`` (the same list on every rank):
+    row 0 carries each gradient's norm from its one holder (float64 holds any float norm exactly,
+    and adding the other ranks' zeros keeps it), row 1 whether it exists."""
+    device = comm_device(group)
+    first = dist.get_rank(group) == 0 if dist.is_available() and dist.is_initialized() else True
+    mine = [(i, t.grad) for i, t in enumerate(params) if t.grad is not None
+            and (_held(t) if shard_of(t) is not None else first)]
+    local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
+    if mine:
+        at = torch.tensor([i for i, _ in mine], device=device)
+        local[0, at] = torch.stack([torch.linalg.vector_norm(g, p).to(device, torch.float64) for _, g in mine])
+        local[1, at] = 1.0
+    both = all_reduce_norm(local, maximum=False, group=group, stats=stats).view(2, len(params))
+    present = [i for i, flag in enumerate(both[1].tolist()) if flag > 0]
+    if not present:
+        return torch.tensor(0.0)  # as torch, which has no gradient to take a device from
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in present:  # torch groups the norms by dtype before it stacks them
+        by_dtype.setdefault(params[i].dtype, []).append(i)
+    home = params[present[0]].device
+    norms = torch.cat([both[0, idx].to(home, dtype) for dtype, idx in by_dtype.items()])
+    return torch.linalg.vector_norm(norms, p)
 
 
 # What each rank contributes to the global norm, and how the ranks' pieces combine (sum, or
@@ -156,17 +210,11 @@ def _partial_norm(grads: list[torch.Tensor], p: float, device: torch.device) -> 
         count = (torch.stack([(g.detach() != 0).any() for g in grads]).sum().double() if grads
                  else torch.zeros((), **f64))
         return count.to(device).reshape(1), False
-    value = (torch.stack([_magnitudes(g).pow(p).sum() for g in grads]).sum() if grads
+    value = (torch.stack([g.detach().double().abs().pow(p).sum() for g in grads]).sum() if grads
              else torch.zeros((), **f64))
     if p > 0:
         return value.reshape(1), False
     return torch.stack([value.to(device), torch.tensor(float(len(grads)), **f64)]), False
-
-
-def _magnitudes(g: torch.Tensor) -> torch.Tensor:
-    """``|g|`` elementwise in float64; a complex gradient's moduli (``.double()`` would drop the imaginary part)."""
-    x = g.detach()
-    return torch.view_as_real(x).double().pow(2).sum(-1).sqrt() if x.is_complex() else x.double().abs()
 
 
 def _total_norm(combined: torch.Tensor, p: float) -> torch.Tensor:

@@ -51,6 +51,8 @@ class MatrixFSDPState(RefusePickle):
 
     def _pickle_name(self) -> str:
         return "the runtime state on the root module"
+        #: a backward ran with the reduction off since the last one that reduced
+        self._unsynced = False
 
     # ------------------------------------------------------------------ queries
     @property
@@ -81,6 +83,7 @@ class MatrixFSDPState(RefusePickle):
         """Flush units whose gradients did not all arrive; same order on every rank."""
         for unit in self.units:
             unit.flush()
+        self._reduce_unsynced()
         self.schedule.drain_reduces()
         for unit in self.units:
             unit.end_iteration()
@@ -91,6 +94,23 @@ class MatrixFSDPState(RefusePickle):
         and no forward counted, so that nothing of the failed iteration reaches the next one."""
         for unit in self.units:
             unit.end_iteration()
+    def _reduce_unsynced(self) -> None:
+        """The first backward with the reduction on after some with it off also reduces the
+        gradients those left on parameters it did not reduce (in unit order, as DDP does after
+        ``no_sync``): one agreement on which exist anywhere, zeros where a rank has none."""
+        if not all(u.requires_gradient_sync for u in self.units):
+            self._unsynced = True
+            return
+        if not self._unsynced:
+            return
+        self._unsynced = False
+        left = [(u, i) for u in self.units for i in range(len(u.params))]
+        used, _ = self.reducer.globally_used([u.params[i].unsharded.grad is not None for u, i in left],
+                                             "the flags of gradients left by backwards without reduction")
+        for unit in self.units:
+            indices = [i for (u, i), k in zip(left, used) if u is unit and k]
+            if indices:
+                unit.reduce_unsynced(indices)
 
     def describe_waiting(self) -> str:
         """Units that got some of their gradients but not all, for a divergence error."""

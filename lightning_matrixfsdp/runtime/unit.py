@@ -430,13 +430,20 @@ class Unit(RefusePickle):
             self._reduce(flush)
         self.reshard()
 
-    def _reduce(self, flush: bool) -> None:
-        idx = self.trainable
+    def reduce_unsynced(self, indices: list[int]) -> None:
+        """Reduce what backwards with the reduction off left on the unsharded parameters
+        ``indices`` and this synced backward did not reduce (frozen in it, e.g. by
+        ``toggle_optimizer``, or not reached): DDP's first synced backward after ``no_sync``
+        reduces every accumulated gradient. The root agreed on ``indices`` (zeros stand in)."""
+        self._reduce(False, indices, agreed=True)
+
+    def _reduce(self, flush: bool, indices: Optional[list[int]] = None, agreed: bool = False) -> None:
+        idx = self.trainable if indices is None else indices
         if not idx:
             return
         params = [self.params[i] for i in idx]
         local = [p.local_grad() for p in params]
-        if self.zero_missing_grads:
+        if self.zero_missing_grads or agreed:
             used = [True] * len(local)  # zeros stand in for missing gradients, on every rank
         else:
             used = [g is not None for g in local]
