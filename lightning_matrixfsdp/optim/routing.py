@@ -210,11 +210,17 @@ def _partial_norm(grads: list[torch.Tensor], p: float, device: torch.device) -> 
         count = (torch.stack([(g.detach() != 0).any() for g in grads]).sum().double() if grads
                  else torch.zeros((), **f64))
         return count.to(device).reshape(1), False
-    value = (torch.stack([g.detach().double().abs().pow(p).sum() for g in grads]).sum() if grads
+    value = (torch.stack([_magnitudes(g).pow(p).sum() for g in grads]).sum() if grads
              else torch.zeros((), **f64))
     if p > 0:
         return value.reshape(1), False
     return torch.stack([value.to(device), torch.tensor(float(len(grads)), **f64)]), False
+
+
+def _magnitudes(g: torch.Tensor) -> torch.Tensor:
+    """``|g|`` elementwise in float64; a complex gradient's moduli (``.double()`` would drop the imaginary part)."""
+    x = g.detach()
+    return torch.view_as_real(x).double().pow(2).sum(-1).sqrt() if x.is_complex() else x.double().abs()
 
 
 def _total_norm(combined: torch.Tensor, p: float) -> torch.Tensor:
