@@ -116,7 +116,7 @@ class Unit(RefusePickle):
         self._returned = False  # the post-forward hook ran for the call now returning
         self._pending_unshard: Optional[Any] = None
         self._pending_params: list[ShardedParam] = []
-        self._handles = []
+        self._handles: list[Any] = []
         for i, p in enumerate(params):
             if p.differentiable:  # an integer or bool parameter never gets a gradient
                 self._handles.append(p.unsharded.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
