@@ -48,11 +48,11 @@ class MatrixFSDPState(RefusePickle):
         #: the sequence check of the buffer broadcast (``matrix_shard`` sets it where the check is on)
         self.buffer_check: Optional[Callable[[], None]] = None
         self.requires_gradient_sync = True
+        #: a backward ran with the reduction off since the last one that reduced
+        self._unsynced = False
 
     def _pickle_name(self) -> str:
         return "the runtime state on the root module"
-        #: a backward ran with the reduction off since the last one that reduced
-        self._unsynced = False
 
     # ------------------------------------------------------------------ queries
     @property
