@@ -94,6 +94,7 @@ class MatrixFSDPState(RefusePickle):
         and no forward counted, so that nothing of the failed iteration reaches the next one."""
         for unit in self.units:
             unit.end_iteration()
+
     def _reduce_unsynced(self) -> None:
         """The first backward with the reduction on after some with it off also reduces the
         gradients those left on parameters it did not reduce (in unit order, as DDP does after
