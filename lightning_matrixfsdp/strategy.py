@@ -30,6 +30,7 @@ from lightning_matrixfsdp.adapter import (
     check_precision,
     clip_group,
     is_sharded,
+    release_unfinished,
     replacement_note,
     replicas_after_step,
     set_gradient_sync,
@@ -41,13 +42,14 @@ from lightning_matrixfsdp.checkpoint import (
     KeyIndex,
     build_index,
     load_sharded,
+    model_view,
     optimizer_class,
-    sharded_model_state_dict,
     sharded_optimizer_state_dict,
     write_checkpoint,
 )
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
 from lightning_matrixfsdp.runtime.join import EvalJoin
 from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
 from lightning_matrixfsdp.runtime import (
@@ -233,6 +235,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             self._shard_mesh = hsdp_mesh(W, self.root_device, self.timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._shard_mesh  # what configure_model sees as self.device_mesh
+        track_copies(self.lightning_module)  # callbacks' setup copies it (weight averaging): sharded like it
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -261,6 +264,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                 flatten_conv=self.flatten_conv,
             )
         self.model_to_device()  # buffers and anything outside the shard
+        shard_copies(module)
         self._install_clip_group()
         self._install_summary(trainer)
         self.barrier()
@@ -390,8 +394,9 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     def on_validation_start(self) -> None:
         """``replica_split``: evaluation and the end of fit see every replica's weights current
-        (Lightning's own hooks here do nothing)."""
+        (Lightning's own hooks here do nothing); a forward left without backward is released."""
         if self.lightning_module is not None:
+            release_unfinished(self.lightning_module)
             settle_replicas(self.lightning_module)
 
     on_test_start = on_predict_start = on_train_end = on_validation_start
@@ -434,6 +439,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if join is not None and self._train_counts_may_differ:
             trainer = self.lightning_module.trainer  # type: ignore[union-attr]
             join.check_training_step(True, bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
+        release_unfinished(self.lightning_module)  # the previous step's forward may have had no backward
         with self.precision_plugin.train_step_context():
             return self._through_root("training_step", *args, **kwargs)
 
@@ -511,8 +517,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self._checkpoint_module()
         self._checkpoint_index = build_index(module)
-        return sharded_model_state_dict(module, full=not self._save_distributed_checkpoint,
-                                        index=self._checkpoint_index)
+        return model_view(self._checkpoint_index)  # whole where owned; save_checkpoint writes the owners' data
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state_dict(self._checkpoint_module(), optimizer,
@@ -534,7 +539,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         module = self._checkpoint_module()
         rest = load_sharded(module, checkpoint_path, self.optimizers,
                             strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only,
-                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
+                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles,
+                            with_state_dict=True)
         import lightning.pytorch as pl
 
         # A weights-only source, or a Fabric checkpoint (no loops in it): everything else restarts fresh.

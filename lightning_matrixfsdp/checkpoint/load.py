@@ -43,6 +43,7 @@ from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, read_sidecar, roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
+from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
 
 __all__ = ["load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
 
@@ -57,7 +58,7 @@ def load_weights(module: nn.Module, path: PathLike, strict: bool = True, *, veri
 
 def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
                  strict: bool = True, weights_only: Optional[bool] = None, *, verify: bool = True,
-                 reset_changed_roles: bool = False) -> Optional[dict[str, Any]]:
+                 reset_changed_roles: bool = False, with_state_dict: bool = False) -> Optional[dict[str, Any]]:
     """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
 
     Returns the rest of a Lightning checkpoint (``meta.pt`` of a directory, or the file
@@ -66,15 +67,20 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
 
     ``verify``: check the checksums the save recorded (sizes are always checked).
     ``reset_changed_roles``: parameters whose optimizer role changed since the save (a
-    changed ``matrix_filter``) restart their optimizer state instead of raising."""
+    changed ``matrix_filter``) restart their optimizer state instead of raising.
+    ``with_state_dict``: the returned rest also holds the loaded ``state_dict`` as this rank's
+    view (``checkpoint/views.py``), as Lightning's hooks expect. Views elsewhere in the rest
+    (a weight-averaging callback's averaged model) always come back as this rank's views."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     path = agreed_path(path, optimizers=len(optimizers), strict=bool(strict), weights_only=weights_only,
                        verify=bool(verify), reset_changed_roles=bool(reset_changed_roles))
     kind = agree(_detect, path)
     index = build_index(module)
     if kind == "dir":
-        return _load_dir(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
-    return _load_file(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles)
+        return _load_dir(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles,
+                         with_state_dict)
+    return _load_file(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles,
+                      with_state_dict)
 
 
 def _detect(path: Path) -> str:
@@ -168,7 +174,8 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 
 
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
+              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
+              with_state_dict: bool) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     what = f"checkpoint {path}"
@@ -194,6 +201,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         verify_files(path, side["files"], checksums=verify)
     meta = agree(read_meta, path, weights_only) if (path / META_NAME).is_file() else None
     match = agree(match_model, index, ck.specs(), strict, what)
+    view_req = agree(read_refs, meta, ck.meta, index, what) if meta is not None else {}
     if side is not None:
         _log_layout(side, index)
     n_saved = ck.n_optimizers()
@@ -242,6 +250,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
             targets.append((e.local, flat))
     for key, c in match.objects:
         req2[ck.model[c][0]] = None
+    req2.update(view_req)
     wanted: dict[int, dict[str, list[tuple[tuple, str]]]] = {}
     for i in apply:
         for g in optimizers[i].param_groups:
@@ -263,6 +272,12 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     for i in apply:
         state = {key: nest((tail, req2[flat]) for tail, flat in items) for key, items in wanted.get(i, {}).items()}
         agree(_apply_optimizer, index, optimizers[i], saved_groups[i], state)
+    if meta is None:
+        return None
+    meta = localize_views(meta, index, what, read=req2)
+    if with_state_dict:
+        read = {c: req2.get(f) for c, (f, _) in ck.model.items()}
+        meta = {**meta, "state_dict": state_view(read, match.from_ck, index)}
     return meta
 
 
@@ -290,7 +305,8 @@ def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
 
 
 def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool) -> Optional[dict[str, Any]]:
+               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
+               with_state_dict: bool) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
     if verify:
         verify_zip(path)
@@ -338,6 +354,14 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
             got = agree(prep)
             if got is not None:
                 restore.append((o, *got))
+    rest: Optional[dict[str, Any]] = None
+    if lightning:  # this rank's views of the sharded tensors the rest holds (checked before anything is written)
+        layout = ckpt.get("matrix_fsdp_layout")
+        records = layout.get("views") if isinstance(layout, Mapping) else None
+        rest = {k: v for k, v in ckpt.items() if k != "state_dict"}
+        rest = agree(localize_views, rest, index, what, records=records or ())
+        if with_state_dict:
+            rest["state_dict"] = state_view(sd, match.from_ck, index)
     # in place (extra state first: user code that may still raise)
     if match.objects:
         agree(module.load_state_dict, {k: sd[c] for k, c in match.objects}, strict=False)
@@ -351,10 +375,6 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
         mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
                 for k, s in state.items() if k in held}
         agree(_apply_optimizer, index, o, groups, mine)
-    if not lightning:
-        return None
-    rest = dict(ckpt)
-    rest.pop("state_dict", None)
     return rest
 
 

@@ -90,6 +90,17 @@ class MatrixFSDPState:
             self.schedule.announce = announce
         unit.reshard()
 
+    def release_unfinished(self) -> None:
+        """Drop what a forward whose backward never ran left behind: Lightning runs a training
+        forward without backward when ``training_step`` returns ``None`` and in
+        ``StochasticWeightAveraging``'s BatchNorm epoch, and the root unit (never resharded
+        between its forward and its backward) stayed materialized, its units counting inputs
+        that will never get gradients. Local (no communication); nothing while in backward."""
+        if self.schedule.in_backward:
+            return
+        for unit in self.units:
+            unit.end_iteration()
+
     def release_all(self) -> None:
         """Reshard every unit still materialized (local: no communication)."""
         for unit in self.units:
