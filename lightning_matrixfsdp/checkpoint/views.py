@@ -36,8 +36,8 @@ from lightning_matrixfsdp.checkpoint.state_dict import to_rank0
 from lightning_matrixfsdp.runtime.collectives import comm_device
 from lightning_matrixfsdp.runtime.tags import tag_view, view_key
 
-__all__ = ["REF", "VIEWS", "find_refs", "gather_views", "localize_views", "model_view", "read_refs", "split_views",
-           "state_view"]
+__all__ = ["REF", "VIEWS", "find_refs", "gather_views", "localize_views", "model_view", "read_refs", "refs_to_whole",
+           "split_views", "state_view", "whole_to_refs"]
 
 VIEWS = "matrix_fsdp_views"  # the DCP entry that holds the views found outside ``state_dict``
 REF = "matrix_fsdp_view"     # the key that marks a reference in ``meta.pt``
@@ -104,7 +104,7 @@ def _digest(path: tuple) -> str:
 def _agreed_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> list[tuple[tuple, torch.Tensor, str]]:
     """Every view of ``checkpoint`` as (path, tensor, key), after checking that every rank holds
     the same ones and that each is the owner's whole tensor or a placeholder. Collective."""
-    found = [(p, t, view_key(t)) for p, t in _find(checkpoint)]
+    found = [(p, t, view_key(t)) for p, t in _find(checkpoint) if isinstance(t, torch.Tensor)]
     bad = None
     for p, t, key in found:
         e = index.entries.get(key)
@@ -135,13 +135,16 @@ def split_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[st
         mine = index.mine(key)
         if len(path) == 2 and path[0] == "state_dict":  # the model entries DCP writes
             return t if mine else _DROP
-        e = index.entries[key]
         digest = _digest(path)
         if mine:
             payload[digest] = t
-        return {REF: digest, "key": key, "shape": list(e.shape), "dtype": str(e.dtype).replace("torch.", "")}
+        return _ref(digest, key)
 
     return _map(dict(checkpoint), fn), payload
+
+
+def _ref(digest: str, key: str) -> dict[str, str]:
+    return {REF: digest, "key": key}
 
 
 def gather_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -217,12 +220,42 @@ def localize_views(rest: Any, index: KeyIndex, what: str, read: Optional[Mapping
         path = tuple(rec["path"])
         if path[0] == "state_dict":  # the model entries: loaded into the model (and ``state_view``)
             continue
-        node = rest
-        for part in path[:-1]:
-            node = node[part]
+        node = _parent(rest, path)
         if isinstance(node[path[-1]], torch.Tensor):
             node[path[-1]] = _local(str(rec["key"]), node[path[-1]], index, f"{what} at {path}")
     return rest
+
+
+# ---------------------------------------------------------------------- converting (one process)
+def _parent(obj: Any, path: tuple) -> Any:
+    for part in path[:-1]:
+        obj = obj[part]
+    return obj
+
+
+def refs_to_whole(meta: Any, read: Mapping[str, torch.Tensor]) -> tuple[Any, list[dict[str, Any]]]:
+    """Directory -> file: every reference in ``meta`` replaced by its whole tensor (``read``: flat
+    DCP key -> tensor), and the records of their paths for the file's layout."""
+    records = []
+
+    def fn(path: tuple, ref: Any) -> Any:
+        records.append({"path": list(path), "key": str(ref["key"])})
+        return read[f"{VIEWS}.{ref[REF]}"]
+
+    return _map(meta, fn), records
+
+
+def whole_to_refs(rest: Any, records: Sequence[Mapping[str, Any]]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """File -> directory: every recorded whole tensor of ``rest`` (changed in place) replaced by a
+    reference; returns it and the DCP payload ({digest: tensor})."""
+    payload: dict[str, torch.Tensor] = {}
+    for rec in records:
+        path = tuple(rec["path"])
+        node = _parent(rest, path)
+        digest = _digest(path)
+        payload[digest] = node[path[-1]]
+        node[path[-1]] = _ref(digest, str(rec["key"]))
+    return rest, payload
 
 
 def state_view(values: Mapping[str, Any], from_ck: Mapping[str, str], index: KeyIndex) -> dict[str, Any]:

@@ -47,15 +47,18 @@ _PENDING: "weakref.WeakKeyDictionary[nn.Module, list[weakref.ref]]" = weakref.We
 _SHARDED: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]]" = weakref.WeakKeyDictionary()
 
 
-def track_copies(module: nn.Module) -> None:
-    """From now on every ``copy.deepcopy(module)`` is sharded like ``module`` (at once if it is
-    sharded, else by the next ``shard_copies(module)``). Idempotent."""
+def track_copies(module: nn.Module, state: Any = None) -> None:
+    """From now on every ``copy.deepcopy(module)`` is sharded like ``module``: at once if it is
+    sharded (``state``: the runtime state of the root whose unit ``module`` is, for a unit that
+    is not the root; found from ``module`` otherwise), else by the next ``shard_copies(module)``.
+    Idempotent. ``matrix_shard`` calls it for every unit; the strategy for the LightningModule
+    before the callbacks' ``setup`` copies it."""
     if isinstance(module.__dict__.get("__deepcopy__"), _Copier):
         return
     _PENDING.setdefault(module, [])
     # An instance attribute: copy.deepcopy looks ``__deepcopy__`` up on the object, so this
     # one module's copies take this path and its class (the user's LightningModule) is untouched.
-    object.__setattr__(module, "__deepcopy__", _Copier(module))
+    object.__setattr__(module, "__deepcopy__", _Copier(module, state))
 
 
 def shard_copies(module: nn.Module) -> None:
@@ -76,8 +79,9 @@ def copies_of(model: nn.Module) -> list[nn.Module]:
 class _Copier:
     """The ``__deepcopy__`` ``track_copies`` gives one module."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, state: Any = None) -> None:
         self.ref = weakref.ref(module)
+        self.state = weakref.ref(state) if state is not None else None
 
     def __reduce__(self) -> tuple:
         # A pickled module (``torch.save(model)``) comes back without the hook: ``None`` in its
@@ -89,26 +93,27 @@ class _Copier:
         assert src is not None
         hook = src.__dict__.pop("__deepcopy__")  # the copy must not inherit it, and the copy below must not recurse
         try:
-            roots = sharded_roots(src)
-            if not roots:
+            states = [state_of(r) for r in sharded_roots(src)]
+            if not states and self.state is not None and self.state() is not None:
+                states = [self.state()]  # a unit inside a sharded root
+            if not states:
                 out = _copy.deepcopy(src, memo)
                 _PENDING.setdefault(src, []).append(weakref.ref(out))
                 return out
-            out = _copy_sharded(src, roots, memo)
+            out = _copy_sharded(src, states, memo)
             shard_copy(out, src)
             return out
         finally:
             object.__setattr__(src, "__deepcopy__", hook)
 
 
-def _copy_sharded(src: nn.Module, roots: list[nn.Module], memo: dict) -> nn.Module:
+def _copy_sharded(src: nn.Module, states: list[Any], memo: dict) -> nn.Module:
     """``deepcopy`` of a sharded module without its runtime: the states and units are mapped
     to themselves (so process groups are never copied), then every hook bound to them and
     every state mark is removed from the copy. Resident parameters copy as they are (full
     where owned, placeholders elsewhere)."""
     runtime: list[Any] = []
-    for root in roots:
-        st = state_of(root)
+    for st in states:
         if any(u.is_materialized for u in st.units):
             raise RuntimeError(
                 "deepcopy of a matrix_fsdp-sharded model while one of its units is materialized (inside a forward "

@@ -18,6 +18,7 @@ from lightning_matrixfsdp.runtime.collectives import (
     make_collective,
 )
 from lightning_matrixfsdp.runtime.consensus import make_sequence_check, sequence_check_wanted, validate_schedule
+from lightning_matrixfsdp.runtime.copies import track_copies
 from lightning_matrixfsdp.runtime.mesh import hsdp_mesh, shard_and_replicate_groups
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
 from lightning_matrixfsdp.runtime.param import ShardedParam
@@ -235,6 +236,8 @@ def matrix_shard(
         module.register_state_dict_pre_hook(state.wait_replicas)
     _materialize_meta(module, meta_modules, device)
     attach_state(module, state)
+    for unit in state.units:  # a deepcopy of the model or of a unit: sharded like it (weight averaging)
+        track_copies(unit.module, state)
     return module
 
 
