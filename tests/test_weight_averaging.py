@@ -257,3 +257,20 @@ def test_sharded_copy_refuses_forward():
     with pytest.raises(RuntimeError, match="cannot run forward"):
         averaged(x)
     assert model(x).shape == (1, 4, 64)
+
+
+def test_copy_of_a_meta_device_model_takes_its_initialized_values():
+    """A copy made of a meta-device model before sharding (a callback's ``setup``) holds the
+    values ``matrix_shard`` initialized, not meta tensors the averaging could not update."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
+    from models import TinyLM
+
+    with torch.device("meta"):
+        model = TinyLM()
+    track_copies(model)
+    averaged = copy.deepcopy(model)
+    mf.matrix_shard(model, device="cpu")
+    shard_copies(model)
+    assert not any(t.is_meta for t in [*averaged.parameters(), *averaged.buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(averaged.parameters(), model.parameters()))

@@ -49,15 +49,13 @@ def _placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def model_view(index: KeyIndex) -> dict[str, Any]:
-    """The module's ``state_dict`` as this rank holds it: every key, sharded ones as views."""
+    """The module's ``state_dict`` as this rank holds it: every key, every tensor a view."""
     out: dict[str, Any] = {}
     for key in index.order:
         e = index.entries.get(key)
         if e is None:
             out[key] = index.extra[key]
-        elif e.owner is None:
-            out[key] = e.local
-        else:
+        else:  # replicated tensors too: a file gets them from rank 0, on the CPU
             t = e.local.detach() if e.local is not None else _placeholder(e.shape, e.dtype)
             out[key] = tag_view(t, key)
     return out

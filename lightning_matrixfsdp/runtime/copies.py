@@ -161,7 +161,8 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
     """Make ``copy`` (a ``deepcopy`` of ``model``, before or after ``model`` was sharded) hold
     what this rank holds of ``model``: every sharded parameter full where this rank owns it,
     an empty placeholder elsewhere, with the model parameter's placement marks. Buffers and
-    unsharded parameters stay as they are (whole, as in the model)."""
+    unsharded parameters stay as they are (whole, as in the model). A copy of a meta-device
+    model takes the values the model was initialized with when it was sharded."""
     mine = dict(model.named_parameters(remove_duplicate=False))
     theirs = list(copy.named_parameters(remove_duplicate=False))
     names = [n for n, _ in theirs]
@@ -174,6 +175,11 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
             "callback's setup copied the module before configure_model built its layers). Under matrix_fsdp the "
             "copy must mirror the sharded model; build the layers in __init__, or make the copy after "
             "configure_model")
+    regs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in copy.modules():
+        for pname, q in m._parameters.items():
+            if q is not None:
+                regs.setdefault(id(q), []).append((m, pname))
     done: set[int] = set()
     with torch.no_grad():
         for name, p in theirs:
@@ -187,11 +193,21 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
             if tuple(p.shape) not in (full, empty):
                 raise RuntimeError(f"parameter {name!r} of a copy of the model has shape {tuple(p.shape)}; the "
                                    f"model's is {full}: the copy is not a copy of this model")
-            if owned and (p.is_meta or tuple(p.shape) != full):
-                p.data = ref.detach().clone()  # a copy of a meta-device model: take the initialized values
+            if p.is_meta:  # a copy of a meta-device model: a new Parameter, holding the initialized values
+                data = ref.detach().clone() if owned else torch.empty(empty, dtype=p.dtype, device=ref.device)
+                new = nn.Parameter(data, requires_grad=p.requires_grad)
+                for m, pname in regs.get(id(p), []):
+                    m._parameters[pname] = new
+                p = new
             elif not owned:
-                p.data = torch.empty(empty, dtype=p.dtype, device=p.device if not p.is_meta else ref.device)
+                p.data = torch.empty(empty, dtype=p.dtype, device=p.device)
             tag_param(p, shard, owned)
+        model_buffers = dict(model.named_buffers(remove_duplicate=False))
+        for m_name, m in copy.named_modules():
+            for bname, b in list(m._buffers.items()):
+                key = f"{m_name}.{bname}" if m_name else bname
+                if b is not None and b.is_meta and key in model_buffers:
+                    m._buffers[bname] = model_buffers[key].detach().clone()
     if not any(copy in cs for cs in _SHARDED.values()):
         copy.register_state_dict_post_hook(_mark_views)
         copy.register_forward_pre_hook(_refuse_forward)
