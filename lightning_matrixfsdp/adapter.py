@@ -180,8 +180,8 @@ def replicas_after_step(module: nn.Module, optimizer: Optimizer) -> None:
 
 
 def release_unfinished(module: nn.Module) -> None:
-    """Before a step: release the units a forward without backward left materialized (a
-    ``training_step`` that returned ``None``, ``StochasticWeightAveraging``'s BatchNorm epoch)."""
+    """Before a step: release the units a forward without backward left materialized
+    (``StochasticWeightAveraging``'s BatchNorm epoch skips backward)."""
     for root in sharded_roots(module):
         state_of(root).release_unfinished()
 

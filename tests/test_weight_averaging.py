@@ -235,8 +235,8 @@ def _late_worker(rank: int, world: int) -> str:
 
 def test_copy_missing_layers_is_refused(dist_pools):
     """A copy made before ``configure_model`` built layers cannot mirror the sharded model: every
-    rank says so at setup (under DDP the callback would silently average a prefix of the
-    parameters)."""
+    rank says so at setup (under DDP the copy lacks them too, and the callback pairs the
+    parameters by position)."""
     for msg in dist_pools(2).run(_late_worker):
         assert "does not have the model's parameters" in msg and "configure_model" in msg, msg
 

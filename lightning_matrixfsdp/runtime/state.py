@@ -91,11 +91,11 @@ class MatrixFSDPState:
         unit.reshard()
 
     def release_unfinished(self) -> None:
-        """Drop what a forward whose backward never ran left behind: Lightning runs a training
-        forward without backward when ``training_step`` returns ``None`` and in
-        ``StochasticWeightAveraging``'s BatchNorm epoch, and the root unit (never resharded
-        between its forward and its backward) stayed materialized, its units counting inputs
-        that will never get gradients. Local (no communication); nothing while in backward."""
+        """Drop what a forward whose backward never ran left behind (Lightning skips backward in
+        ``StochasticWeightAveraging``'s BatchNorm epoch; a custom loop may drop a loss): the
+        root unit, never resharded between its forward and its backward, stayed materialized,
+        and the units kept counting inputs that will never get gradients. Local (no
+        communication); nothing while in backward."""
         if self.schedule.in_backward:
             return
         for unit in self.units:
