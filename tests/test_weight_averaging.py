@@ -97,9 +97,14 @@ def _ema_worker(rank: int, world: int) -> dict:
     ddp = _fit("ddp", "ema", os.path.join(root, "ddp"), epochs=2, val=2)
     # configure_model shards: WeightAveraging's setup calls it, then deep-copies the *sharded* module
     ours = _fit("matrix_fsdp", "ema", os.path.join(root, "mf"), module=SelfShardingLitTiny, epochs=2, val=2)
+    # HSDP with replica_split (each rank a shard group of one, replicas step different roles): the
+    # updated weights must have arrived before the callback averages them after each step
+    split = _fit(mf.MatrixFSDPStrategy(shard_size=1, replica_split=True), "ema", os.path.join(root, "split"),
+                 epochs=2, val=2)
     copy_local = sum(p.numel() for p in ours["callback"]._average_model.module.parameters())
     model_local = sum(p.numel() for p in ours["module"].parameters())
     return {"weights": _equal(ddp["weights"], ours["weights"]), "losses": ddp["losses"] == ours["losses"],
+            "replica_split": _equal(ddp["weights"], split["weights"]),
             "val_loss": (ddp["metrics"]["val_loss"], ours["metrics"]["val_loss"]),
             "averaged": not _equal(ddp["weights"], ddp["raw"]) and not _equal(ours["weights"], ours["raw"]),
             "copy_local": copy_local, "model_local": model_local,
@@ -108,10 +113,11 @@ def _ema_worker(rank: int, world: int) -> dict:
 
 def test_ema_weight_averaging_like_ddp(dist_pools):
     """EMA (``WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn)``): same losses, same validation
-    loss on the swapped-in average, bitwise the same final weights; the averaged copy holds
-    only what each rank owns (it was copied from a module ``configure_model`` had sharded)."""
+    loss on the swapped-in average, bitwise the same final weights, also under HSDP with
+    ``replica_split``; the averaged copy holds only what each rank owns (it was copied from a
+    module ``configure_model`` had sharded)."""
     for r in dist_pools(2).run(_ema_worker):
-        assert r["weights"] and r["losses"] and r["averaged"], r
+        assert r["weights"] and r["losses"] and r["averaged"] and r["replica_split"], r
         assert r["val_loss"][0] == r["val_loss"][1], r
         assert r["planner"] == "scope_greedy"  # the module sharded itself: the deepcopy came after sharding
         assert r["copy_local"] == r["model_local"] < r["global"], r
