@@ -25,8 +25,8 @@ from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 __all__ = [
     "SETUP_ORDER", "apply_activation_checkpointing", "build_replacement", "check_optimizers_follow",
-    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "release_unfinished", "replicas_after_step", "route_optimizers",
-    "set_gradient_sync", "settle_replicas", "shard_module",
+    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "release_unfinished", "replicas_after_step",
+    "route_optimizers", "set_gradient_sync", "settle_replicas", "shard_module",
 ]
 
 #: How to set up a model and its optimizer under owner sharding, for error messages.

@@ -533,7 +533,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                          checksums=self.verify_checkpoints)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks)
+        """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks,
+        and the ``state_dict`` as this rank's view, which callbacks' ``on_load_checkpoint`` read)
         as ``ModelParallelStrategy.load_checkpoint`` does. A weights-only source (plain
         ``state_dict`` file) restarts everything else fresh."""
         module = self._checkpoint_module()
