@@ -20,12 +20,13 @@ from torch.optim import Optimizer
 
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime import matrix_shard, set_requires_gradient_sync, start_replica_sync
+from lightning_matrixfsdp.runtime.copies import copies_of
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 __all__ = [
     "SETUP_ORDER", "apply_activation_checkpointing", "build_replacement", "check_optimizers_follow",
-    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "replicas_after_step", "route_optimizers",
-    "set_gradient_sync", "settle_replicas", "shard_module", "sync_buffers",
+    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "release_unfinished", "replicas_after_step",
+    "route_optimizers", "set_gradient_sync", "settle_replicas", "shard_module", "sync_buffers",
 ]
 
 #: How to set up a model and its optimizer under owner sharding, for error messages.
@@ -169,9 +170,20 @@ def set_gradient_sync(module: nn.Module, value: bool) -> None:
 
 def replicas_after_step(module: nn.Module, optimizer: Optimizer) -> None:
     """``replica_split``: ``optimizer.step()`` just returned; start sending the weights it updated
-    on the stepping replicas to the others (waited for before each unit's next materialization)."""
+    on the stepping replicas to the others (waited for before each unit's next materialization,
+    or at once when ``module`` has sharded copies: weight averaging reads every replica's
+    weights right after the step)."""
     for root in sharded_roots(module):
         start_replica_sync(root, optimizer)
+        if copies_of(module):
+            state_of(root).wait_replicas()
+
+
+def release_unfinished(module: nn.Module) -> None:
+    """Before a step: release the units a forward without backward left materialized
+    (``StochasticWeightAveraging``'s BatchNorm epoch skips backward)."""
+    for root in sharded_roots(module):
+        state_of(root).release_unfinished()
 
 
 def settle_replicas(module: nn.Module) -> None:

@@ -29,6 +29,7 @@ from lightning_matrixfsdp.adapter import (
     check_precision,
     clip_group,
     is_sharded,
+    release_unfinished,
     replicas_after_step,
     set_gradient_sync,
     settle_replicas,
@@ -40,8 +41,8 @@ from lightning_matrixfsdp.checkpoint import (
     KeyIndex,
     build_index,
     load_sharded,
+    model_view,
     optimizer_class,
-    sharded_model_state_dict,
     sharded_optimizer_state_dict,
     write_checkpoint,
 )
@@ -51,6 +52,7 @@ from lightning_matrixfsdp.param_groups import (
     full_finetuning_state, install_toggles, restore_finetuning_groups, uninstall_toggles)
 from lightning_matrixfsdp.replacement import replace_optimizer
 from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
 from lightning_matrixfsdp.runtime.join import EvalJoin
 from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
 from lightning_matrixfsdp.runtime import get_plan, hsdp_mesh, scheduled_forwards, watch_lone_forwards
@@ -236,6 +238,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             self._shard_mesh = hsdp_mesh(W, self.root_device, self.timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._shard_mesh  # what configure_model sees as self.device_mesh
+        track_copies(self.lightning_module)  # callbacks' setup copies it (weight averaging): sharded like it
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -270,6 +273,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             )
         self.model_to_device()  # buffers and anything outside the shard
         watch_lone_forwards(module)  # a forward outside the steps (a hook's) must be joined by every rank
+        shard_copies(module)
         self._install_clip_group()
         self._install_summary(trainer)
         install_toggles(module)  # toggle_optimizer over every rank's full param groups
@@ -359,8 +363,9 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     def on_test_start(self) -> None:
         """``replica_split``: evaluation and the end of fit see every replica's weights current
-        (Lightning's own hooks here do nothing)."""
+        (Lightning's own hooks here do nothing); a forward left without backward is released."""
         if self.lightning_module is not None:
+            release_unfinished(self.lightning_module)
             settle_replicas(self.lightning_module)
 
     on_predict_start = on_train_end = on_test_start
@@ -415,6 +420,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if join is not None and self._train_counts_may_differ:
             trainer = self.lightning_module.trainer  # type: ignore[union-attr]
             join.check_training_step(True, bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
+        release_unfinished(self.lightning_module)  # the previous step's forward may have had no backward
         with self.precision_plugin.train_step_context():
             return self._through_root("training_step", *args, **kwargs)
 
@@ -492,8 +498,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self._checkpoint_module()
         self._checkpoint_index = build_index(module)
-        return sharded_model_state_dict(module, full=not self._save_distributed_checkpoint,
-                                        index=self._checkpoint_index)
+        return model_view(self._checkpoint_index)  # whole where owned; save_checkpoint writes the owners' data
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state_dict(self._checkpoint_module(), optimizer,
@@ -511,7 +516,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                          checksums=self.verify_checkpoints)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks)
+        """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks,
+        and the ``state_dict`` as this rank's view, which callbacks' ``on_load_checkpoint`` read)
         as ``ModelParallelStrategy.load_checkpoint`` does. ``fit`` refuses a weights-only source,
         as Lightning does under DDP; validate/test/predict load its weights."""
         module = self._checkpoint_module()
@@ -521,7 +527,8 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                             verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles,
                             resume=fitting,
                             before_optimizers=lambda ck: restore_finetuning_groups(ck, module.trainer, module,
-                                                                                   self.optimizers))
+                                                                                   self.optimizers),
+                            with_state_dict=True)
         import lightning.pytorch as pl
 
         # A weights-only source outside fit, or a Fabric checkpoint (no loops in it): the rest starts fresh.

@@ -26,6 +26,7 @@ Files, one concern each, dependencies one way (top to bottom)::
     sidecar      the layout sidecar: build, read, check
     integrity    file sizes and CRC-32 checksums: record and verify
     state_dict   sharded and full model/optimizer state dicts
+    views        sharded tensors anywhere in a checkpoint (the model's view, averaged copies)
     validate     checks of a checkpoint against the run (keys, shapes, optimizers, roles)
     save         write and publish atomically; stale partials
     load         validate and read everything, then write in place
@@ -46,11 +47,12 @@ from lightning_matrixfsdp.checkpoint.load import load_sharded, load_weights
 from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, save_sharded, write_checkpoint
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict, read_sidecar
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
+from lightning_matrixfsdp.checkpoint.views import model_view
 
 __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
     "CheckpointNotResumableError", "KeyIndex",
     "META_NAME", "PARTIAL_PREFIX", "SIDECAR_NAME", "build_index", "from_native", "layout_dict", "load_sharded",
-    "load_weights", "optimizer_class", "read_sidecar", "save_sharded", "sharded_model_state_dict",
+    "load_weights", "model_view", "optimizer_class", "read_sidecar", "save_sharded", "sharded_model_state_dict",
     "sharded_optimizer_state_dict", "to_native", "write_checkpoint",
 ]

@@ -36,6 +36,7 @@ from lightning_matrixfsdp.checkpoint.integrity import file_records
 from lightning_matrixfsdp.checkpoint.load import meta_required, open_dcp, read_dcp, read_file, read_meta
 from lightning_matrixfsdp.checkpoint.save import check_target, new_partial, publish, remove_stale, write_file
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, single_writer_layout
+from lightning_matrixfsdp.checkpoint.views import REF, VIEWS, find_refs, refs_to_whole, whole_to_refs
 
 __all__ = ["TRAINING_STATE_KEYS", "convert", "dcp_to_file", "file_to_dcp", "main", "read_directory"]
 
@@ -60,14 +61,23 @@ def read_directory(src: Path, weights_only: bool = False, safe: bool = True, ver
     if not weights_only:
         flats += [f for per in ck.state.values() for items in per.values() for _, f, _ in items]
         flats += [f for gs in ck.groups.values() for g in gs.values() for f in g.values()]
-    req: dict[str, Any] = {f: placeholder(md.state_dict_metadata[f]) for f in flats}
-    read_dcp(req, src, no_dist=True)
     out: dict[str, Any] = {}
     if (src / META_NAME).is_file():
         out.update(read_meta(src, weights_only=safe))
     elif meta_required(side, ck):
         raise CheckpointCorruptError(f"{src / META_NAME} is missing: the file would lack the epoch, global step, "
                                      "loops and LR schedulers; restore it or convert an intact copy")
+    if weights_only:
+        for k in TRAINING_STATE_KEYS:
+            out.pop(k, None)
+    # sharded tensors outside the model state (a weight-averaging callback's averaged model): whole in the file
+    flats += [f"{VIEWS}.{ref[REF]}" for _, ref in find_refs(out)]
+    missing = [f for f in flats if f not in md.state_dict_metadata]
+    if missing:
+        raise CheckpointCorruptError(f"{src}: {META_NAME} refers to data the directory does not hold: {missing[:5]}")
+    req: dict[str, Any] = {f: placeholder(md.state_dict_metadata[f]) for f in flats}
+    read_dcp(req, src, no_dist=True)
+    out, views = refs_to_whole(out, req)
     sd = {k: req[f] for k, (f, _) in ck.model.items()}
     for key, p in ((side or {}).get("params") or {}).items():  # tied weights: every name the model has
         if isinstance(p, Mapping) and p.get("alias_of") in sd and key not in sd:
@@ -87,8 +97,8 @@ def read_directory(src: Path, weights_only: bool = False, safe: bool = True, ver
     if weights_only:
         for k in TRAINING_STATE_KEYS:
             out.pop(k, None)
-    if side is not None:
-        out["matrix_fsdp_layout"] = side
+    if side is not None or views:
+        out["matrix_fsdp_layout"] = {**(side or {}), **({"views": views} if views else {})}
     return out
 
 
@@ -106,6 +116,16 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         if isinstance(p, Mapping) and key in sd and p.get("alias_of") in sd and p["alias_of"] != key:
             del sd[key]
     converted: dict[str, Any] = {"state_dict": sd}
+    rest: dict[str, Any] = {}
+    if lightning:
+        rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
+        if weights_only:
+            for k in TRAINING_STATE_KEYS:
+                rest.pop(k, None)
+        records = [r for r in (layout or {}).get("views") or () if _holds(rest, r["path"])]
+        rest, views = whole_to_refs(rest, records)
+        if views:
+            converted[VIEWS] = views
     classes = [o.get("class") for o in (layout or {}).get("optimizers", [])]
     if lightning and not weights_only:
         for i, native in enumerate(ck.get("optimizer_states") or []):
@@ -119,10 +139,6 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         with single_process_quiet():
             dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(), no_dist=True)
         if lightning:
-            rest = {k: v for k, v in ck.items() if k not in ("state_dict", "optimizer_states", "matrix_fsdp_layout")}
-            if weights_only:
-                for k in TRAINING_STATE_KEYS:
-                    rest.pop(k, None)
             torch.save(rest, tmp / META_NAME)
         side = single_writer_layout(full_sd, [converted[k] for k in converted if k.startswith("optimizer_")],
                                     classes, layout)
@@ -133,6 +149,16 @@ def file_to_dcp(src: Path, dst: Path, weights_only: bool = False, safe: bool = T
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     remove_stale(dst)
+
+def _holds(obj: Any, path: Sequence[Any]) -> bool:
+    """Whether ``obj`` has an entry at ``path`` (a recorded view may sit in a dropped section)."""
+    for part in path:
+        try:
+            obj = obj[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return True
+
 
 def convert(src: Path, dst: Path, weights_only: bool = False, safe: bool = True, verify: bool = True) -> str:
     """Convert ``src`` to the other format at ``dst``; returns the direction taken."""

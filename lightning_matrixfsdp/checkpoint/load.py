@@ -48,6 +48,7 @@ from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, read_sidecar, roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
+from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
 
 __all__ = ["check_resumable", "load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
 
@@ -63,7 +64,8 @@ def load_weights(module: nn.Module, path: PathLike, strict: bool = True, *, veri
 def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
                  strict: bool = True, weights_only: Optional[bool] = None, *, verify: bool = True,
                  reset_changed_roles: bool = False, resume: bool = False,
-                 before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
+                 before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None,
+                 with_state_dict: bool = False) -> Optional[dict[str, Any]]:
     """Restore the module and the optimizers in place from any supported checkpoint.  Collective.
 
     Returns the rest of a Lightning checkpoint (``meta.pt`` of a directory, or the file
@@ -77,7 +79,11 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     state (weights only) raises :class:`CheckpointNotResumableError` before anything is written.
     ``before_optimizers(rest)``: runs on every rank once the rest of a Lightning checkpoint is
     read and before the optimizers are looked at (the Trainer puts back param groups that a
-    fine-tuning callback added, as DDP's restore order does)."""
+    fine-tuning callback added, as DDP's restore order does).
+
+    ``with_state_dict``: the returned rest also holds the loaded ``state_dict`` as this rank's
+    view (``checkpoint/views.py``), as Lightning's hooks expect. Views elsewhere in the rest
+    (a weight-averaging callback's averaged model) always come back as this rank's views."""
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     path = agreed_path(path, optimizers=len(optimizers), strict=bool(strict), weights_only=weights_only,
                        verify=bool(verify), reset_changed_roles=bool(reset_changed_roles), resume=bool(resume))
@@ -85,7 +91,7 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     index = build_index(module)
     load = _load_dir if kind == "dir" else _load_file
     return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume,
-                before_optimizers)
+                before_optimizers, with_state_dict)
 
 
 def check_resumable(what: str, holds_optimizers: bool, rest: Optional[Mapping[str, Any]]) -> None:
@@ -197,7 +203,8 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
               strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
               resume: bool,
-              before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
+              before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None,
+              with_state_dict: bool = False) -> Optional[dict[str, Any]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     what = f"checkpoint {path}"
@@ -227,6 +234,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     if before_optimizers is not None and optimizers and isinstance(meta, Mapping):
         agree(before_optimizers, meta)
     match = agree(match_model, index, ck.specs(), strict, what)
+    view_req = agree(read_refs, meta, ck.meta, index, what) if meta is not None else {}
     if side is not None:
         _log_layout(side, index)
     n_saved = ck.n_optimizers()
@@ -275,6 +283,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
             targets.append((e.local, flat))
     for key, c in match.objects:
         req2[ck.model[c][0]] = None
+    req2.update(view_req)
     wanted: dict[int, dict[str, list[tuple[tuple, str]]]] = {}
     for i in apply:
         for g in optimizers[i].param_groups:
@@ -296,6 +305,12 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
     for i in apply:
         state = {key: nest((tail, req2[flat]) for tail, flat in items) for key, items in wanted.get(i, {}).items()}
         agree(_apply_optimizer, index, optimizers[i], saved_groups[i], state)
+    if meta is None:
+        return None
+    meta = localize_views(meta, index, what, read=req2)
+    if with_state_dict:
+        read = {c: req2.get(f) for c, (f, _) in ck.model.items()}
+        meta = {**meta, "state_dict": state_view(read, match.from_ck, index)}
     return meta
 
 
@@ -325,7 +340,8 @@ def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
 def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
                strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
                resume: bool,
-               before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None) -> Optional[dict[str, Any]]:
+               before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None,
+               with_state_dict: bool = False) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
     if verify:
         verify_zip(path)
@@ -377,6 +393,14 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
             got = agree(prep)
             if got is not None:
                 restore.append((o, *got))
+    rest: Optional[dict[str, Any]] = None
+    if lightning:  # this rank's views of the sharded tensors the rest holds (checked before anything is written)
+        layout = ckpt.get("matrix_fsdp_layout")
+        records = layout.get("views") if isinstance(layout, Mapping) else None
+        rest = {k: v for k, v in ckpt.items() if k != "state_dict"}
+        rest = agree(localize_views, rest, index, what, records=records or ())
+        if with_state_dict:
+            rest["state_dict"] = state_view(sd, match.from_ck, index)
     # in place (extra state first: user code that may still raise)
     if match.objects:
         agree(module.load_state_dict, {k: sd[c] for k, c in match.objects}, strict=False)
@@ -390,10 +414,6 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
         mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
                 for k, s in state.items() if k in held}
         agree(_apply_optimizer, index, o, groups, mine)
-    if not lightning:
-        return None
-    rest = dict(ckpt)
-    rest.pop("state_dict", None)
     return rest
 
 

@@ -41,6 +41,7 @@ from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.integrity import file_records
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
+from lightning_matrixfsdp.checkpoint.views import VIEWS, gather_views, split_views
 
 __all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "check_target", "new_partial", "publish", "remove_stale",
            "save_sharded", "write_checkpoint", "write_file"]
@@ -162,21 +163,31 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
                      optimizer_classes: Sequence[str] = (), *, index: Optional[KeyIndex] = None,
                      checksums: bool = True) -> None:
     """Write what ``sharded_model_state_dict`` / ``sharded_optimizer_state_dict`` produced, crash-safely.
-    Collective. ``index``: the key index the state dicts were made with (built if not given)."""
+    Collective. ``index``: the key index the state dicts were made with (built if not given).
+    Views of sharded tensors anywhere in ``checkpoint`` (``checkpoint/views.py``: the model's
+    state as the strategy gives it, a weight-averaging callback's averaged copy) are written
+    by their owners, never as placeholders."""
     rank = world()[0]
     path = agreed_path(path, full=bool(full), checksums=bool(checksums),
                        optimizers=len(checkpoint.get("optimizer_states") or []))
     index = index if index is not None else build_index(module)
     checkpoint = dict(checkpoint)
     if full:
+        checkpoint, records = gather_views(checkpoint, index)
+
         def _file() -> None:
             if rank == 0:
                 layout = layout_dict(index, checkpoint.get("optimizer_states", []), optimizer_classes)
+                if records:
+                    layout["views"] = records
                 checkpoint.setdefault("matrix_fsdp_layout", layout)
                 write_file(checkpoint, path)
 
         agree(_file)  # also the barrier: nobody returns before the file is in place
         return
+    checkpoint, views = split_views(checkpoint, index)
+    if views:
+        checkpoint[VIEWS] = views  # _write_dir hands it to DCP beside the model and optimizer entries
     tmp = new_partial(path, broadcast_object(secrets.token_hex(8)))
 
     def _mkdir() -> None:
@@ -203,6 +214,8 @@ def _write_dir(index: KeyIndex, checkpoint: dict[str, Any], path: Path, tmp: Pat
 
     rank = world()[0]
     converted: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict", {})}
+    if VIEWS in checkpoint:
+        converted[VIEWS] = checkpoint.pop(VIEWS)
     opt_states = checkpoint.pop("optimizer_states", [])
     for i, s in enumerate(opt_states):
         converted[f"optimizer_{i}"] = s

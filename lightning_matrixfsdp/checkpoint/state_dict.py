@@ -18,7 +18,7 @@ from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_o
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.runtime.collectives import comm_device
 
-__all__ = ["full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict"]
+__all__ = ["full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict", "to_rank0"]
 
 
 def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optional[KeyIndex] = None
@@ -40,7 +40,7 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
         if e.owner is None:
             t = e.local.cpu() if rank == 0 and e.local is not None else None
         else:
-            t = _to_rank0(e.local, e.shape, e.dtype, e.owner_global, index.in_group0, device)
+            t = to_rank0(e.local, e.shape, e.dtype, e.owner_global, index.in_group0, device)
         if rank == 0:
             got[key] = t  # type: ignore[assignment]
     if rank != 0:
@@ -48,7 +48,7 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     return {k: (got[index.entries[k].primary] if k in index.entries else index.extra[k]) for k in index.order}
 
 
-def _to_rank0(local: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, src: Optional[int],
+def to_rank0(local: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, src: Optional[int],
               in_group0: bool, device: torch.device) -> Optional[torch.Tensor]:
     """Move one tensor from its owner ``src`` (a global rank) to rank 0's CPU; bounded memory."""
     rank = world()[0]
@@ -125,7 +125,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
                 value = item[1]
             else:
                 local = optimizer.state[params_of[key]][name] if src == rank else None
-                value = _to_rank0(local, item[1], item[2], src, True, device)  # src: agreed by every rank
+                value = to_rank0(local, item[1], item[2], src, True, device)  # src: agreed by every rank
             if rank == 0:
                 state.setdefault(key, {})[name] = value
     if rank != 0:

@@ -116,9 +116,12 @@ def check_optimizer(i: int, optimizer: torch.optim.Optimizer, current: Sequence[
     if len(saved_groups) != len(current):
         problems.append(f"it has {len(saved_groups)} param group(s), the current optimizer {len(current)}")
     else:
+        # Only the optimizer's own hyper-parameters tell optimizers apart; keys others add to a
+        # group (a scheduler's ``initial_lr``, SWALR's ``swa_lr``) are restored as torch does.
+        own = set(getattr(optimizer, "defaults", None) or ()) or None
         for j, (sg, g) in enumerate(zip(saved_groups, optimizer.param_groups)):
-            a = {k for k in sg if k not in _IGNORED_GROUP_KEYS}
-            b = {k for k in g if k not in _IGNORED_GROUP_KEYS}
+            a = {k for k in sg if k not in _IGNORED_GROUP_KEYS and (own is None or k in own)}
+            b = {k for k in g if k not in _IGNORED_GROUP_KEYS and (own is None or k in own)}
             if a != b:
                 problems.append(f"param group {j} hyper-parameters differ (only in checkpoint: {sorted(a - b)}, "
                                 f"only in the run: {sorted(b - a)})")

@@ -23,6 +23,7 @@ from lightning_matrixfsdp.runtime.consensus import (
     sequence_check_wanted,
     validate_schedule,
 )
+from lightning_matrixfsdp.runtime.copies import track_copies
 from lightning_matrixfsdp.runtime.mesh import hsdp_mesh, shard_and_replicate_groups
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
 from lightning_matrixfsdp.runtime.param import ShardedParam
@@ -264,6 +265,8 @@ def matrix_shard(
     state.broadcast_buffers()
     install_prune_guard()
     attach_state(module, state)
+    for unit in state.units:  # a deepcopy of the model or of a unit: sharded like it (weight averaging)
+        track_copies(unit.module, state)
     return module
 
 

@@ -129,6 +129,17 @@ class MatrixFSDPState(RefusePickle):
             self.schedule.announce = announce
         unit.reshard()
 
+    def release_unfinished(self) -> None:
+        """Drop what a forward whose backward never ran left behind (Lightning skips backward in
+        ``StochasticWeightAveraging``'s BatchNorm epoch; a custom loop may drop a loss): the
+        root unit, never resharded between its forward and its backward, stayed materialized,
+        and the units kept counting inputs that will never get gradients. Local (no
+        communication); nothing while in backward."""
+        if self.schedule.in_backward:
+            return
+        for unit in self.units:
+            unit.end_iteration()
+
     def release_all(self) -> None:
         """Reshard every unit still materialized (local: no communication)."""
         for unit in self.units:

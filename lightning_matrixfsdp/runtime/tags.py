@@ -24,6 +24,7 @@ _SHARD = "_mfsdp_shard"
 _ROLE = "_mfsdp_role"  # a string, so tests and scripts can tag a plain tensor by hand
 _OWNED = "_mfsdp_owned"
 _STATE = "_mfsdp_state"
+_VIEW = "_mfsdp_view"
 
 
 # ---------------------------------------------------------------------- parameters
@@ -64,6 +65,19 @@ def global_numel(p: Any) -> int:
     return shard.numel if shard is not None else p.numel()
 
 
+def tag_view(t: Any, key: str) -> Any:
+    """Mark a ``state_dict`` tensor as this rank's view of the model tensor ``key``: the whole
+    tensor where this rank owns it, an empty placeholder elsewhere (checkpoints write the
+    owners' data wherever such a tensor sits in the checkpoint). Returns ``t``."""
+    setattr(t, _VIEW, key)
+    return t
+
+
+def view_key(t: Any) -> Optional[str]:
+    """The model key a tensor was marked with by ``tag_view``, or None."""
+    return getattr(t, _VIEW, None)
+
+
 # ---------------------------------------------------------------------- modules
 # The state is typed ``Any`` here: its module imports (through the units and parameters)
 # this one, and the tags stay at the bottom of the import graph.
@@ -74,9 +88,9 @@ def attach_state(module: nn.Module, state: Any) -> None:
 
 
 def detach_state(module: nn.Module) -> None:
-    """Remove the runtime state from ``module`` (``attach_state`` puts it back)."""
-    if _STATE in module.__dict__:
-        object.__delattr__(module, _STATE)
+    """Remove the runtime state from ``module`` (``attach_state`` puts it back; a copy of a
+    sharded root is no root)."""
+    module.__dict__.pop(_STATE, None)
 
 
 def state_of(module: nn.Module) -> Optional[Any]:
