@@ -60,6 +60,17 @@ def route_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         add = optimizer.add_param_group  # the bound method of the optimizer's class
 
         def add_param_group(param_group: dict[str, Any]) -> None:
+            params = param_group.get("params")
+            if isinstance(params, (list, tuple)) and params:
+                # Parameters the unsharded optimizer already holds (placeholders that routing
+                # took out of this rank's lists) are skipped, and a group made only of them is
+                # not added: BaseFinetuning filters new parameters against the optimizer's
+                # (routed) lists, and under DDP it would add no group for them.
+                held = {id(p) for ps in full_param_groups(optimizer) for p in ps}
+                fresh = [x for x in params if id(x[1] if isinstance(x, tuple) else x) not in held]
+                if not fresh:
+                    return
+                param_group = {**param_group, "params": fresh}
             add(param_group)
             route_optimizer(optimizer)
 
