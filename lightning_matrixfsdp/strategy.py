@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
+
 def _evenly_sampled(dataloader: object) -> bool:
     """True when torch's ``DistributedSampler`` (or a subclass, as Lightning's wrappers are)
     picks the batches: it pads or truncates to the same count on every rank."""
