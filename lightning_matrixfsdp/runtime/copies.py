@@ -94,8 +94,12 @@ class _Copier:
         hook = src.__dict__.pop("__deepcopy__")  # the copy must not inherit it, and the copy below must not recurse
         try:
             states = [state_of(r) for r in sharded_roots(src)]
-            if not states and self.state is not None and self.state() is not None:
-                states = [self.state()]  # a unit inside a sharded root
+            unit_state = self.state() if self.state is not None else None
+            if not states and unit_state is not None:
+                if state_of(unit_state.root) is not unit_state:
+                    # full_model holds the model as a plain module on this rank for now: a plain copy
+                    return _copy.deepcopy(src, memo)
+                states = [unit_state]  # a unit inside a sharded root
             if not states:
                 out = _copy.deepcopy(src, memo)
                 _PENDING.setdefault(src, []).append(weakref.ref(out))
