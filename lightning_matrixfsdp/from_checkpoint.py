@@ -32,6 +32,9 @@ def load_from_checkpoint(cls: type[T], checkpoint_path: Union[str, os.PathLike, 
     ``LightningDataModule`` class) that also reads this package's checkpoint directories
     (and ``ModelParallelStrategy``'s). The weights and the rest of the checkpoint are held in
     host memory twice while Lightning reads them. ``verify=False`` skips the directory's checksums."""
+    if not (isinstance(cls, type) and callable(getattr(cls, "load_from_checkpoint", None))):
+        raise TypeError(f"load_from_checkpoint(cls, path): cls must be a LightningModule or LightningDataModule "
+                        f"class, got {cls!r} ({type(cls).__name__})")
     args = dict(map_location=map_location, hparams_file=hparams_file, strict=strict, weights_only=weights_only)
     if not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_dir():
         return cls.load_from_checkpoint(checkpoint_path, **args, **kwargs)  # type: ignore[attr-defined]

@@ -411,3 +411,11 @@ def test_load_from_checkpoint_reads_the_directory_model_checkpoint_wrote(dist_po
     assert mf.load_from_checkpoint(LitHp, our_path, tag="override").hparams.tag == "override"
     again = mf.load_from_checkpoint(LitHp, ddp_path).state_dict()
     assert all(torch.equal(again[k], t) for k, t in want.items())
+
+
+def test_load_from_checkpoint_refuses_what_is_not_a_lightning_class(tmp_path):
+    import lightning_matrixfsdp as mf
+
+    for bad in (object, torch.nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match="must be a LightningModule or LightningDataModule class"):
+            mf.load_from_checkpoint(bad, tmp_path)
