@@ -204,10 +204,17 @@ def _comm_worker(rank: int, world: int, port: int, out: str) -> None:
         c.phase = "funcol"
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
         dt = distribute_tensor(torch.ones(8, 25), mesh, [Shard(0)], src_data_rank=None)
-        dt.full_tensor()  # all-gather of 4x25 floats per rank
+        full = dt.full_tensor()  # all-gather of 4x25 floats per rank
+        assert float(full.sum()) == 200.0
     dist.barrier()
     Path(out, f"{rank}.json").write_text(json.dumps(c.totals()))
     dist.destroy_process_group()
+    # About one run in ten, torch aborts this process during interpreter finalization,
+    # after everything above has finished (`terminate called without an active exception`,
+    # no Python frame; seen in CI). The DTensor/functional-collective state of the
+    # `funcol` phase outlives the process group. The test checks the byte counts, not
+    # torch's shutdown, so the worker leaves without finalization.
+    os._exit(0)
 
 
 def test_comm_counter_conventions(tmp_path: Path) -> None:
