@@ -22,6 +22,7 @@ __all__ = ["check_matrix", "gram_orthogonalize_with", "orthogonalize_batched", "
 
 
 def check_matrix(grad: Tensor) -> None:
+    """A 2-D matrix, as torch.optim.Muon requires (same message)."""
     if grad.ndim != 2:
         raise ValueError(f"Input tensor gradient must be a 2D matrix, got shape {tuple(grad.shape)}")
 
