@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.optim import orthogonalize as ortho
+from lightning_matrixfsdp.optim import coefficients
 from lightning_matrixfsdp.optim.muon import ORTHOGONALIZERS, Muon, uses_muon
 from lightning_matrixfsdp.optim.orthogonalize import (
     gram_polar_express,
@@ -246,11 +246,11 @@ def test_polar_express_schedule():
     # Each minimax quintic equioscillates (alternation theorem) and nothing on the
     # interval exceeds the alternation level: that is what "minimax" means.
     for lo, hi in [(1e-3, 1.0), (0.1, 1.0), (0.5, 1.5)]:
-        a, b, c = ortho._minimax_quintic(lo, hi)
+        a, b, c = coefficients._minimax_quintic(lo, hi)
         grid = torch.linspace(lo, hi, 20001, dtype=torch.float64)
         err = 1 - (a * grid + b * grid**3 + c * grid**5)
-        nodes = [lo, *ortho._critical_points((a, b, c), lo, hi), hi]
-        level = [1 - ortho._odd_quintic((a, b, c), t) for t in nodes]
+        nodes = [lo, *coefficients._critical_points((a, b, c), lo, hi), hi]
+        level = [1 - coefficients._odd_quintic((a, b, c), t) for t in nodes]
         assert len(nodes) == 4
         assert all(abs(abs(e) - abs(level[0])) < 1e-9 for e in level)
         assert all(level[i] * level[i + 1] < 0 for i in range(3))

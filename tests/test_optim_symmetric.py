@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lightning_matrixfsdp.optim import orthogonalize as ortho
+from lightning_matrixfsdp.optim import symmetric
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.optim.transpose import MAX_BLOCKS, mirror_lower_blocks_, transposed
 
@@ -40,7 +41,7 @@ def _per_block_mirror(a: torch.Tensor, edges: list[int]) -> torch.Tensor:
 
 def _assert_mirrored(a: torch.Tensor, blocks: int) -> None:
     """Off-diagonal blocks are exact mirrors; diagonal blocks are the GEMM's own output."""
-    edges = ortho._block_edges(a.size(0), blocks)
+    edges = symmetric._block_edges(a.size(0), blocks)
     assert len(edges) - 1 == blocks
     for i, (r0, r1) in enumerate(zip(edges, edges[1:])):
         for c0, c1 in list(zip(edges, edges[1:]))[i + 1:]:
@@ -49,11 +50,11 @@ def _assert_mirrored(a: torch.Tensor, blocks: int) -> None:
 
 @pytest.mark.parametrize("m, blocks", [(512, 2), (1024, 3), (1024, 4), (1280, 5), (768, 3)])
 def test_block_edges_cover_and_align(m, blocks):
-    edges = ortho._block_edges(m, blocks)
+    edges = symmetric._block_edges(m, blocks)
     assert edges[0] == 0 and edges[-1] == m
     assert all(a < b for a, b in zip(edges, edges[1:]))
-    assert all(e % ortho._BLOCK_ALIGN == 0 for e in edges[1:-1])
-    assert len(edges) - 1 == min(blocks, m // ortho._BLOCK_ALIGN)
+    assert all(e % symmetric._BLOCK_ALIGN == 0 for e in edges[1:-1])
+    assert len(edges) - 1 == min(blocks, m // symmetric._BLOCK_ALIGN)
 
 
 @pytest.mark.parametrize("blocks", [2, 3, 4])

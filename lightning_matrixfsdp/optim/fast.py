@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from .orthogonalize import Coefficients, orthogonalize_batched, orthogonalize_with
+from .coefficients import Coefficients
+from .iteration import orthogonalize_batched, orthogonalize_with
 
 __all__ = ["FAST_SCHEDULE", "fast_newton_schulz", "fast_newton_schulz_batched"]
 

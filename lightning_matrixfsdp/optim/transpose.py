@@ -1,6 +1,6 @@
 """Coalesced transposed copies for Newton-Schulz on CUDA: block mirrors and transposes.
 
-The symmetric products of Newton-Schulz (:func:`~.orthogonalize.symmetric_addmm`)
+The symmetric products of Newton-Schulz (:func:`~.symmetric.symmetric_addmm`)
 compute only the upper block triangle and then need ``out[lower block] = out[upper
 block].T``. On CUDA ``dst.copy_(src.T)`` goes through PyTorch's generic strided kernel,
 which coalesces either the reads or the writes of a transpose, not both; for 2-byte

@@ -1,0 +1,87 @@
+"""Symmetric products for the Newton-Schulz family: only the upper block triangle of a
+result known to be symmetric is multiplied, the rest is mirrored.
+
+Used for ``X X^T`` and ``A A`` (and every ``m x m`` product of the Gram-space iteration),
+where the symmetry is exact in exact arithmetic. The mirror is
+:func:`~lightning_matrixfsdp.optim.transpose.mirror_lower_blocks_` (one coalesced launch on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .transpose import mirror_lower_blocks_
+
+__all__ = ["CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS", "symmetric_addmm", "symmetric_blocks"]
+
+#: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`): the most
+#: that stayed bitwise equal to torch.optim.Muon on an H200 (docs/benchmarks.md).
+CUDA_SYMMETRIC_BLOCKS = 3
+#: Smallest ``min(m, n)`` for which the symmetric products are used automatically (the
+#: size measured to gain; smaller products are closer to launch-bound).
+SYMMETRIC_MIN_ROWS = 4096
+_BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
+
+
+def symmetric_blocks(x: Tensor, blocks: int | None) -> int:
+    """Row blocks for the symmetric products of ``x`` (``m x n``, ``m <= n``).
+
+    ``None`` picks automatically: :data:`CUDA_SYMMETRIC_BLOCKS` on CUDA when ``m`` is at
+    least :data:`SYMMETRIC_MIN_ROWS` (where the saved GEMM work beats the extra launches),
+    else 1, which is torch.optim.Muon's exact op sequence. CPU stays at 1 so that our
+    Muon is bitwise the stock one where the tests compare them.
+    """
+    if blocks is None:
+        if x.device.type != "cuda" or x.size(-2) < SYMMETRIC_MIN_ROWS:
+            return 1
+        blocks = CUDA_SYMMETRIC_BLOCKS
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"symmetric blocks must be a positive int or None, got {blocks!r}")
+    return max(1, min(blocks, x.size(-2) // _BLOCK_ALIGN))
+
+
+def _block_edges(m: int, blocks: int) -> list[int]:
+    """``blocks + 1`` row offsets, interior ones rounded to :data:`_BLOCK_ALIGN` (GEMM tiles)."""
+    edges = [0]
+    for i in range(1, blocks):
+        edge = int(round(i * m / blocks / _BLOCK_ALIGN)) * _BLOCK_ALIGN
+        edges.append(min(max(edge, edges[-1] + _BLOCK_ALIGN), m))
+    edges.append(m)
+    return sorted(set(edges))
+
+
+def symmetric_addmm(
+    left: Tensor,
+    right: Tensor,
+    blocks: int,
+    input: Tensor | None = None,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+) -> Tensor:
+    """``beta * input + alpha * left @ right`` for a result known to be symmetric.
+
+    Only the upper block triangle is multiplied, one row block per GEMM
+    (``out[r0:r1, r0:] = left[r0:r1] @ right[:, r0:]``); the strict lower blocks are
+    then copied from their mirror images. With ``b`` equal blocks that is
+    ``(b + 1) / (2 b)`` of the GEMM work; the mirror is one coalesced launch
+    (:func:`~lightning_matrixfsdp.optim.transpose.mirror_lower_blocks_`). Every computed entry is the same dot
+    product over the same ``k`` as in the full GEMM, so with a kernel that does not
+    split ``k`` it is the same number; ``blocks=1`` is the plain (add)mm. Used for
+    ``X X^T`` and ``A A`` in the Newton-Schulz family, where the symmetry is exact
+    in exact arithmetic; the off-diagonal blocks of the result are exact mirrors.
+    """
+    m = left.size(0)
+    if blocks <= 1:
+        if input is None:
+            return left @ right
+        return torch.addmm(input, left, right, beta=beta, alpha=alpha)
+    out = torch.empty(m, m, dtype=left.dtype, device=left.device)
+    edges = _block_edges(m, blocks)
+    for r0, r1 in zip(edges[:-1], edges[1:]):
+        if input is None:
+            torch.mm(left[r0:r1], right[:, r0:], out=out[r0:r1, r0:])
+        else:
+            torch.addmm(input[r0:r1, r0:], left[r0:r1], right[:, r0:], beta=beta, alpha=alpha,
+                        out=out[r0:r1, r0:])
+    return mirror_lower_blocks_(out, edges)
