@@ -176,3 +176,14 @@ def test_docs_results_stay_small():
     size = sum(f.stat().st_size for f in files)
     biggest = sorted(((f.stat().st_size, str(f.relative_to(ROOT))) for f in files), reverse=True)[:5]
     assert size < 300_000, f"docs/results holds {size} bytes; the largest: {biggest}"
+
+
+def test_checkpoints_read_the_runtime_only_through_its_view():
+    """``checkpoint/`` imports from the runtime only its read-only view (``runtime.checkpoint_view``)
+    and the communication modules (file names with ``comm`` or ``collective``)."""
+    modules = {_module(f) for f in PKG.rglob("*.py")}
+    wrong = [f"checkpoint/{f.name}: {m}" for f in sorted((PKG / "checkpoint").glob("*.py"))
+             for m in sorted(_package_imports(f, modules))
+             if m.startswith("lightning_matrixfsdp.runtime") and m != "lightning_matrixfsdp.runtime.checkpoint_view"
+             and not any(w in m.rsplit(".", 1)[-1] for w in ("comm", "collective"))]
+    assert not wrong, wrong
