@@ -33,6 +33,7 @@ PAPER_TABLE3 = {1: (367, 87, 991, 725), 2: (1285, 89, 2612, 1489), 4: (3079, 91,
                 8: (5064, 93, 10004, 4989)}
 WEAK_LAYERS = {"paper": 16}
 DEFAULT_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+CALIBRATION_FILE = "2026-11-30-h200-aa2fc35-calibration/calibration.json"
 
 
 # ---------------------------------------------------------------- calibration
@@ -43,10 +44,9 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def calibration_runs(results: Path) -> dict[str, dict[str, Any]]:
-    """The measured files the calibration reads (CALIBRATION_SOURCES), by short name."""
-    one, two = results / "2026-11-30-h200x1-aa2fc35-onenode", results / "2026-11-30-h200x2-aa2fc35-onenode"
-    return {"w1": _load(one / "bench_onenode_w1_cuda.json"), "w2": _load(two / "bench_onenode_w2_cuda.json"),
-            "ortho": _load(two / "orthogonalizers.json"), "profile": _load(two / "owner_step_profile.json")}
+    """The measurements the calibration reads, by short name: the fields it uses of the files
+    CALIBRATION_SOURCES names, copied into one small file (its ``sources`` names them too)."""
+    return _load(results / CALIBRATION_FILE)
 
 
 def calibrate(results: Path = DEFAULT_RESULTS) -> dict[str, float]:
@@ -225,6 +225,16 @@ def plot_scaling(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    _palette_png(path)
+
+
+def _palette_png(path: Path) -> None:
+    """Rewrite a plot as a 64-colour palette PNG (a third of the size, as legible: docs/ keeps it)."""
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    small.save(path, optimize=True)
 
 
 # ---------------------------------------------------------------- command line

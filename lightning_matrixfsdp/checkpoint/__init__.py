@@ -33,6 +33,9 @@ Files, one concern each, dependencies one way (top to bottom)::
     consolidate  directory <-> file conversion (``python -m lightning_matrixfsdp.consolidate``)
 
 Callers hand in modules, optimizers, paths and flags; nothing here sees the strategy.
+The runtime is read only through its frozen view of a sharded model
+(``runtime.checkpoint_view``: owner, shape, role, local data, tied names, stepping
+replica) and used only through its communication modules.
 """
 from lightning_matrixfsdp.checkpoint.errors import (
     CheckpointCorruptError,

@@ -3,7 +3,7 @@
 Built once per save or load and handed to every step that needs it. Under owner
 placement a parameter is whole on its owner and an empty placeholder elsewhere, so
 ``module.state_dict()`` alone cannot say what to write or where to read it; the index
-adds that from the marks ``matrix_shard`` left (read through ``runtime.tags``).
+adds that from the runtime's read-only view of the model (``runtime.checkpoint_view``).
 """
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
-from lightning_matrixfsdp.runtime.placement import Plan
-from lightning_matrixfsdp.runtime.tags import is_owned, shard_of, state_of
+from lightning_matrixfsdp.runtime.checkpoint_view import RootView, model_view_of
 
-__all__ = ["Entry", "KeyIndex", "RootInfo", "build_index"]
+__all__ = ["Entry", "KeyIndex", "build_index"]
 
 
 @dataclass
@@ -39,24 +38,13 @@ class Entry:
 
 
 @dataclass
-class RootInfo:
-    """One module ``matrix_shard`` sharded, as the sidecar records it."""
-
-    prefix: str
-    plan: Plan
-    span: int                       # shard-group size
-    replicate: int                  # number of replicas (HSDP)
-    global_ranks: list[int]         # this rank's shard group
-
-
-@dataclass
 class KeyIndex:
     entries: "OrderedDict[str, Entry]"
     extra: dict[str, Any]                       # non-tensor state (``get_extra_state``)
     order: dict[str, int]                       # key -> position in ``state_dict`` order
     key_of: dict[int, str]                      # id(parameter) -> primary key
     in_group0: bool                             # this rank belongs to global rank 0's shard group
-    roots: list[RootInfo] = field(default_factory=list)
+    roots: list[RootView] = field(default_factory=list)  # every sharded root, as the sidecar records it
     _aliases: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def key(self, p: torch.Tensor) -> str:
@@ -87,49 +75,26 @@ class KeyIndex:
         return self._aliases.get(primary, [])
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def build_index(module: nn.Module) -> KeyIndex:
     """Map the module's ``state_dict`` keys to owners, shapes and this rank's tensors.
 
     Collective under ``replica_split``: what the stepping replicas updated is sent to the
     others first (and waited for), so every replica's tensors are current for a save and
-    no transfer in flight overwrites what a load writes."""
-    names: dict[int, list[str]] = {}
-    for name, m in module.named_modules(remove_duplicate=False):
-        names.setdefault(id(m), []).append(name)
-    # key -> (resident parameter, its root's shard group). Found from each sharded
-    # parameter's registrations, so a key reads right even while its unit is materialized.
-    reg: dict[str, tuple[torch.Tensor, Any, Any]] = {}
-    roots: list[RootInfo] = []
-    for prefix, root in module.named_modules():
-        st = state_of(root)
-        if st is None:
-            continue
-        st.settle_replicas()
-        roots.append(RootInfo(prefix, st.plan, st.sg.size, st.replicate_size, list(st.sg.global_ranks)))
-        for sp in st.params:
-            for m, pname in sp.registrations:
-                for mname in names.get(id(m), []):
-                    reg[_join(mname, pname)] = (sp.resident, st.sg, st)
+    no transfer in flight overwrites what a load writes (``runtime.checkpoint_view``)."""
+    view = model_view_of(module)
     rank = world()[0]
-    in_group0 = all(0 in r.global_ranks for r in roots) if roots else rank == 0
+    in_group0 = all(0 in r.global_ranks for r in view.roots) if view.roots else rank == 0
     entries: OrderedDict[str, Entry] = OrderedDict()
     extra: dict[str, Any] = {}
     first: dict[int, str] = {}
     key_of: dict[int, str] = {}
     for key, v in module.state_dict(keep_vars=True).items():
-        if key in reg:
-            resident, sg, st = reg[key]
-            shard = shard_of(resident)
-            primary = first.setdefault(id(resident), key)
-            key_of[id(resident)] = primary
-            stepper = st.plan.stepper(shard.fqn)
-            entries[key] = Entry(key, tuple(shard.shape), resident.dtype, shard.owner, sg.g(shard.owner),
-                                 resident.detach() if is_owned(resident) else None, primary, shard.role.value,
-                                 stepper, stepper is None or stepper == st.replica_rank)
+        p = view.params.get(key)
+        if p is not None:
+            primary = first.setdefault(p.ident, key)
+            key_of[p.ident] = primary
+            entries[key] = Entry(key, p.shape, p.dtype, p.owner, p.owner_global, p.local, primary, p.role,
+                                 p.stepper, p.steps)
         elif isinstance(v, torch.Tensor):
             primary = first.setdefault(id(v), key)
             key_of[id(v)] = primary
@@ -137,4 +102,4 @@ def build_index(module: nn.Module) -> KeyIndex:
         else:
             extra[key] = v
     order = {k: i for i, k in enumerate(list(entries) + list(extra))}
-    return KeyIndex(entries, extra, order, key_of, in_group0, roots)
+    return KeyIndex(entries, extra, order, key_of, in_group0, list(view.roots))

@@ -2,7 +2,7 @@
 
 A view of a model tensor is what this rank holds of it: the whole tensor where it owns
 it, an empty placeholder ``(0, *shape[1:])`` where another rank does, marked with the
-model key (``runtime.tags.tag_view``). Lightning's checkpoint dict holds views in more
+model key (``runtime.checkpoint_view.tag_view``). Lightning's checkpoint dict holds views in more
 places than ``state_dict``: the strategy's ``lightning_module_state_dict`` is a view of
 the model (every key on every rank), and weight-averaging callbacks add the view of
 their averaged copy (``runtime/copies.py``): ``WeightAveraging`` moves the model's to
@@ -34,7 +34,7 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, Check
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 from lightning_matrixfsdp.checkpoint.state_dict import to_rank0
 from lightning_matrixfsdp.runtime.collectives import comm_device
-from lightning_matrixfsdp.runtime.tags import tag_view, view_key
+from lightning_matrixfsdp.runtime.checkpoint_view import tag_view, view_key
 
 __all__ = ["REF", "VIEWS", "find_refs", "gather_views", "localize_views", "model_view", "read_refs", "refs_to_whole",
            "split_views", "state_view", "whole_to_refs"]

@@ -22,9 +22,8 @@ import torch.distributed as dist
 from lightning_matrixfsdp.runtime.collectives import CommStats, all_reduce_norm, comm_device
 from lightning_matrixfsdp.runtime.tags import find_state, is_owned, shard_of
 
-__all__ = ["clip_grad_norm_", "full_param_groups", "full_params", "is_owned", "is_routed", "route_optimizer"]
+__all__ = ["clip_grad_norm_", "full_param_groups", "full_params", "is_owned", "route_optimizer"]
 
-_ROUTED = "_mfsdp_routed"
 # Per param group: (its parameters as given, the routed list object that replaced them). A
 # record is valid while the group still holds that very list (``load_state_dict`` keeps it; a
 # group assigned anew, as ``BaseFinetuning`` does on resume, is routed again).
@@ -76,7 +75,6 @@ def route_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
         optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
         setattr(optimizer, _ADD, True)
-    setattr(optimizer, _ROUTED, True)
     return optimizer
 
 
@@ -94,10 +92,6 @@ def full_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tenso
 def full_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """:func:`full_param_groups` flattened in group order: what DDP's clipping iterates."""
     return [p for ps in full_param_groups(optimizer) for p in ps]
-
-
-def is_routed(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(getattr(optimizer, _ROUTED, False))
 
 
 def _owned_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,98 @@
+"""What checkpoints may know of a sharded model: a typed, read-only view built here.
+
+Checkpointing (``lightning_matrixfsdp.checkpoint``) needs, for every ``state_dict`` key of
+a sharded parameter, its owner, whole shape, role, this rank's data and its tied names,
+and, for every sharded root, its plan and groups. It reads them from the frozen records
+below, never from the runtime's state objects, so the runtime may change how it keeps
+them. Dependencies run one way: checkpoint imports this module, nothing here imports
+checkpoint.
+
+``tag_view`` and ``view_key`` (the marks on ``state_dict`` tensors that stand for a
+sharded model tensor) are re-exported so that checkpoints import the runtime from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.runtime.placement import Plan
+from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+from lightning_matrixfsdp.runtime.tags import is_owned, state_of, tag_view, view_key
+
+__all__ = ["ModelView", "ParamView", "RootView", "model_view_of", "tag_view", "view_key"]
+
+
+@dataclass(frozen=True)
+class ParamView:
+    """One sharded parameter as this rank sees it."""
+
+    fqn: str                        # its name in the plan (relative to its root)
+    names: tuple[str, ...]          # every key that reaches it from the module viewed (tied names)
+    shape: tuple[int, ...]          # the whole tensor's shape
+    dtype: torch.dtype
+    owner: int                      # shard-group rank of the owner
+    owner_global: int               # global rank of that owner
+    role: str                       # "matrix" / "tail"
+    local: Optional[torch.Tensor]   # the whole tensor (detached) where this rank owns it, else None
+    stepper: Optional[int]          # replica_split: the replica that steps it and holds its optimizer state
+    steps: bool                     # this rank's replica steps it (always, without replica_split)
+    ident: int                      # id() of the parameter object optimizers hold
+
+
+@dataclass(frozen=True)
+class RootView:
+    """One module ``matrix_shard`` sharded."""
+
+    prefix: str                     # its name in the module viewed
+    plan: Plan
+    span: int                       # shard-group size
+    replicate: int                  # number of replicas (HSDP)
+    global_ranks: tuple[int, ...]   # this rank's shard group, as global ranks
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """Every sharded root inside a module, and its sharded parameters by ``state_dict`` key."""
+
+    roots: tuple[RootView, ...]
+    params: Mapping[str, ParamView]  # read-only; tied names map to the same record
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def model_view_of(module: nn.Module) -> ModelView:
+    """The view of every sharded root inside ``module`` (``module`` itself included).
+
+    Collective under ``replica_split``: what the stepping replicas updated is sent to the
+    others first (and waited for), so every replica's ``local`` tensors are current and no
+    transfer in flight overwrites what a checkpoint load writes into them. The keys come
+    from each parameter's registrations, so they read right even while its unit is
+    materialized."""
+    paths: dict[int, list[str]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
+    roots: list[RootView] = []
+    params: dict[str, ParamView] = {}
+    for prefix, root in module.named_modules():
+        st: Optional[MatrixFSDPState] = state_of(root)
+        if st is None:
+            continue
+        st.settle_replicas()
+        roots.append(RootView(prefix, st.plan, st.sg.size, st.replicate_size, tuple(st.sg.global_ranks)))
+        replica = st.replica_rank
+        for sp in st.params:
+            names = tuple(_join(mname, pname) for m, pname in sp.registrations for mname in paths.get(id(m), []))
+            shard, resident = sp.shard, sp.resident
+            stepper = st.plan.stepper(shard.fqn)
+            view = ParamView(shard.fqn, names, tuple(shard.shape), resident.dtype, shard.owner, st.sg.g(shard.owner),
+                             shard.role.value, resident.detach() if is_owned(resident) else None, stepper,
+                             stepper is None or stepper == replica, id(resident))
+            params.update(dict.fromkeys(names, view))
+    return ModelView(tuple(roots), MappingProxyType(params))
