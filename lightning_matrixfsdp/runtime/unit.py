@@ -28,9 +28,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import GradientReducer, OwnerCollective
+from lightning_matrixfsdp.runtime.collectives import OwnerCollective
 from lightning_matrixfsdp.runtime.consensus import AGREE_USED, MATERIALIZE, REDUCE
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import UnitLayout
