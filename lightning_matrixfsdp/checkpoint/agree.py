@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+import lightning_matrixfsdp.runtime.small_comm as small_comm
 from lightning_matrixfsdp.checkpoint.errors import ERROR_CLASSES, CheckpointError
-from lightning_matrixfsdp.runtime import small_comm
 
 __all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "describe_failure",
            "single_process_quiet", "warn", "world"]
