@@ -141,7 +141,7 @@ def check_optimizers_follow(modules: Sequence[nn.Module], optimizers: Sequence[O
                     bad = (i, g, tuple(p.shape))
     flag = torch.tensor([0 if bad is None else 1], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized():
-        from lightning_matrixfsdp.runtime.collectives import comm_device
+        from lightning_matrixfsdp.runtime.comm import comm_device
 
         flag = flag.to(comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -293,7 +293,7 @@ def test_split_matches_ddp_with_features(R, W, cfg, dist_pools):
 def exchange_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """``ReplicaExchange`` over the whole world as the replicate group: roles of float32 and bfloat16
     stepped by every replica in turn, against an independent fold in replica order."""
-    from lightning_matrixfsdp.runtime.collectives import CommStats
+    from lightning_matrixfsdp.runtime.comm import CommStats
     from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 
     stats = CommStats()

@@ -187,3 +187,64 @@ def test_checkpoints_read_the_runtime_only_through_its_view():
              if m.startswith("lightning_matrixfsdp.runtime") and m != "lightning_matrixfsdp.runtime.checkpoint_view"
              and not any(w in m.rsplit(".", 1)[-1] for w in ("comm", "collective"))]
     assert not wrong, wrong
+# ---------------------------------------------------------------- torch.distributed only in comm modules
+#: Calls of torch.distributed that only ask (no communication): allowed anywhere.
+DIST_QUERIES = {"is_available", "is_initialized", "get_rank", "get_world_size", "get_global_rank", "get_backend"}
+#: Libraries under torch.distributed whose calls are not this package's communication: DCP
+#: (``torch.distributed.checkpoint``) is the checkpoint format's reader and writer, whose
+#: save/load coordinate the ranks inside torch; the package's own agreements around them
+#: (``checkpoint/agree.py``) go through comm modules.
+DIST_LIBRARIES = {"checkpoint"}
+
+
+def _dist_calls(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted callee) of every call in ``path`` that resolves to torch.distributed (any
+    import form: ``import torch.distributed as dist``, ``from torch.distributed import x``,
+    ``torch.distributed.x``, ``dist.x.y``, ``getattr(dist, "x")``), less the queries and libraries."""
+    tree = ast.parse(path.read_text(), str(path))
+    alias: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                alias[a.asname or a.name] = f"{node.module}.{a.name}"
+
+    def dotted(e: ast.expr):
+        if isinstance(e, ast.Name):
+            return alias.get(e.id)
+        if isinstance(e, ast.Attribute):
+            base = dotted(e.value)
+            return f"{base}.{e.attr}" if base else None
+        return None
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = dotted(node.func)
+        if (isinstance(node.func, ast.Name) and node.func.id == "getattr" and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant) and dotted(node.args[0])):
+            name = f"{dotted(node.args[0])}.{node.args[1].value}"
+        if not name or not name.startswith("torch.distributed."):
+            continue
+        parts = name.split(".")
+        if parts[-1] in DIST_QUERIES and parts[2:-1] in ([], ["distributed_c10d"]):
+            continue
+        if parts[2] in DIST_LIBRARIES:
+            continue
+        found.append((node.lineno, name))
+    return sorted(found)
+
+
+def test_torch_distributed_calls_only_in_comm_modules():
+    """Every communication of the library is in a module whose file name says so (``comm`` or
+    ``collective``); the rest calls those. ``bench/`` and ``demos/`` are not the library's
+    runtime (the benchmark harness, the baseline systems it measures, example models) and
+    are not checked."""
+    bad = [f"{f.relative_to(PKG)}:{line}: {name}"
+           for f in sorted(PKG.rglob("*.py")) if not {"bench", "demos"} & set(f.relative_to(PKG).parts)
+           and "comm" not in f.name and "collective" not in f.name
+           for line, name in _dist_calls(f)]
+    assert not bad, "torch.distributed called outside a comm module:\n" + "\n".join(bad)

@@ -5,7 +5,7 @@ collective would leave them waiting until the process-group timeout. Every step
 that can fail therefore runs through :func:`agree`: each rank runs it, the ranks
 exchange their outcome, and all of them raise (the failing rank its own error, the
 others the same class with the failing rank's message). Objects travel on the
-default group, on the device :func:`comm_device` picks.
+default group, through ``runtime/small_comm.py``.
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+import lightning_matrixfsdp.runtime.small_comm as small_comm
 from lightning_matrixfsdp.checkpoint.errors import ERROR_CLASSES, CheckpointError
-from lightning_matrixfsdp.runtime.collectives import comm_device
 
 __all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "describe_failure",
            "single_process_quiet", "warn", "world"]
@@ -35,26 +34,17 @@ def world() -> tuple[int, int]:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
-    if world()[1] == 1:
-        return [obj]
-    out: list[Any] = [None] * world()[1]
-    dist.all_gather_object(out, obj)
-    return out
+    return small_comm.gather_objects(obj)
 
 
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
-    if world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return small_comm.broadcast_object(obj, src=0)
 
 
 def barrier() -> None:
     """A barrier that is a plain all-reduce (works on every backend, on the collective device)."""
-    if world()[1] > 1:
-        dist.all_reduce(torch.zeros(1, device=comm_device()))
+    small_comm.barrier()
 
 
 def agree(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

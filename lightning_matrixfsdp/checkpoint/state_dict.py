@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
-from lightning_matrixfsdp.runtime.collectives import comm_device
+from lightning_matrixfsdp.runtime.comm import comm_device
+from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 
 __all__ = ["full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict", "to_rank0"]
 
@@ -58,12 +58,10 @@ def to_rank0(local: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.d
         assert local is not None
         if rank == 0:
             return local.cpu()
-        dist.send(local.to(device).contiguous(), dst=0)
+        send_tensor(local.to(device).contiguous(), dst=0)
         return None
     if rank == 0:
-        buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-        dist.recv(buf, src=src)
-        return buf.cpu()
+        return recv_tensor(torch.empty(tuple(shape), dtype=dtype, device=device), src=src).cpu()
     return None
 
 

@@ -33,8 +33,8 @@ from lightning_matrixfsdp.checkpoint.agree import all_gather_object, world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 from lightning_matrixfsdp.checkpoint.state_dict import to_rank0
-from lightning_matrixfsdp.runtime.collectives import comm_device
 from lightning_matrixfsdp.runtime.checkpoint_view import tag_view, view_key
+from lightning_matrixfsdp.runtime.comm import comm_device
 
 __all__ = ["REF", "VIEWS", "find_refs", "gather_views", "localize_views", "model_view", "read_refs", "refs_to_whole",
            "split_views", "state_view", "whole_to_refs"]

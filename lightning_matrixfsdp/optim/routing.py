@@ -7,7 +7,7 @@ values still line up.  Groups added later (``add_param_group``, e.g. by a fine-t
 callback) are routed as they arrive.  Each group's parameters as the user gave them
 stay on record (:func:`full_param_groups`): code that must see the same lists on every
 rank (Lightning's ``toggle_optimizer``, the clip's parameter order) reads them there.
-Nothing here communicates except the global-norm clip (``collectives.all_reduce_norm``).
+Nothing here communicates except the global-norm clip (``small_comm.all_reduce_norm``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import CommStats, all_reduce_norm, comm_device
+from lightning_matrixfsdp.runtime.comm import CommStats, comm_device
+from lightning_matrixfsdp.runtime.small_comm import all_reduce_norm
 from lightning_matrixfsdp.runtime.tags import find_state, is_owned, shard_of
 
 __all__ = ["clip_grad_norm_", "full_param_groups", "full_params", "is_owned", "route_optimizer"]

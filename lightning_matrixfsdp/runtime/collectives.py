@@ -1,119 +1,25 @@
-"""All runtime communication: owner collectives, gradient reduction, and the small all-reduces.
+"""The owner collectives: one unit's owner-shaped data between the ranks of a shard group.
 
 Materialize (owners -> everyone) and reduce-to-owner (everyone -> owner) have three
-implementations behind one interface; :class:`GradientReducer` adds what a gradient
-needs after it reached its owner (the data-parallel mean, the HSDP replica sum) and
-the "which parameters got a gradient" agreement; :func:`all_reduce_norm` is the
-global-norm clip's scalar.  Everything counts its bytes in :class:`CommStats`, and
-:func:`comm_device` is the one place that says where communication tensors live.
-
-Byte accounting is *logical payload per rank*: what a rank contributes or obtains,
-not the relay traffic of a tree or ring algorithm, except for the padded
-collectives, which count the ring's (W-1) segments each way like FSDP.
-
-Every operation is split into ``start`` (issue the communication, return a
-:class:`PendingOp`) and ``PendingOp.wait`` (finish and copy out), so the unit
-lifecycle can overlap communication with compute on accelerators.
+implementations behind one interface, :class:`OwnerCollective`: batched send/recv
+(``p2p``, the default), one broadcast / reduce per role (``broadcast``), and padded
+all-gather / reduce-scatter (``padded_all_gather``, the ablation). Each ``start_*``
+issues the communication, counts its bytes in :class:`~comm.CommStats` (the
+convention is in ``comm.py``) and returns a :class:`~comm.PendingOp`; what a gradient
+needs once it reached its owner is ``grad_comm.py``'s.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from lightning_matrixfsdp.runtime.comm import CommStats, PendingOp, ShardGroup, nbytes, pack_segment
 from lightning_matrixfsdp.runtime.placement import MatrixShard
-from lightning_matrixfsdp.runtime.waits import wait_works
-
-#: Phases every snapshot shows.  ``optimizer_step`` is counted by nothing: the owner step
-#: communicates nothing, and the phase is kept at zero so that users see it (the README's
-#: loop prints it, the strategy logs ``matrix_fsdp/optimizer_step_MB``).
-PHASES = ("materialize", "reduce", "replicate", "optimizer_step", "clip")
-#: ``replica_split`` counts ``replica_reduce`` and ``replica_broadcast`` (``replica_comm.py``);
-#: they appear in a snapshot once something was counted in them.
-
-
-class CommStats:
-    """Per-phase byte and call counters of one sharded model on this rank."""
-
-    def __init__(self) -> None:
-        self._d: dict[str, dict[str, int]] = {}
-        self.reset()
-
-    def reset(self) -> None:
-        self._d = {p: {"sent": 0, "recv": 0, "calls": 0} for p in PHASES}
-
-    def add(self, phase: str, sent: int = 0, recv: int = 0, calls: int = 1) -> None:
-        d = self._d.setdefault(phase, {"sent": 0, "recv": 0, "calls": 0})
-        d["sent"] += int(sent)
-        d["recv"] += int(recv)
-        d["calls"] += int(calls)
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {p: dict(v) for p, v in self._d.items()}
-
-
-@dataclass
-class PendingOp:
-    """Communication in flight; ``wait()`` finishes it and returns the result.
-
-    ``blocking``: the works block the host while waited for (gloo), so the wait goes
-    through :func:`waits.wait_works`, which SIGINT and SIGTERM can end; ``what`` names
-    the operation in that case's error.
-    """
-
-    works: list = field(default_factory=list)
-    finish: Optional[Callable[[], object]] = None
-    blocking: bool = False
-    what: str = "a collective"
-
-    def wait(self) -> object:
-        if self.blocking:
-            wait_works(self.works, self.what)
-        else:
-            for w in self.works:
-                if w is not None:
-                    w.wait()
-        self.works = []
-        fin, self.finish = self.finish, None
-        return fin() if fin is not None else None
-
-
-class ShardGroup:
-    """The shard span as seen by one rank: local rank, size, and the global ranks."""
-
-    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
-        self.group = group
-        if group is None or not dist.is_initialized():
-            self.group, self.rank, self.size, self.global_ranks = None, 0, 1, [0]
-            return
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)]
-
-    @property
-    def blocks_host(self) -> bool:
-        """Waiting for this group's communication blocks the host (gloo, not NCCL)."""
-        return self.size > 1 and comm_device(self.group).type == "cpu"
-
-    def g(self, r: int) -> int:
-        return self.global_ranks[r]
-
-
-def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """Where a collective on ``group`` wants its tensors: the current GPU under NCCL, else
-    the CPU. The one place that decides it, for the runtime, clipping and checkpoints."""
-    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class OwnerCollective(ABC):
@@ -294,11 +200,6 @@ class P2PCollective(OwnerCollective):
         return self._pending(works, finish)
 
 
-def pack_segment(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous segment (a fresh tensor: it is summed into or sent while the sources change)."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
 class BroadcastCollective(OwnerCollective):
     """One broadcast / reduce per role, issued together (NCCL pipelines each one)."""
 
@@ -423,150 +324,6 @@ class PaddedAllGatherCollective(OwnerCollective):
             return res
 
         return self._pending(works, finish)
-
-
-class GradientReducer:
-    """Gradients of a unit, from every rank's local copy to the data-parallel mean on its owner.
-
-    The shard group's owner collective sums them onto the owners; the owner then divides
-    by the data-parallel size and, under HSDP, sums across the replicas of its shard. Under
-    ``replica_split`` the owners' sums go to each role's stepping replica instead, which
-    adds them and divides; the other replicas end without the gradient.
-    """
-
-    def __init__(self, collective: OwnerCollective, replicate_group: Optional[dist.ProcessGroup],
-                 split: Optional[Any] = None, steppers: Optional[dict[str, int]] = None) -> None:
-        self.collective = collective
-        self.sg = collective.sg
-        self.stats = collective.stats
-        self.replicate_group = replicate_group
-        self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-        self.dp_size = self.sg.size * self.replicate_size
-        #: ``replica_split``: a ``replica_comm.ReplicaExchange`` (typed Any: that module imports this
-        #: one) and the stepping replica of every parameter; None and {} otherwise
-        self.split = split if steppers else None
-        self.steppers = dict(steppers or {})
-
-    def globally_used(self, used: list[bool], what: str = "the used-gradient flags") -> tuple[list[bool], list[bool]]:
-        """Which parameters got a gradient on at least one rank (DDP leaves the rest None), and
-        which got one on some ranks but not on others (the same lists on every rank)."""
-        if self.dp_size == 1:
-            return used, [False] * len(used)
-        # one MAX all-reduce of "used here" and "unused here": both set means the ranks differ
-        flags = [int(u) for u in used] + [int(not u) for u in used]
-        t = torch.tensor(flags, dtype=torch.int32, device=comm_device(self.sg.group))
-        for group, size in ((self.sg.group, self.sg.size), (self.replicate_group, self.replicate_size)):
-            if group is not None and size > 1:
-                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-                _wait(work, comm_device(group), what)
-        n = len(used)
-        both = t.tolist()
-        return [bool(x) for x in both[:n]], [bool(a and b) for a, b in zip(both[:n], both[n:])]
-
-    def start(self, shards: Sequence[MatrixShard], grads: Sequence[torch.Tensor],
-              keep: Sequence[bool], what: str = "a gradient reduction") -> PendingOp:
-        """Issue the reduction to owners; ``wait()`` returns, per gradient, the mean on its
-        owner where ``keep`` is set and None elsewhere.  ``keep`` must agree across ranks
-        (it decides the replica all-reduces)."""
-        pending = self.collective.start_reduce(shards, grads)
-        pending.what = what
-        across = self._to_steppers if self.split is not None else self._replicate_sums
-        if self.sg.size == 1:
-            # No shard-group reduction to wait for (W = 1): the replica reduction is issued now,
-            # so it overlaps the backward of the units before this one, as DDP's buckets do.
-            return PendingOp(finish=across(shards, pending.wait(), keep))
-        return PendingOp(finish=lambda: across(shards, pending.wait(), keep)())
-
-    def _to_steppers(self, shards: Sequence[MatrixShard], sums: Sequence[Optional[torch.Tensor]],
-                     keep: Sequence[bool]) -> Callable[[], list[Optional[torch.Tensor]]]:
-        """``replica_split``: start sending the shard group's sums on the owners to each role's
-        stepping replica; the returned finish waits, and there the stepper's sum over the replicas
-        (added in replica order), divided as DDP divides its sum, stays alone (None elsewhere)."""
-        idx = [i for i, (g, k) in enumerate(zip(sums, keep)) if g is not None and k]
-        pending = (self.split.start_reduce([sums[i] for i in idx], [self.steppers[shards[i].fqn] for i in idx])
-                   if idx else None)
-
-        def finish() -> list[Optional[torch.Tensor]]:
-            out: list[Optional[torch.Tensor]] = [None] * len(sums)
-            for i, g in zip(idx, pending.wait() if pending is not None else []):
-                if g is not None:
-                    out[i] = g.div_(self.dp_size)
-            return out
-
-        return finish
-
-    def _replicate_sums(self, shards: Sequence[MatrixShard], sums: Sequence[Optional[torch.Tensor]],
-                        keep: Sequence[bool]) -> Callable[[], list[Optional[torch.Tensor]]]:
-        """HSDP: divide each owner's sum and start its all-reduce across the replicas; the
-        returned finish waits for all of them. One all-reduce per gradient, all in flight at
-        once: the same per-tensor collective (so the same float32 result) as one at a time,
-        without a round trip per tensor."""
-        out: list[Optional[torch.Tensor]] = []
-        works: list[tuple[Any, torch.Tensor]] = []
-        for g, k in zip(sums, keep):
-            if g is None or not k:
-                out.append(None)
-                continue
-            g.div_(self.dp_size)
-            if self.replicate_group is not None and self.replicate_size > 1:
-                works.append((dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.replicate_group,
-                                              async_op=True), g))
-            out.append(g)
-
-        def finish() -> list[Optional[torch.Tensor]]:
-            for work, g in works:
-                _wait(work, g.device, "the replica sum of a gradient")
-                b = nbytes(g)
-                self.stats.add("replicate", b, b)
-            return out
-
-        return finish
-
-
-def all_reduce_norm(local: torch.Tensor, maximum: bool, group: Optional[dist.ProcessGroup] = None,
-                    stats: Optional[CommStats] = None) -> torch.Tensor:
-    """Combine the owners' partial norms of a global-norm clip over ``group`` (a few
-    scalars): element-wise sum (``maximum=False``) or maximum.  Returns a 1-D tensor on
-    :func:`comm_device`."""
-    total = local.to(comm_device(group)).reshape(-1).clone()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        work = dist.all_reduce(total, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group,
-                               async_op=True)
-        _wait(work, total.device, "the global-norm all-reduce of a gradient clip")
-        if stats is not None:
-            stats.add("clip", nbytes(total), nbytes(total))
-    return total
-
-
-def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup] = None,
-                what: str = "a small all-gather") -> list[list[int]]:
-    """Every rank's ``values`` (the same length everywhere), in rank order of ``group``: the
-    evaluation join's "has a batch" agreement and its announcements."""
-    mine = torch.tensor(list(values), dtype=torch.int64, device=comm_device(group))
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [mine.tolist()]
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    work = dist.all_gather(rows, mine, group=group, async_op=True)
-    _wait(work, mine.device, what)
-    return [r.tolist() for r in rows]
-
-
-def gather_objects(obj: object, group: Optional[dist.ProcessGroup] = None) -> list:
-    """Every rank's picklable ``obj``, in rank order of ``group`` (setup-time agreement and
-    error reports; never on a training step's path)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [obj]
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _wait(work: object, device: torch.device, what: str) -> None:
-    """Wait for a work item; on the CPU (gloo) where SIGINT and SIGTERM can end the wait."""
-    if device.type == "cpu":
-        wait_works([work], what)
-    else:
-        work.wait()  # type: ignore[attr-defined]
 
 
 COLLECTIVES: dict[str, type[OwnerCollective]] = {

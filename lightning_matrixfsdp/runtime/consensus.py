@@ -24,14 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from datetime import timedelta
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import ShardGroup, gather_ints, gather_objects
+from lightning_matrixfsdp.runtime.comm import ShardGroup
 from lightning_matrixfsdp.runtime.errors import LoneForwardError, RankDivergenceError
 from lightning_matrixfsdp.runtime.placement import Plan, first_difference
+from lightning_matrixfsdp.runtime.small_comm import gather_ints, gather_objects, gloo_subgroups, monitored_barrier
 
 #: ``1``: check the sequence on every backend; ``0``: nowhere; unset: where the shard group is gloo.
 CHECK_ENV = "MATRIX_FSDP_CHECK_SEQUENCE"
@@ -130,9 +130,7 @@ def host_group(sg: ShardGroup) -> Optional[dist.ProcessGroup]:
     if sg.blocks_host:
         return sg.group
     spans = gather_objects(sg.global_ranks)
-    unique = [list(s) for s in dict.fromkeys(tuple(s) for s in spans)]
-    group, _ = dist.new_subgroups_by_enumeration(unique, backend="gloo")
-    return group
+    return gloo_subgroups([list(s) for s in dict.fromkeys(tuple(s) for s in spans)])
 
 
 def make_sequence_check(sg: ShardGroup, unit_names: list[str]) -> SequenceCheck:
@@ -164,7 +162,7 @@ class PeerCheck:
         if timeout <= 0 or len(self.global_ranks) == 1:
             return
         try:
-            dist.monitored_barrier(self.group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+            monitored_barrier(self.group, timeout)
         except RuntimeError as e:
             me = dist.get_rank()
             others = [r for r in self.global_ranks if r != me]

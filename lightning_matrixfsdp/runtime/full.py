@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import PendingOp, nbytes
+from lightning_matrixfsdp.runtime.p2p_comm import gather_whole
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import attach_state, detach_state, sharded_roots, state_of, tag_param, untag_param
@@ -39,32 +39,6 @@ def _check_idle(state: MatrixFSDPState) -> None:
         raise RuntimeError(
             "lightning_matrixfsdp.full_model(...) was entered during a forward or backward of the sharded model; "
             "enter it between steps (in a hook, or outside the training loop), on every rank")
-
-
-def _gather(state: MatrixFSDPState, targets: list[int]) -> dict[int, torch.Tensor]:
-    """Every parameter's whole tensor on each of the global ranks ``targets``, from its owner
-    (plan order on every rank, so sends and receives pair up): {index in state.params: tensor}
-    on a target, empty elsewhere."""
-    sg = state.sg
-    me = sg.g(sg.rank)
-    works, received, sent, got = [], {}, 0, 0
-    for i, p in enumerate(state.params):
-        owner = sg.g(p.shard.owner)
-        dests = [t for t in targets if t != owner]
-        if me == owner:
-            src = p.resident.data.contiguous()
-            for t in dests:
-                works.append(dist.isend(src, dst=t, group=sg.group))
-                sent += nbytes(src)
-        elif me in dests:
-            buf = torch.empty(p.shape, dtype=p.orig_dtype, device=p.resident.device)
-            works.append(dist.irecv(buf, src=owner, group=sg.group))
-            received[i] = buf
-            got += nbytes(buf)
-    PendingOp(works, blocking=sg.blocks_host, what="full_model: the owners' weights").wait()
-    if works:
-        state.stats.add("full_model", sent, got)
-    return received
 
 
 class _Whole:
@@ -131,7 +105,7 @@ def full_model(module: nn.Module, rank: Optional[int] = 0) -> Iterator[nn.Module
             st.settle_replicas()  # replica_split: every replica's weights current
             st.release_all()  # a unit left materialized (a forward without backward) is resharded
             targets = list(st.sg.global_ranks) if rank is None else [r for r in st.sg.global_ranks if r == rank]
-            received = _gather(st, targets)
+            received = gather_whole(st.params, st.sg, st.stats, targets)
             mine = st.sg.g(st.sg.rank)
             held.append(_Whole(root, st, received) if mine in targets else _Elsewhere(st, rank))  # type: ignore[arg-type]
         with torch.no_grad():

@@ -33,8 +33,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import gather_ints
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError, UnevenInputsError
+from lightning_matrixfsdp.runtime.small_comm import gather_ints
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 
 IDLE, DONE, MATERIALIZE = range(3)

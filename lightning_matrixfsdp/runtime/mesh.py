@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import comm_device
+from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_timeout
 
 

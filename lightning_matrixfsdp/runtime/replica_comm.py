@@ -29,7 +29,7 @@ of the ``R``:
   cost two extra copies of every byte, and a unit has few tensors, each a pipelined
   broadcast.
 
-Bytes in :class:`~lightning_matrixfsdp.runtime.collectives.CommStats`, per rank and
+Bytes in :class:`~lightning_matrixfsdp.runtime.comm.CommStats`, per rank and
 role of ``b`` bytes (logical payload, the convention of the rest of the package):
 
 - ``replica_reduce``: every replica sends ``b`` once, except the stepper where the
@@ -53,8 +53,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import CommStats, PendingOp, ShardGroup, nbytes, pack_segment
-from lightning_matrixfsdp.runtime.waits import wait_works
+from lightning_matrixfsdp.runtime.comm import CommStats, PendingOp, ShardGroup, nbytes, pack_segment, wait_all
 
 __all__ = ["CHUNK_BYTES", "ReplicaExchange", "chain_end"]
 
@@ -115,13 +114,6 @@ class ReplicaExchange:
 
     def _works(self, ops: list) -> list:
         return dist.batch_isend_irecv(ops) if ops else []
-
-    def _wait(self, works: list, what: str) -> None:
-        if self.rg.blocks_host:
-            wait_works(works, what)
-        else:
-            for w in works:
-                w.wait()
 
     # ------------------------------------------------------------------ the reduction chain
     def start_reduce(self, grads: Sequence[torch.Tensor], steppers: Sequence[int]) -> PendingOp:
@@ -190,10 +182,10 @@ class ReplicaExchange:
         first_works = issue(first)
 
         def finish() -> list[Optional[torch.Tensor]]:
-            self._wait(first_works, what)
+            wait_all(first_works, rg.blocks_host, what)
             arrived(first)
             for t in sorted(steps):
-                self._wait(issue(steps[t]), what)
+                wait_all(issue(steps[t]), rg.blocks_host, what)
                 arrived(steps[t])
             out: list[Optional[torch.Tensor]] = [None] * len(grads)
             for g in groups:

@@ -34,7 +34,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from lightning_matrixfsdp.runtime.collectives import PendingOp
+from lightning_matrixfsdp.runtime.comm import PendingOp
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 

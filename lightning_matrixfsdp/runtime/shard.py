@@ -9,14 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.checks import check_model
-from lightning_matrixfsdp.runtime.collectives import (
-    DEFAULT_COLLECTIVE,
-    CommStats,
-    GradientReducer,
-    ShardGroup,
-    comm_device,
-    make_collective,
-)
+from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE, make_collective
+from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup, comm_device
 from lightning_matrixfsdp.runtime.consensus import (
     SYNC_BUFFERS,
     make_sequence_check,
@@ -24,6 +18,7 @@ from lightning_matrixfsdp.runtime.consensus import (
     validate_schedule,
 )
 from lightning_matrixfsdp.runtime.copies import track_copies
+from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.mesh import hsdp_mesh, shard_and_replicate_groups
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
 from lightning_matrixfsdp.runtime.param import ShardedParam

@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import CommStats, GradientReducer, ShardGroup
+from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
+from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import CommStats, ShardGroup
+from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
 from lightning_matrixfsdp.runtime.schedule import Schedule
 from lightning_matrixfsdp.runtime.sync_comm import as_bytes, broadcast_packed, gather_digests, send_to_targets
 

@@ -1,6 +1,6 @@
 """The communication that puts every rank on global rank 0's model (``sync.py`` decides what and when).
 
-Three operations, each counted in :class:`~collectives.CommStats` under the phase it is given:
+Three operations, each counted in :class:`~comm.CommStats` under the phase it is given:
 
 - :func:`broadcast_packed`: tensors of any dtype packed into one byte segment, one broadcast
   (the buffers before a forward, as DDP's coalesced buffer broadcast);
@@ -9,7 +9,7 @@ Three operations, each counted in :class:`~collectives.CommStats` under the phas
   (the parameters at sharding time), one batch of send/recv.
 
 Tensors travel as their bytes (``uint8``), so booleans, integers and complex numbers move on
-every backend, and a tensor on the CPU travels through :func:`collectives.comm_device` when the
+every backend, and a tensor on the CPU travels through :func:`comm.comm_device` when the
 group runs elsewhere (NCCL).
 """
 
@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.collectives import CommStats, PendingOp, comm_device, gather_ints
+from lightning_matrixfsdp.runtime.comm import CommStats, comm_device, wait_all
+from lightning_matrixfsdp.runtime.small_comm import gather_ints
 
 #: Byte alignment of each tensor inside a packed segment (``Tensor.view(dtype)`` needs its offset aligned).
 ALIGN = 16
@@ -39,10 +40,6 @@ def _slots(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _wait(works: list, device: torch.device, what: str) -> None:
-    PendingOp(works, blocking=device.type == "cpu", what=what).wait()
-
-
 def broadcast_packed(tensors: Sequence[torch.Tensor], src: int, group: Optional[dist.ProcessGroup],
                      stats: CommStats, phase: str, what: str) -> None:
     """Overwrite ``tensors`` on every rank of ``group`` with those of its rank ``src`` (a group rank):
@@ -58,7 +55,7 @@ def broadcast_packed(tensors: Sequence[torch.Tensor], src: int, group: Optional[
             b = as_bytes(t)
             seg[off:off + b.numel()].copy_(b)
     work = dist.broadcast(seg, src=dist.get_global_rank(group, src), group=group, async_op=True)
-    _wait([work], device, what)
+    wait_all([work], device.type == "cpu", what)
     if me == src:
         stats.add(phase, sent=total)
         return
@@ -102,7 +99,7 @@ def send_to_targets(moves: Sequence[tuple[int, int]], tensors: Sequence[Optional
             recv += b.numel()
             landing.append((t, b))
     if ops:
-        _wait(dist.batch_isend_irecv(ops), device, "matrix_shard's transfer of rank 0's parameters")
+        wait_all(dist.batch_isend_irecv(ops), device.type == "cpu", "matrix_shard's transfer of rank 0's parameters")
     stats.add(phase, sent=sent, recv=recv, calls=len(ops))
     with torch.no_grad():
         for t, b in landing:

@@ -16,7 +16,9 @@ One iteration:
 How far backward has come for a unit is its :class:`TrainingState` (FSDP2's names),
 which the backward hooks branch on; forward nesting is a depth counter, and whether
 the whole model is in backward (a forward then is activation-checkpoint
-recomputation) is the schedule's flag.
+recomputation) is the schedule's flag. Which gradients a unit reduces, and the start of
+the reduction, are ``unit_grads.py``'s; the autograd plumbing (tensors in nested
+arguments, the identity that reports the end of a unit's backward) is ``unit_autograd.py``'s.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import GradientReducer, OwnerCollective
-from lightning_matrixfsdp.runtime.consensus import AGREE_USED, MATERIALIZE, REDUCE
-from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+from lightning_matrixfsdp.runtime.collectives import OwnerCollective
+from lightning_matrixfsdp.runtime.consensus import MATERIALIZE
+from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import UnitLayout
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
+from lightning_matrixfsdp.runtime.unit_autograd import PostBackward, tensors_in, tree_map_tensors
+from lightning_matrixfsdp.runtime.unit_grads import start_reduction
 
 
 class TrainingState(Enum):
@@ -44,41 +48,6 @@ class TrainingState(Enum):
     IDLE = auto()  # forward, or between iterations: backward has not reached the unit
     PRE_BACKWARD = auto()  # backward reached its outputs: materialized, the next one prefetched
     POST_BACKWARD = auto()  # reduced: nothing reduces it again before the next iteration
-
-
-# A local map rather than ``torch.utils._pytree``: that module is private to PyTorch, and
-# this one also walks subclasses of list, tuple and dict (custom batch containers) without
-# registration.
-def _tree_map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_tree_map_tensors(fn, o) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_map_tensors(fn, o) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _tree_map_tensors(fn, v)) for k, v in obj.items())
-    return obj
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    _tree_map_tensors(lambda t: out.append(t) or t, obj)
-    return out
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward tells the unit its backward is done."""
-
-    @staticmethod
-    def forward(ctx, unit: "Unit", *inputs: torch.Tensor):  # type: ignore[override]
-        ctx.unit = unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        ctx.unit._on_input_grads()
-        return (None, *grads)
 
 
 class Unit(RefusePickle):
@@ -289,7 +258,8 @@ class Unit(RefusePickle):
             nxt = self.schedule.next_to_forward(self)
             if nxt is not None:
                 nxt.start_unshard()
-        if not torch.is_grad_enabled() and self.trainable and any(t.requires_grad for t in _tensors((args, kwargs))):
+        if (not torch.is_grad_enabled() and self.trainable
+                and any(t.requires_grad for t in tensors_in((args, kwargs)))):
             # A forward without grad on inputs that need one: the first pass of reentrant
             # checkpointing (torch.utils.checkpoint(..., use_reentrant=True)), whose graph is
             # built when backward recomputes it.
@@ -300,14 +270,14 @@ class Unit(RefusePickle):
 
     def _track_call(self, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         """Count a forward whose backward this unit waits for; route the inputs that need a
-        gradient through ``_PostBackward``, which says when that backward is done."""
+        gradient through ``PostBackward``, which says when that backward is done."""
         self._forward_calls += 1
-        flat = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        flat = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         if not flat:
             self._calls_without_grad_inputs += 1
             return None
         self._pending_input_grads += 1
-        outs = iter(_PostBackward.apply(self, *flat))
+        outs = iter(PostBackward.apply(self._on_input_grads, *flat))
         ids = {id(t) for t in flat}
         mapping = {}
 
@@ -316,7 +286,7 @@ class Unit(RefusePickle):
                 mapping[id(t)] = next(outs)
             return mapping.get(id(t), t)
 
-        args, kwargs = _tree_map_tensors(swap, (args, kwargs))
+        args, kwargs = tree_map_tensors(swap, (args, kwargs))
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -331,7 +301,7 @@ class Unit(RefusePickle):
             return None
         if self.reshard_after_forward and outer:
             self.reshard()
-        outs = [t for t in _tensors(output) if t.requires_grad]
+        outs = [t for t in tensors_in(output) if t.requires_grad]
         if outs:
             torch.autograd.graph.register_multi_grad_hook(outs, self._pre_backward_hook, mode="any")
         return None
@@ -442,34 +412,8 @@ class Unit(RefusePickle):
         if not idx:
             return
         params = [self.params[i] for i in idx]
-        local = [p.local_grad() for p in params]
-        if self.zero_missing_grads or agreed:
-            used = [True] * len(local)  # zeros stand in for missing gradients, on every rank
-        else:
-            used = [g is not None for g in local]
-            if flush:
-                if self._check is not None:
-                    self._check(AGREE_USED, self.index)
-                used, mixed = self.reducer.globally_used(
-                    used, f"the used-gradient flags of unit {self.fqn or '<root>'!r}")
-                if any(mixed):
-                    raise RankDivergenceError(
-                        f"parameters of unit {self.fqn or '<root>'!r} got a gradient on some ranks but not on "
-                        f"others: {', '.join(p.shard.fqn for p, m in zip(params, mixed) if m)}. Without "
-                        "zero_missing_grads every rank must leave the same parameters without a gradient; for "
-                        "input-dependent branches or per-rank expert routing pass zero_missing_grads=True "
-                        "(to MatrixFSDPStrategy or matrix_shard)")
-        grads = [
-            g if g is not None else torch.zeros(p.shape, dtype=p.reduce_dtype, device=p.device)
-            for g, p in zip(local, params)
-        ]
-        for p in params:
-            p.unsharded.grad = None
-        if self._check is not None:
-            self._check(REDUCE, self.index)
-        with torch.no_grad():
-            pending = self.reducer.start([p.shard for p in params], grads, used,
-                                         f"the gradient reduction of unit {self.fqn or '<root>'!r}")
+        pending, used = start_reduction(params, self.reducer, self.index, self.fqn or "<root>", flush,
+                                        self.zero_missing_grads or agreed, self._check)
 
         @torch.no_grad()
         def finish() -> None:

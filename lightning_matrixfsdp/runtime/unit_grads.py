@@ -1,0 +1,56 @@
+"""One unit's gradients on their way to the owners: which ones count, and the reduction started.
+
+A unit reduces the local gradients of its trainable parameters (zeros stand in for a
+missing one where every rank agreed to that: ``zero_missing_grads``, or gradients left
+by backwards with the reduction off). Otherwise, at the end-of-backward flush, the ranks
+first agree on which parameters got a gradient anywhere (DDP leaves the others None) and
+refuse parameters that got one on some ranks only. The reduction itself is the
+:class:`~grad_comm.GradientReducer`'s; the unit finishes it later (one in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from lightning_matrixfsdp.runtime.comm import PendingOp
+from lightning_matrixfsdp.runtime.consensus import AGREE_USED, REDUCE
+from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
+from lightning_matrixfsdp.runtime.param import ShardedParam
+
+
+def start_reduction(params: list[ShardedParam], reducer: GradientReducer, index: int, name: str, flush: bool,
+                    zeros_stand_in: bool, check: Optional[Callable[[int, int], None]] = None
+                    ) -> tuple[PendingOp, list[bool]]:
+    """Take the unsharded gradients of ``params`` (unit ``index``, ``name`` for messages) and start
+    their reduction to the owners; returns it (its ``wait()`` gives the mean on the owner, None
+    elsewhere) and which parameters it keeps. ``check``: the sequence check (``consensus``)."""
+    local = [p.local_grad() for p in params]
+    if zeros_stand_in:
+        used = [True] * len(local)  # zeros stand in for missing gradients, on every rank
+    else:
+        used = [g is not None for g in local]
+        if flush:
+            if check is not None:
+                check(AGREE_USED, index)
+            used, mixed = reducer.globally_used(used, f"the used-gradient flags of unit {name!r}")
+            if any(mixed):
+                raise RankDivergenceError(
+                    f"parameters of unit {name!r} got a gradient on some ranks but not on "
+                    f"others: {', '.join(p.shard.fqn for p, m in zip(params, mixed) if m)}. Without "
+                    "zero_missing_grads every rank must leave the same parameters without a gradient; for "
+                    "input-dependent branches or per-rank expert routing pass zero_missing_grads=True "
+                    "(to MatrixFSDPStrategy or matrix_shard)")
+    grads = [
+        g if g is not None else torch.zeros(p.shape, dtype=p.reduce_dtype, device=p.device)
+        for g, p in zip(local, params)
+    ]
+    for p in params:
+        p.unsharded.grad = None
+    if check is not None:
+        check(REDUCE, index)
+    with torch.no_grad():
+        pending = reducer.start([p.shard for p in params], grads, used, f"the gradient reduction of unit {name!r}")
+    return pending, used
