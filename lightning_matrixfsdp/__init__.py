@@ -3,6 +3,7 @@ from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime import (
     CollectiveInterrupted,
     LoneForwardError,
+    MatrixFSDPConfig,
     MatrixShard,
     MatrixShardError,
     Plan,
@@ -38,7 +39,7 @@ register_fabric()  # and Fabric(strategy="matrix_fsdp")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
            "CheckpointNotResumableError", "load_from_checkpoint", "load_sharded", "load_weights", "save_sharded",
-           "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
+           "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
            "LoneForwardError", "clip_grad_norm_", "full_model", "get_comm_stats", "get_plan",
            "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]

@@ -18,9 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_matrixfsdp.adapter_comm import any_rank
 from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
 from lightning_matrixfsdp.runtime import matrix_shard, set_requires_gradient_sync, start_replica_sync
+from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.copies import copies_of
+from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 __all__ = [
@@ -61,7 +64,7 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
     ``callable(module) -> bool``) in backward, with non-reentrant checkpointing."""
     if not policy:
         return
-    pick = (lambda m: isinstance(m, tuple(policy))) if isinstance(policy, set) else (lambda m: policy(m))
+    pick = (lambda m: isinstance(m, tuple(policy))) if isinstance(policy, (set, frozenset)) else (lambda m: policy(m))
     from torch.utils.checkpoint import checkpoint
 
     for m in module.modules():
@@ -75,12 +78,10 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> None:
             m.forward = run
 
 
-def shard_module(module: nn.Module, *, mesh: Any, device: torch.device, activation_checkpointing_policy: Any,
-                 **shard_options: Any) -> None:
-    """Activation checkpointing, then ``matrix_shard`` with the adapters' options (the
-    ``matrix_shard`` keywords: wrap_policy, planner, collective, matrix_filter, dtypes, ...)."""
-    apply_activation_checkpointing(module, activation_checkpointing_policy)
-    matrix_shard(module, mesh=mesh, device=device, **shard_options)
+def shard_module(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, device: torch.device) -> None:
+    """Activation checkpointing, then ``matrix_shard`` with the adapter's config on its mesh."""
+    apply_activation_checkpointing(module, config.activation_checkpointing_policy)
+    matrix_shard(module, config=config, mesh=mesh, device=device)
 
 
 def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any]:
@@ -91,8 +92,7 @@ def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any]:
     if not roots:
         return None, None
     state = state_of(roots[0])
-    # replica_split: each gradient lives on one rank of the world (None: the world group)
-    return (None if state.plan.replica_split else state.sg.group), state.stats
+    return state.norm_group, state.stats
 
 
 def clip_gradients_norm(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: Union[float, int],
@@ -139,13 +139,7 @@ def check_optimizers_follow(modules: Sequence[nn.Module], optimizers: Sequence[O
             for p in group["params"]:
                 if id(p) not in own and bad is None:
                     bad = (i, g, tuple(p.shape))
-    flag = torch.tensor([0 if bad is None else 1], dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized():
-        from lightning_matrixfsdp.runtime.comm import comm_device
-
-        flag = flag.to(comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag.item()):
+    if any_rank(bad is not None):
         where = (f"optimizer {bad[0]}, param group {bad[1]}, a tensor of shape {bad[2]}" if bad is not None
                  else "on another rank")
         raise RuntimeError(

@@ -1,8 +1,8 @@
 """``MatrixFSDPFabricStrategy``: owner-sharded ZeRO-3 for Lightning Fabric.
 
 ``Fabric(strategy="matrix_fsdp")`` after ``import lightning_matrixfsdp``. The same
-runtime and options as the Trainer's ``MatrixFSDPStrategy``; what both adapters do
-alike is in ``adapter.py``. Order of setup (see ``docs/fabric.md``)::
+runtime and options (``MatrixFSDPConfig``) as the Trainer's ``MatrixFSDPStrategy``; what
+both strategies share is ``adapter_base.py``'s, and the helpers both call ``adapter.py``'s. Order of setup (see ``docs/fabric.md``)::
 
     model = fabric.setup_module(model)                   # shards the model
     optimizer = lightning_matrixfsdp.Muon(model.parameters(), lr=0.02)
@@ -18,8 +18,7 @@ other's, at any world size.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from datetime import timedelta
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -28,8 +27,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
-from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_matrixfsdp.adapter import (
     SETUP_ORDER,
@@ -42,19 +41,13 @@ from lightning_matrixfsdp.adapter import (
     replicas_after_step,
     route_optimizers,
     set_gradient_sync,
-    shard_module,
 )
-from lightning_matrixfsdp.optim.routing import full_params
+from lightning_matrixfsdp.adapter_base import MatrixFSDPAdapter, adapter_signature
 from lightning_matrixfsdp.checkpoint import load_sharded, save_sharded
-from lightning_matrixfsdp.runtime import get_plan, hsdp_mesh, is_matrix_sharded
-from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
-from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
-from lightning_matrixfsdp.runtime.tags import sharded_roots
-from lightning_matrixfsdp.runtime.waits import stop_waiter
+from lightning_matrixfsdp.optim.routing import full_params
+from lightning_matrixfsdp.runtime import is_matrix_sharded
 
 __all__ = ["MatrixFSDPFabricStrategy", "register_fabric"]
-
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 #: Keys of the Trainer's checkpoint layout that ``fabric.load`` restores itself (model and
 #: optimizers) and does not hand back.
@@ -93,7 +86,7 @@ class _OwnerBackwardSyncControl(_BackwardSyncControl):
         return _NoSync(module, enabled and self.active)
 
 
-class MatrixFSDPFabricStrategy(ModelParallelStrategy):
+class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     """Owner-sharded ZeRO-3 with exact matrix optimizers, for Fabric.
 
     Takes the options of :class:`~lightning_matrixfsdp.MatrixFSDPStrategy` (see there),
@@ -108,74 +101,23 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "matrix_fsdp"
+    options_signature = adapter_signature(accumulation_no_sync=True)
+    default_accumulation_no_sync = True
 
-    def __init__(
-        self,
-        wrap_policy: Any = None,
-        planner: str = "role_greedy",
-        collective: str = DEFAULT_COLLECTIVE,
-        matrix_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
-        param_dtype: Union[str, torch.dtype, None] = None,
-        reduce_dtype: Union[str, torch.dtype, None] = None,
-        activation_checkpointing_policy: Any = None,
-        optimizer: Optional[OptimizerFactory] = None,
-        reshard_after_forward: bool = True,
-        accumulation_no_sync: bool = True,
-        shard_size: Optional[int] = None,
-        prefetch: bool = True,
-        zero_missing_grads: bool = False,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        tensor_parallel_size: int = 1,
-        log_plan: bool = True,
-        verify_checkpoints: bool = True,
-        reset_changed_roles: bool = False,
-        replica_split: bool = False,
-        flatten_conv: bool = False,
-        broadcast_buffers: bool = True,
-    ) -> None:
-        opts = check_strategy_options(
-            wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            activation_checkpointing_policy=activation_checkpointing_policy, optimizer=optimizer,
-            reshard_after_forward=reshard_after_forward, accumulation_no_sync=accumulation_no_sync,
-            shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-            save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
-            timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
-            replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers,
-        )
-        super().__init__(
-            parallelize_fn=_not_used, data_parallel_size="auto", tensor_parallel_size="auto",
-            save_distributed_checkpoint=opts["save_distributed_checkpoint"],
-            process_group_backend=opts["process_group_backend"], timeout=opts["timeout"],
-        )
-        self.wrap_policy = opts["wrap_policy"]
-        self.planner = opts["planner"]
-        self.collective = opts["collective"]
-        self.matrix_filter = opts["matrix_filter"]
-        self.param_dtype = opts["param_dtype"]
-        self.reduce_dtype = opts["reduce_dtype"]
-        self.activation_checkpointing_policy = opts["activation_checkpointing_policy"]
-        self.optimizer_factory = opts["optimizer"]
-        self.reshard_after_forward = opts["reshard_after_forward"]
-        self.accumulation_no_sync = opts["accumulation_no_sync"]
-        self.shard_size = opts["shard_size"]
-        self.prefetch = opts["prefetch"]
-        self.zero_missing_grads = opts["zero_missing_grads"]
-        self.replica_split = opts["replica_split"]
-        self.flatten_conv = opts["flatten_conv"]
-        self.broadcast_buffers = opts["broadcast_buffers"]
-        self.timeout = opts["timeout"]  # also for the HSDP mesh's groups (runtime.mesh.hsdp_mesh)
-        self.log_plan = opts["log_plan"]
-        self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
-        self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: see MatrixFSDPStrategy
+        super().__init__(*args, **kwargs)
         self._backward_sync_control = _OwnerBackwardSyncControl(self.accumulation_no_sync)
-        self._shard_mesh: Any = None
         self._modules: list[nn.Module] = []  # the models set up so far (optimizers must follow them)
+
+    __init__.__signature__ = options_signature  # type: ignore[attr-defined]
+
+    @override
+    def parent_options(self) -> dict[str, Any]:
+        return {"parallelize_fn": _not_used}
 
     # ------------------------------------------------------------------ precision
     @property
+    @override
     def precision(self) -> Precision:
         return self._precision if self._precision is not None else Precision()
 
@@ -185,40 +127,19 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
             check_precision(getattr(precision, "precision", None), type(self).__name__)
         self._precision = precision
 
-    # ------------------------------------------------------------------ environment
-    def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        self._data_parallel_size, self._tensor_parallel_size = world, 1
-        super().setup_environment()
-        size = self.shard_size or world
-        if world % size:
-            raise ValueError(f"shard_size={size} must divide the world size {world}")
-        if size == world:
-            self._shard_mesh = self.device_mesh["data_parallel"]
-        else:
-            self._shard_mesh = hsdp_mesh(size, self.root_device, self.timeout)
-
     # ------------------------------------------------------------------ setup
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         hint = ("matrix_fsdp shards the model itself: remove fully_shard/parallelize_module, or call "
                 "lightning_matrixfsdp.matrix_shard on the plain model")
         if not is_sharded(module, hint):
-            shard_module(
-                module, mesh=self._shard_mesh, device=self.root_device,
-                activation_checkpointing_policy=self.activation_checkpointing_policy,
-                wrap_policy=self.wrap_policy, planner=self.planner, collective=self.collective,
-                matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
-                reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                zero_missing_grads=self.zero_missing_grads, replica_split=self.replica_split,
-                flatten_conv=self.flatten_conv, broadcast_buffers=self.broadcast_buffers,
-            )
+            self.shard(module)
         module.to(self.root_device)  # buffers and anything outside the shard
         self._modules.append(module)
-        if self.log_plan:
-            for root in sharded_roots(module):
-                rank_zero_info(str(get_plan(root)))
+        self.log_plans(module)
         return module
 
+    @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if not self._modules:
             raise RuntimeError(f"set up the model before its optimizer: {SETUP_ORDER}")
@@ -231,6 +152,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         route_optimizers([optimizer])
         return optimizer
 
+    @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """``fabric.setup(model, *optimizers)``: works when the optimizers hold the model's own
@@ -244,14 +166,11 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         check_optimizers_follow([module], optimizers)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
-    def teardown(self) -> None:
-        """Also end the helper thread of interruptible gloo waits (no thread of ours outlives the run)."""
-        super().teardown()
-        stop_waiter()
-
+    @override
     def module_to_device(self, module: nn.Module) -> None:
         pass  # setup_module places the shards
 
+    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step, then (``replica_split``) the updated weights start towards the other replicas."""
         route_optimizers([getattr(optimizer, "optimizer", optimizer)])  # a group added through a wrapper
@@ -261,6 +180,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         return out
 
     # ------------------------------------------------------------------ gradients
+    @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """Clip by the global norm, as DDP's clip over the optimizer's parameters (every rank's
@@ -282,6 +202,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         others = [k for k, v in state.items() if k != models[0] and not isinstance(v, Optimizer)]
         return state[models[0]], optimizers, others
 
+    @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         """The Trainer's checkpoint format: the model as ``state_dict``, the optimizers (in state
@@ -299,6 +220,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         save_sharded(module, path, optimizers, full=not self._save_distributed_checkpoint, extra=extra,
                      checksums=self.verify_checkpoints)
 
+    @override
     def load_checkpoint(self, path: _PATH, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore the model and optimizers in place (any world size, Trainer or Fabric
@@ -330,6 +252,7 @@ class MatrixFSDPFabricStrategy(ModelParallelStrategy):
         return rest
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description="Owner-sharded ZeRO-3 with exact "

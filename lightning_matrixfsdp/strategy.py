@@ -1,41 +1,37 @@
 """``MatrixFSDPStrategy``: owner-sharded ZeRO-3 for the Lightning Trainer.
 
-A subclass of ``ModelParallelStrategy`` that takes over what Lightning would do
-wrongly with owner-shaped parameters (see ``docs/how-it-works.md``): the mesh and
-data-parallel size, sharding unmodified modules, optimizer routing and
-replacement, global-norm clipping, precision checks, the model summary,
-checkpoints and observability.
+A thin adapter over ``ModelParallelStrategy``: what it shares with the Fabric strategy
+(options, mesh, sharding, teardown) is ``adapter_base.py``'s; here it takes over what
+Lightning would do wrongly with owner-shaped parameters (see ``docs/how-it-works.md``),
+each through a helper: the steps (``steps.py``: through the root unit, the uneven-input
+join), the optimizer (``replacement.py``, routing), the global-norm clip
+(``clip_plugin.py``), the model summary, checkpoints and metrics (``telemetry.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import types
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Mapping, Optional
 
-import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import nn
-from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_matrixfsdp.adapter import (
-    check_precision,
-    clip_group,
     is_sharded,
     release_unfinished,
     replicas_after_step,
     set_gradient_sync,
     settle_replicas,
-    shard_module,
     sync_buffers,
 )
+from lightning_matrixfsdp.adapter_base import MatrixFSDPAdapter, adapter_signature
 from lightning_matrixfsdp.checkpoint import (
     CheckpointError,
     KeyIndex,
@@ -46,49 +42,20 @@ from lightning_matrixfsdp.checkpoint import (
     sharded_optimizer_state_dict,
     write_checkpoint,
 )
+from lightning_matrixfsdp.clip_plugin import install_clip_group, with_global_norm_clip
 from lightning_matrixfsdp.model_compat import convert_sync_batchnorm, refuse_pruning
-from lightning_matrixfsdp.optim.routing import clip_grad_norm_, full_params, route_optimizer
+from lightning_matrixfsdp.optim.routing import route_optimizer
 from lightning_matrixfsdp.param_groups import (
     full_finetuning_state, install_toggles, restore_finetuning_groups, uninstall_toggles)
 from lightning_matrixfsdp.replacement import replace_optimizer
-from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime import watch_lone_forwards
 from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
-from lightning_matrixfsdp.runtime.join import EvalJoin
-from lightning_matrixfsdp.runtime.options import check_bool, check_strategy_options
-from lightning_matrixfsdp.runtime import get_plan, hsdp_mesh, scheduled_forwards, watch_lone_forwards
-from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
-from lightning_matrixfsdp.runtime.waits import stop_waiter
+from lightning_matrixfsdp.runtime.tags import sharded_roots
+from lightning_matrixfsdp.steps import UnevenInputs, call_as_forward
 from lightning_matrixfsdp.telemetry import StepTelemetry
 
-log = logging.getLogger(__name__)
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
-
-
-def _evenly_sampled(dataloader: object) -> bool:
-    """True when torch's ``DistributedSampler`` (or a subclass, as Lightning's wrappers are)
-    picks the batches: it pads or truncates to the same count on every rank."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    sampler = getattr(dataloader, "sampler", None)
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    return isinstance(sampler, DistributedSampler) or isinstance(getattr(batch_sampler, "sampler", None),
-                                                                 DistributedSampler)
-
-
-class _GlobalNormClip:
-    """Precision-plugin mixin: clip by the global norm of owner-sharded gradients."""
-
-    _mfsdp_clip_group: Any = None
-    _mfsdp_clip_stats: Any = None  # the sharded model's CommStats: the all-reduce counts as "clip"
-
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        # every rank's full list (DDP's order): the clip combines the norms exactly as torch does
-        clip_grad_norm_(full_params(optimizer), float(clip_val), group=self._mfsdp_clip_group,
-                        stats=self._mfsdp_clip_stats)
-
-
-class MatrixFSDPStrategy(ModelParallelStrategy):
+class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     """Owner-sharded ZeRO-3 with exact matrix optimizers (Muon, Shampoo, SOAP).
 
     Args:
@@ -130,90 +97,32 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         flatten_conv: make parameters of more than two dimensions (convolution kernels)
             matrix roles too, trained by ``Muon`` as their ``(shape[0], -1)`` matrix
             (``matrix_filter`` is then asked about them as well).
+        config: all of the above as one ``MatrixFSDPConfig`` instead of keywords (not both).
     """
 
     strategy_name = "matrix_fsdp"
+    options_signature = adapter_signature(accumulation_no_sync=False)
+    default_accumulation_no_sync = False
 
-    def __init__(
-        self,
-        wrap_policy: Any = None,
-        planner: str = "role_greedy",
-        collective: str = DEFAULT_COLLECTIVE,
-        matrix_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
-        param_dtype: Union[str, torch.dtype, None] = None,
-        reduce_dtype: Union[str, torch.dtype, None] = None,
-        activation_checkpointing_policy: Any = None,
-        optimizer: Optional[OptimizerFactory] = None,
-        reshard_after_forward: bool = True,
-        accumulation_no_sync: bool = False,
-        shard_size: Optional[int] = None,
-        prefetch: bool = True,
-        zero_missing_grads: bool = False,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        tensor_parallel_size: int = 1,
-        log_plan: bool = True,
-        verify_checkpoints: bool = True,
-        reset_changed_roles: bool = False,
-        replica_split: bool = False,
-        flatten_conv: bool = False,
-        broadcast_buffers: bool = True,
-    ) -> None:
-        # Every option is checked here, at construction, so a wrong one fails where it was written.
-        opts = check_strategy_options(
-            wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            activation_checkpointing_policy=activation_checkpointing_policy, optimizer=optimizer,
-            reshard_after_forward=reshard_after_forward, accumulation_no_sync=accumulation_no_sync,
-            shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-            save_distributed_checkpoint=save_distributed_checkpoint, process_group_backend=process_group_backend,
-            timeout=timeout, tensor_parallel_size=tensor_parallel_size, log_plan=log_plan,
-            replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers,
-        )
-        super().__init__(
-            data_parallel_size="auto", tensor_parallel_size="auto",
-            save_distributed_checkpoint=opts["save_distributed_checkpoint"],
-            process_group_backend=opts["process_group_backend"], timeout=opts["timeout"],
-        )
-        self.wrap_policy = opts["wrap_policy"]
-        self.planner = opts["planner"]
-        self.collective = opts["collective"]
-        self.matrix_filter = opts["matrix_filter"]
-        self.param_dtype = opts["param_dtype"]
-        self.reduce_dtype = opts["reduce_dtype"]
-        self.activation_checkpointing_policy = opts["activation_checkpointing_policy"]
-        self.optimizer_factory = opts["optimizer"]
-        self.reshard_after_forward = opts["reshard_after_forward"]
-        self.accumulation_no_sync = opts["accumulation_no_sync"]
-        self.shard_size = opts["shard_size"]
-        self.prefetch = opts["prefetch"]
-        self.zero_missing_grads = opts["zero_missing_grads"]
-        self.replica_split = opts["replica_split"]
-        self.flatten_conv = opts["flatten_conv"]
-        self.broadcast_buffers = opts["broadcast_buffers"]
-        self.timeout = opts["timeout"]  # also for the HSDP mesh's groups (runtime.mesh.hsdp_mesh)
-        self.log_plan = opts["log_plan"]
-        self._shard_mesh: Any = None
-        self.verify_checkpoints = check_bool(verify_checkpoints, "verify_checkpoints")
-        self.reset_changed_roles = check_bool(reset_changed_roles, "reset_changed_roles")
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: see the class docstring
+        super().__init__(*args, **kwargs)
         self._telemetry = StepTelemetry()
+        self._uneven = UnevenInputs()
+
+    __init__.__signature__ = options_signature  # type: ignore[attr-defined]  # what LightningCLI reads
 
     # ------------------------------------------------------------------ precision
     @property
+    @override
     def precision_plugin(self):  # type: ignore[override]
         return super().precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:  # type: ignore[override]
-        if plugin is not None:
-            check_precision(getattr(plugin, "precision", None), "MatrixFSDPStrategy")
-            if not isinstance(plugin, _GlobalNormClip):
-                cls = type(plugin)
-                plugin.__class__ = type(f"MatrixFSDP{cls.__name__}", (_GlobalNormClip, cls), {})
-        self._precision_plugin = plugin
+        self._precision_plugin = with_global_norm_clip(plugin, "MatrixFSDPStrategy")
 
     # ------------------------------------------------------------------ environment
+    @override
     def _configure_launcher(self) -> None:
         """A launcher on every rank, as ``DDPStrategy`` has.
 
@@ -226,64 +135,47 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_environment(self) -> None:
-        world = self.num_nodes * self.num_processes
-        self._data_parallel_size, self._tensor_parallel_size = world, 1
         super().setup_environment()
-        W = self.shard_size or world
-        if world % W:
-            raise ValueError(f"shard_size={W} must divide the world size {world}")
-        if W == world:
-            self._shard_mesh = self.device_mesh["data_parallel"]
-        else:
-            self._shard_mesh = hsdp_mesh(W, self.root_device, self.timeout)
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._shard_mesh  # what configure_model sees as self.device_mesh
+        assert self.lightning_module is not None and self.shard_mesh is not None
+        self.lightning_module._device_mesh = self.shard_mesh.device_mesh  # configure_model's self.device_mesh
         track_copies(self.lightning_module)  # callbacks' setup copies it (weight averaging): sharded like it
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel rank: distinct batches per rank.
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: "Any") -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
+    @override
+    def setup(self, trainer: Any) -> None:
+        # Not ModelParallelStrategy.setup: it requires configure_model (we shard unmodified modules),
+        # materializes meta modules itself (matrix_shard does, owners only) and converts the precision
+        # of an already sharded model again; Strategy.setup converts before the SyncBatchNorm
+        # conversion. The order below is theirs with those steps replaced.
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError("Found FSDP1-wrapped modules; MatrixFSDPStrategy needs the plain model.")
+        sharded = self._is_sharded(module)  # refuses FSDP1 / DTensor models before anything changes
         refuse_pruning(trainer.callbacks)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.model = convert_sync_batchnorm(self.model, self._layer_sync if fitting else None, self.root_device)
-        if self._is_sharded(module):  # sharded before (a second fit, a test after fit): rank 0's buffers, as DDP's setup
+        if sharded:  # sharded before (a second fit, a test after fit): rank 0's buffers, as DDP's setup
             sync_buffers(module)
         else:
             self.model = self.precision_plugin.convert_module(self.model)
-            shard_module(
-                module, mesh=self._shard_mesh, device=self.root_device,
-                activation_checkpointing_policy=self.activation_checkpointing_policy,
-                wrap_policy=self.wrap_policy, planner=self.planner, collective=self.collective,
-                matrix_filter=self.matrix_filter, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
-                reshard_after_forward=self.reshard_after_forward, prefetch=self.prefetch,
-                zero_missing_grads=self.zero_missing_grads, replica_split=self.replica_split,
-                flatten_conv=self.flatten_conv, broadcast_buffers=self.broadcast_buffers,
-            )
+            self.shard(module)
         self.model_to_device()  # buffers and anything outside the shard
         watch_lone_forwards(module)  # a forward outside the steps (a hook's) must be joined by every rank
         shard_copies(module)
-        self._install_clip_group()
+        install_clip_group(self.precision_plugin, module)
         self._install_summary(trainer)
         install_toggles(module)  # toggle_optimizer over every rank's full param groups
         self.barrier()
-        if self.log_plan:
-            for plan in self._plans():
-                rank_zero_info(str(plan))
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
+        self.log_plans(module)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -294,19 +186,6 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         return is_sharded(module, "configure_model applied FSDP2/tensor parallelism; MatrixFSDPStrategy shards "
                                   "the model itself: remove fully_shard/parallelize_module, or call "
                                   "lightning_matrixfsdp.matrix_shard")
-
-    def _sharded_roots(self) -> list[nn.Module]:
-        assert self.lightning_module is not None
-        return sharded_roots(self.lightning_module)
-
-    def _plans(self) -> list:
-        return [get_plan(m) for m in self._sharded_roots()]
-
-    def _install_clip_group(self) -> None:
-        plugin = self.precision_plugin
-        if self._sharded_roots() and isinstance(plugin, _GlobalNormClip):
-            assert self.lightning_module is not None
-            plugin._mfsdp_clip_group, plugin._mfsdp_clip_stats = clip_group(self.lightning_module)
 
     def _install_summary(self, trainer: Any) -> None:
         from lightning.pytorch.callbacks import ModelSummary
@@ -319,6 +198,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                     lambda self, t, m: MatrixFSDPSummary(m, max_depth=self._max_depth), cb)
 
     # ------------------------------------------------------------------ optimizers
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         if self.optimizer_factory is not None:
@@ -330,26 +210,22 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         for opt in self.optimizers:
             route_optimizer(opt)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
-        marks: dict[str, Any] = {}
         route_optimizer(optimizer)  # a group added since (add_param_group on a LightningOptimizer)
-
-        def timed_closure() -> Any:
-            out = closure()
-            marks["start"] = StepTelemetry.clock(self.root_device)
-            return out
-
-        out = super().optimizer_step(optimizer, timed_closure, model, **kwargs)
-        if self.lightning_module is not None:  # replica_split: updated weights on their way, after the step
-            replicas_after_step(self.lightning_module, optimizer)
-        if "start" in marks:
-            self._telemetry.record_step(marks["start"], StepTelemetry.clock(self.root_device))
-        if self.is_global_zero and self.lightning_module is not None:
-            self._telemetry.log(self.lightning_module.trainer, self._sharded_roots())
+        out = super().optimizer_step(optimizer, self._telemetry.timed_closure(closure, self.root_device), model,
+                                     **kwargs)
+        module = self.lightning_module
+        if module is not None:  # replica_split: updated weights on their way, after the step
+            replicas_after_step(module, optimizer)
+        self._telemetry.end_step(self.root_device)
+        if self.is_global_zero and module is not None:
+            self._telemetry.log(module.trainer, self._sharded_roots())
         return out
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches: defer the reduction when ``accumulation_no_sync`` is on."""
         if not self.accumulation_no_sync:
@@ -362,6 +238,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         finally:
             set_gradient_sync(self.lightning_module, True)
 
+    @override
     def on_test_start(self) -> None:
         """``replica_split``: evaluation and the end of fit see every replica's weights current
         (Lightning's own hooks here do nothing); a forward left without backward is released."""
@@ -371,6 +248,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
 
     on_predict_start = on_train_end = on_test_start
 
+    @override
     def on_validation_start(self) -> None:
         """Also, in fit: rank 0's buffers where DDP's first validation forward would broadcast them
         (here every rank is present, also when some have no validation batch)."""
@@ -378,108 +256,56 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             sync_buffers(self.lightning_module, only_if_due=True)
 
+    @override
     def teardown(self) -> None:
-        """Also end the helper thread of interruptible gloo waits: no thread of ours outlives ``fit``."""
         uninstall_toggles(self.lightning_module)
         super().teardown()
-        stop_waiter()
 
-    # ------------------------------------------------------------------ steps through the root unit
-    def _through_root(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run a ``*_step`` method as the LightningModule's forward, so a sharded
-        LightningModule's root unit materializes around it (Lightning calls steps
-        directly, which would bypass module hooks)."""
+    # ------------------------------------------------------------------ steps (steps.py)
+    def _sharded_roots(self) -> list[nn.Module]:
+        return sharded_roots(self.lightning_module) if self.lightning_module is not None else []
+
+    @property
+    def _train_counts_may_differ(self) -> bool:
+        """Whether each training step checks for uneven batch counts (``steps.UnevenInputs``)."""
+        return self._uneven.train_counts_may_differ
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        training = self.lightning_module is not None and \
+            self.lightning_module.trainer.state.stage == RunningStage.TRAINING
+        return self._uneven.wrap(dataloader, self.lightning_module, self.world_size, training)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
-        with scheduled_forwards(module):  # every rank runs the steps: no lone-forward check
-            return self._call_as_forward(module, name, *args, **kwargs)
-
-    def _call_as_forward(self, module: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
-        if state_of(module) is None:
-            return getattr(module, name)(*args, **kwargs)
-        had_own = "forward" in module.__dict__
-        original = module.__dict__.get("forward")
-
-        def redirected(*a: Any, **k: Any) -> Any:
-            _restore()
-            return getattr(module, name)(*a, **k)
-
-        def _restore() -> None:
-            if had_own:
-                module.forward = original
-            else:
-                module.__dict__.pop("forward", None)
-
-        module.forward = redirected
-        try:
-            return module(*args, **kwargs)
-        finally:
-            _restore()
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        join = self._join()
-        if join is not None and self._train_counts_may_differ:
-            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-            join.check_training_step(True, bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
-        release_unfinished(self.lightning_module)  # the previous step's forward may have had no backward
+        self._uneven.check_training_step(
+            module, self.world_size, lambda: module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        release_unfinished(module)  # the previous step's forward may have had no backward
         with self.precision_plugin.train_step_context():
-            return self._through_root("training_step", *args, **kwargs)
-
-    # ------------------------------------------------------------------ uneven inputs (runtime/join.py)
-    _eval_join: Optional[EvalJoin] = None
-    # Whether training batch counts can differ between ranks: not under torch's
-    # DistributedSampler (Lightning's default), which gives every rank the same count. Only
-    # then does each training step pay the check's small all-gather (a host sync on NCCL).
-    _train_counts_may_differ: bool = True
-
-    def _join(self) -> Optional[EvalJoin]:
-        """The join of the sharded models (None on one rank or without one)."""
-        roots = self._sharded_roots() if self.lightning_module is not None else []
-        if not roots or self.world_size == 1:
-            return None
-        states = [state_of(r) for r in roots]
-        if self._eval_join is None or self._eval_join.states != states:
-            self._eval_join = EvalJoin(states)
-        return self._eval_join
-
-    def process_dataloader(self, dataloader: object) -> object:
-        """Every dataloader goes through the join: a rank with no batch at all still follows the
-        other ranks' evaluation steps, or takes part in the training check."""
-        join = self._join()
-        if join is None:
-            return dataloader
-        from lightning.pytorch.trainer.states import RunningStage
-
-        stage = self.lightning_module.trainer.state.stage  # type: ignore[union-attr]
-        training = stage == RunningStage.TRAINING
-        if training:
-            self._train_counts_may_differ = not _evenly_sampled(dataloader)
-            if not self._train_counts_may_differ:
-                return dataloader
-        return join.wrap(dataloader, training=training)  # type: ignore[arg-type]
+            return call_as_forward(module, "training_step", *args, **kwargs)
 
     def _joined_step(self, name: str, loop: Any, *args: Any, **kwargs: Any) -> Any:
-        """An evaluation step under the join: ranks with fewer batches follow the others'
-        remaining steps after their last (``loop``: the running loop, for its last-batch flag)."""
-        join = self._join()
-        if join is None:
-            return self._through_root(name, *args, **kwargs)
-        join.begin_step()
-        out = self._through_root(name, *args, **kwargs)
-        join.end_step(bool(loop.batch_progress.is_last_batch))
-        return out
+        module = self.lightning_module
+        assert module is not None
+        return self._uneven.run_step(module, self.world_size, lambda: call_as_forward(module, name, *args, **kwargs),
+                                     lambda: loop.batch_progress.is_last_batch)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == "fit" else trainer.validate_loop
         with self.precision_plugin.val_step_context():
             return self._joined_step("validation_step", loop, *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         loop = self.lightning_module.trainer.test_loop  # type: ignore[union-attr]
         with self.precision_plugin.test_step_context():
             return self._joined_step("test_step", loop, *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         loop = self.lightning_module.trainer.predict_loop  # type: ignore[union-attr]
         with self.precision_plugin.predict_step_context():
@@ -496,15 +322,18 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
             raise CheckpointError("the strategy has no LightningModule attached")
         return module
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self._checkpoint_module()
         self._checkpoint_index = build_index(module)
         return model_view(self._checkpoint_index)  # whole where owned; save_checkpoint writes the owners' data
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state_dict(self._checkpoint_module(), optimizer,
                                             full=not self._save_distributed_checkpoint, index=self._checkpoint_index)
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
@@ -516,6 +345,7 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
                          optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index,
                          checksums=self.verify_checkpoints)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks,
         and the ``state_dict`` as this rank's view, which callbacks' ``on_load_checkpoint`` read)
@@ -538,9 +368,11 @@ class MatrixFSDPStrategy(ModelParallelStrategy):
         rest.setdefault("lr_schedulers", [])
         return rest
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # load_checkpoint already restored the weights
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # load_checkpoint already restored the optimizer states
 

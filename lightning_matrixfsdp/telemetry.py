@@ -7,7 +7,7 @@ logging interval, logs their mean and the megabytes each phase moved since the l
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -24,6 +24,24 @@ class StepTelemetry:
     def __init__(self) -> None:
         self._marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
         self._last_stats: dict[str, dict[str, int]] = {}
+        self._start: Any = None  # the running step's start, set when its closure returned
+
+    def timed_closure(self, closure: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+        """``closure`` (forward and backward), marking the start of the optimizer's own step when it returns."""
+        self._start = None
+
+        def timed() -> Any:
+            out = closure()
+            self._start = self.clock(device)
+            return out
+
+        return timed
+
+    def end_step(self, device: torch.device) -> None:
+        """The optimizer step of the last ``timed_closure`` returned (nothing if its closure never ran)."""
+        if self._start is not None:
+            self.record_step(self._start, self.clock(device))
+            self._start = None
 
     @staticmethod
     def clock(device: torch.device) -> Any:

@@ -94,11 +94,12 @@ def test_plan_records_steppers_in_dict_digest_and_text():
 
 
 def test_option_is_checked():
-    from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
+    from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
+    from lightning_matrixfsdp.runtime.options import MatrixShardError
 
-    assert check_shard_options(replica_split=True)["replica_split"] is True
+    assert MatrixFSDPConfig(replica_split=True).replica_split is True
     with pytest.raises(MatrixShardError, match="replica_split='yes'"):
-        check_shard_options(replica_split="yes")
+        MatrixFSDPConfig(replica_split="yes")
 
 
 # ---------------------------------------------------------------------- distributed: equal to DDP

@@ -135,8 +135,7 @@ def clip_grad_norm_(
         if state is not None:
             stats = state.stats if stats is None else stats
             if group is None:
-                # replica_split: each gradient lives on one rank of the whole world
-                group = None if state.plan.replica_split else state.sg.group
+                group = state.norm_group  # the world under replica_split (one rank holds each gradient)
         parameters = list(parameters.parameters())
     params = list(parameters)
     grads = _owned_grads(params)

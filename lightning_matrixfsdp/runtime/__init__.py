@@ -1,7 +1,8 @@
 """The owner-sharded ZeRO-3 runtime: its public API.
 
-``matrix_shard`` (shard.py) shards a model; ``hsdp_mesh`` (mesh.py) builds the
-``(replicate, shard)`` mesh for HSDP; the queries (queries.py) read a sharded model's
+``matrix_shard`` (shard.py) shards a model with a ``MatrixFSDPConfig`` (config.py);
+``hsdp_mesh`` (mesh_comm.py) builds the ``(replicate, shard)`` mesh for HSDP, ``MeshInfo``
+(mesh.py) describes the groups; the queries (queries.py) read a sharded model's
 plan and traffic and switch gradient synchronization; ``full_model`` (full.py) gathers
 the whole model on one rank for a while.  The errors a training run can raise (errors.py)
 are importable from here too.
@@ -13,7 +14,9 @@ from lightning_matrixfsdp.runtime.errors import (
     UnevenInputsError,
 )
 from lightning_matrixfsdp.runtime.full import full_model
-from lightning_matrixfsdp.runtime.mesh import hsdp_mesh
+from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
+from lightning_matrixfsdp.runtime.mesh import MeshInfo
+from lightning_matrixfsdp.runtime.mesh_comm import hsdp_mesh
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, UnitLayout
 from lightning_matrixfsdp.runtime.queries import (
@@ -28,7 +31,8 @@ from lightning_matrixfsdp.runtime.queries import (
 )
 from lightning_matrixfsdp.runtime.shard import matrix_shard
 
-__all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixShard", "MatrixShardError", "Plan",
+__all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "MatrixShard", "MatrixShardError",
+           "MeshInfo", "Plan",
            "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "get_comm_stats",
            "get_plan", "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "scheduled_forwards",
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards"]

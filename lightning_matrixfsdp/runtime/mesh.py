@@ -1,61 +1,73 @@
-"""Device meshes and the process groups ``matrix_shard`` takes from them."""
+"""``MeshInfo``: the one description of where a sharded model runs.
+
+The shard group (owners of the roles), the replicate group (HSDP; ``None`` without
+replicas), the tensor-parallel group (size 1 for now: MatrixFSDP keeps every matrix
+whole), this rank's place in each, and the device collectives run on. Built once
+(``mesh_comm.mesh_info``: from a DeviceMesh, Lightning's ``(data_parallel,
+tensor_parallel)`` mesh, or ``shard_size``) and passed down as one object. Reading it
+needs no communication.
+"""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.comm import comm_device
-from lightning_matrixfsdp.runtime.options import MatrixShardError, check_timeout
+from lightning_matrixfsdp.runtime.comm import ShardGroup, comm_device
+
+__all__ = ["MeshInfo"]
 
 
-def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None, timeout: Optional[timedelta] = None) -> Any:
-    """A ``(replicate, shard)`` DeviceMesh with shard groups of ``shard_size`` consecutive ranks
-    (HSDP), on ``device``'s type (default: where communication runs).
+@dataclass(frozen=True, eq=False)
+class MeshInfo:
+    """The groups of one sharded model and this rank's place in them."""
 
-    ``timeout``: for the collectives of its groups. ``init_device_mesh`` gives its groups
-    torch's default timeout, not the one the world group was created with, so a hang in
-    the shard or replicate group would outlast the user's ``timeout``; with a value, the
-    groups are created here with it (``new_group`` on every rank for every group, as
-    torch requires) and wrapped as a DeviceMesh.
-    """
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    shard: ShardGroup
+    replicate_group: Optional[dist.ProcessGroup] = None
+    replicate_rank: int = 0
+    replicate_size: int = 1
+    #: tensor parallelism: always one rank for now (the option is refused above 1)
+    tp_group: Optional[dist.ProcessGroup] = None
+    tp_size: int = 1
+    #: where this rank's collectives want their tensors (``collectives.comm_device``)
+    device: torch.device = torch.device("cpu")
+    #: the DeviceMesh it came from (what a LightningModule's ``configure_model`` sees), if any
+    device_mesh: Any = None
 
-    timeout = check_timeout(timeout)  # before any collective: a wrong type fails alone, at once
-    if not dist.is_initialized():
-        raise MatrixShardError("shard_size needs an initialized process group")
-    world = dist.get_world_size()
-    if shard_size < 1 or world % shard_size:
-        raise MatrixShardError(f"shard_size={shard_size} must be a positive divisor of the world size {world}")
-    device_type = torch.device(device).type if device is not None else comm_device().type
-    names = ("replicate", "shard")
-    if timeout is None:
-        return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=names)
-    layout = torch.arange(world).view(world // shard_size, shard_size)
-    rank = dist.get_rank()
-    mine: dict[str, dist.ProcessGroup] = {}
-    for name, rows in (("shard", layout), ("replicate", layout.T)):
-        for ranks in rows.tolist():
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                mine[name] = group
-    return DeviceMesh.from_group([mine["replicate"], mine["shard"]], device_type, mesh=layout, mesh_dim_names=names)
+    @classmethod
+    def of(cls, shard_group: Optional[dist.ProcessGroup], replicate_group: Optional[dist.ProcessGroup] = None,
+           device_mesh: Any = None) -> "MeshInfo":
+        """From the groups (``None`` shard group: one rank, or the world when initialized)."""
+        if shard_group is None and dist.is_available() and dist.is_initialized():
+            shard_group = dist.group.WORLD
+        shard = ShardGroup(shard_group)
+        rep_rank, rep_size = 0, 1
+        if replicate_group is not None:
+            rep_rank, rep_size = dist.get_rank(replicate_group), dist.get_world_size(replicate_group)
+        return cls(shard, replicate_group, rep_rank, rep_size, device=comm_device(shard.group),
+                   device_mesh=device_mesh)
 
+    @property
+    def shard_group(self) -> Optional[dist.ProcessGroup]:
+        return self.shard.group
 
-def shard_and_replicate_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
-    """(shard group, replicate group) from a DeviceMesh or None."""
-    if mesh is None:
-        return (dist.group.WORLD if dist.is_initialized() else None), None
-    names = tuple(mesh.mesh_dim_names or ())
-    if "tensor_parallel" in names:  # Lightning's (data_parallel, tensor_parallel) mesh
-        if mesh["tensor_parallel"].size() > 1:
-            raise MatrixShardError("tensor parallelism is out of scope for MatrixFSDP: use tensor_parallel_size=1")
-        mesh = mesh["data_parallel"]
-    if mesh.ndim == 1:
-        return mesh.get_group(0), None
-    if mesh.ndim == 2:
-        return mesh.get_group(1), mesh.get_group(0)
-    raise MatrixShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
+    @property
+    def shard_rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard.size
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks a gradient is averaged over: shard span times replicas."""
+        return self.shard.size * self.replicate_size
+
+    @property
+    def hsdp(self) -> bool:
+        """More than one replica of each shard rank."""
+        return self.replicate_size > 1

@@ -1,7 +1,7 @@
-"""Option checks for ``matrix_shard`` and ``MatrixFSDPStrategy``: normalize, or refuse clearly.
+"""Option checks for ``matrix_shard`` and the strategies: normalize, or refuse clearly.
 
-Pure functions, no communication: the strategy runs them at construction and
-``matrix_shard`` before it touches the model, so a wrong option fails where it was
+Pure functions, no communication: ``MatrixFSDPConfig`` (``config.py``) runs them when it
+is built, at the strategy's construction or before ``matrix_shard`` touches the model, so a wrong option fails where it was
 written, not at setup in a frame of PyTorch's (``'int' object is not iterable``, a
 module class called as a policy). Every error names the option, the value given and
 what is accepted.
@@ -44,8 +44,6 @@ __all__ = [
     "check_optimizer_factory",
     "check_planner",
     "check_positive_int",
-    "check_shard_options",
-    "check_strategy_options",
     "check_timeout",
     "check_wrap_policy",
 ]
@@ -284,97 +282,3 @@ def check_mesh(value: Any) -> Any:
     if not isinstance(value, DeviceMesh):
         raise _refuse("mesh", value, accepted)
     return value
-
-
-# ---------------------------------------------------------------------- all of matrix_shard's
-def check_shard_options(
-    *,
-    wrap_policy: Any = None,
-    planner: Any = "role_greedy",
-    collective: Any = "p2p",
-    matrix_filter: Any = None,
-    param_dtype: Any = None,
-    reduce_dtype: Any = None,
-    reshard_after_forward: Any = True,
-    ns_steps: Any = 5,
-    shard_size: Any = None,
-    prefetch: Any = True,
-    zero_missing_grads: Any = False,
-    replica_split: Any = False,
-    flatten_conv: Any = False,
-    broadcast_buffers: Any = True,
-    device: Any = None,
-    mesh: Any = None,
-) -> dict[str, Any]:
-    """Every option of ``matrix_shard`` but the module, checked and normalized (same keys)."""
-    if mesh is not None and shard_size is not None:
-        raise MatrixShardError(f"pass either mesh or shard_size, not both (got mesh={mesh!r}, "
-                               f"shard_size={shard_size!r})")
-    return {
-        "wrap_policy": check_wrap_policy(wrap_policy),
-        "planner": check_planner(planner),
-        "collective": check_collective(collective),
-        "matrix_filter": check_matrix_filter(matrix_filter),
-        "param_dtype": check_dtype(param_dtype, "param_dtype"),
-        "reduce_dtype": check_dtype(reduce_dtype, "reduce_dtype"),
-        "reshard_after_forward": check_bool(reshard_after_forward, "reshard_after_forward"),
-        "ns_steps": check_positive_int(ns_steps, "ns_steps"),
-        "shard_size": check_positive_int(shard_size, "shard_size", optional=True),
-        "prefetch": check_bool(prefetch, "prefetch"),
-        "zero_missing_grads": check_bool(zero_missing_grads, "zero_missing_grads"),
-        "replica_split": check_bool(replica_split, "replica_split"),
-        "flatten_conv": check_bool(flatten_conv, "flatten_conv"),
-        "broadcast_buffers": check_bool(broadcast_buffers, "broadcast_buffers"),
-        "device": check_device(device),
-        "mesh": check_mesh(mesh),
-    }
-
-
-# ---------------------------------------------------------------------- all of the strategy's
-def check_strategy_options(
-    *,
-    wrap_policy: Any,
-    planner: Any,
-    collective: Any,
-    matrix_filter: Any,
-    param_dtype: Any,
-    reduce_dtype: Any,
-    activation_checkpointing_policy: Any,
-    optimizer: Any,
-    reshard_after_forward: Any,
-    accumulation_no_sync: Any,
-    shard_size: Any,
-    prefetch: Any,
-    zero_missing_grads: Any,
-    save_distributed_checkpoint: Any,
-    process_group_backend: Any,
-    timeout: Any,
-    tensor_parallel_size: Any,
-    log_plan: Any,
-    replica_split: Any = False,
-    flatten_conv: Any = False,
-    broadcast_buffers: Any = True,
-) -> dict[str, Any]:
-    """Every option of ``MatrixFSDPStrategy``, checked and normalized (same keys)."""
-    if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
-        raise MatrixShardError(
-            f"tensor_parallel_size={tensor_parallel_size!r}: MatrixFSDP keeps every matrix whole on one rank and "
-            "does not compose with tensor parallelism; use tensor_parallel_size=1 (data parallel over all ranks)")
-    shard = check_shard_options(
-        wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
-        shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-        replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers)
-    for key in ("ns_steps", "device", "mesh"):  # matrix_shard's own; the strategy sets them
-        del shard[key]
-    return dict(
-        shard,
-        activation_checkpointing_policy=check_checkpointing_policy(activation_checkpointing_policy),
-        optimizer=check_optimizer_factory(optimizer),
-        accumulation_no_sync=check_bool(accumulation_no_sync, "accumulation_no_sync"),
-        save_distributed_checkpoint=check_bool(save_distributed_checkpoint, "save_distributed_checkpoint"),
-        process_group_backend=check_backend(process_group_backend),
-        timeout=check_timeout(timeout),
-        tensor_parallel_size=1,
-        log_plan=check_bool(log_plan, "log_plan"),
-    )

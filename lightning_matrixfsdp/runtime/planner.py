@@ -1,102 +1,24 @@
-"""Planners: assign every role of every unit to an owner rank.
+"""Planners: assign every role of every unit to an owner rank, and the complete plan.
 
 All planners are deterministic (ties broken by rank index, then by unit order and
-fqn), so every rank computes the same plan without communicating.  The cost model:
-a role's resident bytes are its parameters plus, when trainable, gradients and
-optimizer state (Muon keeps one momentum buffer, AdamW two moments); a matrix
-role's optimizer FLOPs are those of Newton-Schulz.
+fqn), so every rank computes the same plan without communicating. Roles and their
+costs are ``roles.py``'s; :data:`PLANNERS` is the one registry of planner names;
+:func:`make_plan` returns the whole plan, the stepping replicas of ``replica_split``
+included (``replicas.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from lightning_matrixfsdp.runtime.placement import (
-    MatrixShard,
-    ParamSpec,
-    Plan,
-    RoleKind,
-    UnitLayout,
-    UnitSpec,
-)
+from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, UnitLayout, UnitSpec
+from lightning_matrixfsdp.runtime.replicas import assign_steppers
+from lightning_matrixfsdp.runtime.roles import Role, newton_schulz_flops, role_cost, unit_roles
 
+__all__ = ["PLANNERS", "Role", "make_plan", "newton_schulz_flops", "role_cost", "unit_roles"]
 
-def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
-    """FLOPs of ``steps`` Newton-Schulz iterations on an m x n matrix (m <= n).
-
-    Each iteration forms ``A = X X^T`` (2 m^2 n), ``B = b A + c A A`` (2 m^3) and
-    ``X' = a X + B X`` (2 m^2 n). A shape of more than two dimensions (a convolution
-    kernel under ``flatten_conv``) counts as its ``(shape[0], prod(rest))`` matrix.
-    """
-    if len(shape) < 2:
-        return 0
-    rows = int(shape[0])
-    cols = 1
-    for s in shape[1:]:
-        cols *= int(s)
-    m, n = sorted((rows, cols))
-    return steps * (4 * m * m * n + 2 * m ** 3)
-
-
-PLANNERS = ("role_greedy", "scope_greedy", "cost_aware")
-
-
-@dataclass(frozen=True)
-class Role:
-    """A unit of ownership: one matrix, or one unit's packed tail."""
-
-    unit_index: int
-    kind: RoleKind
-    params: tuple[ParamSpec, ...]
-    nbytes: int
-    flops: int
-
-    @property
-    def key(self) -> str:
-        return self.params[0].fqn
-
-
-def role_cost(kind: RoleKind, params: Sequence[ParamSpec], ns_steps: int = 5) -> tuple[int, int]:
-    """(resident bytes, optimizer FLOPs per step) of a role."""
-    nbytes = 0
-    flops = 0
-    for p in params:
-        if not p.requires_grad:
-            nbytes += p.nbytes
-            continue
-        if kind is RoleKind.MATRIX:
-            nbytes += 3 * p.nbytes  # param, grad, momentum
-            flops += newton_schulz_flops(p.shape, ns_steps)
-        else:
-            nbytes += 4 * p.nbytes  # param, grad, exp_avg, exp_avg_sq
-            flops += 12 * p.numel  # AdamW's elementwise update
-    return nbytes, flops
-
-
-def unit_roles(unit_index: int, unit: UnitSpec, ns_steps: int = 5) -> list[Role]:
-    """Split a unit into its matrix roles and its tail.
-
-    The tail packs the small (0-D/1-D) parameters into one role.  A 2D+ parameter
-    kept off the matrix path (an embedding or LM head sent to AdamW by
-    ``matrix_filter``) is a tail role of its own: packing it with the rest would
-    hand one rank most of the unit (gamma near W) and make it the busiest sender.
-    """
-    roles: list[Role] = []
-    tail: list[ParamSpec] = []
-    for p in unit.params:
-        if p.is_matrix:
-            b, f = role_cost(RoleKind.MATRIX, [p], ns_steps)
-            roles.append(Role(unit_index, RoleKind.MATRIX, (p,), b, f))
-        elif len(p.shape) >= 2:
-            b, f = role_cost(RoleKind.TAIL, [p], ns_steps)
-            roles.append(Role(unit_index, RoleKind.TAIL, (p,), b, f))
-        else:
-            tail.append(p)
-    if tail:
-        b, f = role_cost(RoleKind.TAIL, tail, ns_steps)
-        roles.append(Role(unit_index, RoleKind.TAIL, tuple(tail), b, f))
-    return roles
+#: A custom planner: ``(units, shard span) -> Plan``.
+CustomPlanner = Callable[[Sequence[UnitSpec], int], Plan]
 
 
 def _largest_first(roles: list[Role]) -> list[Role]:
@@ -168,16 +90,28 @@ def _plan_cost_aware(units: Sequence[UnitSpec], world: int, ns_steps: int, gamma
     return chosen
 
 
+#: The built-in planners by name, each ``(units, span, ns_steps, gamma_cap) -> Plan``: the one
+#: list of planner names (``options.check_planner`` accepts these keys).
+PLANNERS: dict[str, Callable[[Sequence[UnitSpec], int, int, float], Plan]] = {
+    "role_greedy": lambda units, world, ns_steps, gamma_cap: _plan_role_greedy(units, world, ns_steps),
+    "scope_greedy": lambda units, world, ns_steps, gamma_cap: _plan_scope_greedy(units, world, ns_steps),
+    "cost_aware": _plan_cost_aware,
+}
+
+
 def make_plan(
     units: Sequence[UnitSpec],
     world: int,
-    planner: str | Callable[[Sequence[UnitSpec], int], Plan] = "role_greedy",
+    planner: str | CustomPlanner = "role_greedy",
     *,
     ns_steps: int = 5,
     gamma_cap: float = 2.0,
     replicate: int = 1,
+    replica_split: bool = False,
 ) -> Plan:
-    """Build the plan for ``units`` over a shard span of ``world`` ranks."""
+    """The complete plan for ``units`` over a shard span of ``world`` ranks and ``replicate``
+    replicas; with ``replica_split`` (and more than one replica) each role's stepping replica
+    too (``Plan.steppers``)."""
     if world < 1:
         raise ValueError(f"shard span must be >= 1, got {world}")
     seen: set[str] = set()
@@ -190,14 +124,12 @@ def make_plan(
         plan = planner(units, world)
         if not isinstance(plan, Plan):
             raise TypeError(f"a custom planner must return a Plan, got {type(plan).__name__}")
-    elif planner == "role_greedy":
-        plan = _plan_role_greedy(units, world, ns_steps)
-    elif planner == "scope_greedy":
-        plan = _plan_scope_greedy(units, world, ns_steps)
-    elif planner == "cost_aware":
-        plan = _plan_cost_aware(units, world, ns_steps, gamma_cap)
+    elif planner in PLANNERS:
+        plan = PLANNERS[planner](units, world, ns_steps, gamma_cap)
     else:
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)} or pass a callable")
     plan.replicate = replicate
     plan.options.setdefault("ns_steps", ns_steps)
+    if replica_split and replicate > 1:
+        plan.steppers, plan.replica_flops = assign_steppers(plan, units, replicate, ns_steps)
     return plan

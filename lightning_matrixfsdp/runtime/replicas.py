@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
-from lightning_matrixfsdp.runtime.planner import role_cost, unit_roles
+from lightning_matrixfsdp.runtime.roles import role_cost, unit_roles
 
 __all__ = ["assign_steppers"]
 

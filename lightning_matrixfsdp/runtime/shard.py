@@ -1,16 +1,23 @@
-"""``matrix_shard``: walk a model, build its units, plan the owners, apply the plan."""
+"""``matrix_shard`` in three stages: collect the specs, make the complete plan, build the runtime.
+
+``collect`` walks the model (units, parameters, their specs; nothing moves),
+``planner.make_plan`` returns the whole plan (owners, and the stepping replicas of
+``replica_split``), ``build_runtime`` agrees with the other ranks and applies it.
+"""
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.checks import check_model
-from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE, make_collective
-from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup, comm_device
+from lightning_matrixfsdp.runtime.collectives import make_collective
+from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
+from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig, bind_options, options_signature
 from lightning_matrixfsdp.runtime.consensus import (
     SYNC_BUFFERS,
     make_sequence_check,
@@ -19,22 +26,21 @@ from lightning_matrixfsdp.runtime.consensus import (
 )
 from lightning_matrixfsdp.runtime.copies import track_copies
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
-from lightning_matrixfsdp.runtime.mesh import hsdp_mesh, shard_and_replicate_groups
-from lightning_matrixfsdp.runtime.options import MatrixShardError, check_shard_options
+from lightning_matrixfsdp.runtime.mesh import MeshInfo
+from lightning_matrixfsdp.runtime.mesh_comm import mesh_info
+from lightning_matrixfsdp.runtime.options import MatrixShardError, check_device, check_mesh
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 from lightning_matrixfsdp.runtime.prune_guard import install_prune_guard
 from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
-from lightning_matrixfsdp.runtime.replicas import assign_steppers
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
 from lightning_matrixfsdp.runtime.tags import attach_state
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
-MatrixFilter = Callable[[str, nn.Parameter], bool]
 
 
 # ---------------------------------------------------------------------- units
@@ -75,27 +81,12 @@ def _unit_of(module_name: str, unit_names: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------- entry point
-def matrix_shard(
-    module: nn.Module,
-    *,
-    mesh: Any = None,
-    wrap_policy: WrapPolicy = None,
-    planner: Union[str, Callable[..., Plan]] = "role_greedy",
-    collective: str = DEFAULT_COLLECTIVE,
-    matrix_filter: Optional[MatrixFilter] = None,
-    param_dtype: Union[torch.dtype, str, None] = None,
-    reduce_dtype: Union[torch.dtype, str, None] = None,
-    reshard_after_forward: bool = True,
-    ns_steps: int = 5,
-    device: Optional[torch.device] = None,
-    shard_size: Optional[int] = None,
-    prefetch: bool = True,
-    zero_missing_grads: bool = False,
-    replica_split: bool = False,
-    flatten_conv: bool = False,
-    broadcast_buffers: bool = True,
-) -> nn.Module:
+def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.device] = None,
+                 config: Optional[MatrixFSDPConfig] = None, **options: Any) -> nn.Module:
     """Owner-shard ``module`` in place (like FSDP2's ``fully_shard`` for a whole model).
+
+    The options come as ``config=MatrixFSDPConfig(...)`` or as its keywords (not both);
+    ``mesh``: a DeviceMesh, a ``MeshInfo``, or None (the world, or ``shard_size``'s HSDP mesh).
 
     Each matrix role (a 2D parameter accepted by ``matrix_filter``) is kept whole on
     one owner rank of the shard group and empty elsewhere; the other parameters of
@@ -134,29 +125,55 @@ def matrix_shard(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
-    # Every option first, before the model is touched (the strategy ran the same checks at construction).
-    opts = check_shard_options(
-        wrap_policy=wrap_policy, planner=planner, collective=collective, matrix_filter=matrix_filter,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
-        ns_steps=ns_steps, shard_size=shard_size, prefetch=prefetch, zero_missing_grads=zero_missing_grads,
-        replica_split=replica_split, flatten_conv=flatten_conv, broadcast_buffers=broadcast_buffers, device=device,
-        mesh=mesh)
-    wrap_policy, planner, param_dtype, reduce_dtype = (opts[k] for k in ("wrap_policy", "planner", "param_dtype",
-                                                                           "reduce_dtype"))
-    device, shard_size = opts["device"], opts["shard_size"]
+    # Every option first, before the model is touched (a config was checked when it was built).
+    config = bind_options(_SIGNATURE, "matrix_shard", (), dict(options, config=config))
+    if mesh is not None and config.shard_size is not None and not isinstance(mesh, MeshInfo):
+        raise MatrixShardError(f"pass either mesh or shard_size, not both (got mesh={mesh!r}, "
+                               f"shard_size={config.shard_size!r})")
+    if not isinstance(mesh, MeshInfo):
+        device, mesh = check_device(device), check_mesh(mesh)
+    elif config.shard_size not in (None, mesh.shard_size):
+        raise MatrixShardError(f"shard_size={config.shard_size!r} differs from the given MeshInfo's shard span "
+                               f"{mesh.shard_size}")
     check_model(module)
-
-    if shard_size is not None:
-        mesh = hsdp_mesh(shard_size, device)
-    shard_pg, replicate_pg = shard_and_replicate_groups(mesh)
-    sg = ShardGroup(shard_pg)
-    real = [p for p in module.parameters() if not p.is_meta]
+    if not isinstance(mesh, MeshInfo):
+        mesh = mesh_info(mesh, config.shard_size, device)
     if device is None:
-        device = real[0].device if real else comm_device(shard_pg)
+        real = [p for p in module.parameters() if not p.is_meta]
+        device = real[0].device if real else mesh.device
     device = torch.device(device)
 
-    # -- units and the parameters each one holds
-    units = _select_units(module, wrap_policy)
+    collected = collect(module, config)  # 1. specs
+    plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
+                     replicate=mesh.replicate_size, replica_split=config.replica_split)
+    build_runtime(module, config, mesh, plan, collected, device)  # 3. the runtime
+    return module
+
+
+_SIGNATURE = options_signature(SHARD, keyword_only=True)
+matrix_shard.__signature__ = options_signature(  # type: ignore[attr-defined]
+    SHARD, keyword_only=True, first=[
+        inspect.Parameter("module", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=nn.Module),
+        inspect.Parameter("mesh", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Any),
+        inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation=Optional[torch.device])])
+
+
+# ---------------------------------------------------------------------- 1. specs
+@dataclass
+class Collected:
+    """What the model holds, before anything changes: the units (in plan order, the root
+    last), their specs, and each parameter by fqn with every (module, name) it is registered as."""
+
+    units: list[tuple[str, nn.Module]]
+    specs: list[UnitSpec]
+    params: dict[str, nn.Parameter]
+    registrations: dict[str, list[tuple[nn.Module, str]]]
+
+
+def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
+    """The units ``config.wrap_policy`` picks and the spec of every parameter (no tensors moved)."""
+    units = _select_units(module, config.wrap_policy)
     unit_names = [n for n, _ in units]
     regs: dict[int, list[tuple[nn.Module, str]]] = {}
     first_fqn: dict[int, str] = {}
@@ -180,80 +197,79 @@ def matrix_shard(
     param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters()}
 
     def is_matrix(fqn: str, p: nn.Parameter) -> bool:
-        if p.ndim < 2 or (p.ndim > 2 and not opts["flatten_conv"]):
+        if p.ndim < 2 or (p.ndim > 2 and not config.flatten_conv):
             return False
-        return bool(matrix_filter(fqn, p)) if matrix_filter is not None else True
+        return bool(config.matrix_filter(fqn, p)) if config.matrix_filter is not None else True
 
-    unit_specs = []
+    specs = []
     for uname, _ in units:
-        specs = []
-        for pid, p in param_objs.items():
-            if unit_of_param[pid] != uname:
-                continue
-            fqn = first_fqn[pid]
-            specs.append(ParamSpec(fqn, tuple(p.shape), str(p.dtype).replace("torch.", ""),
-                                   is_matrix(fqn, p), p.requires_grad))
-        unit_specs.append(UnitSpec(uname, tuple(specs)))
+        params = tuple(ParamSpec(first_fqn[pid], tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                                 is_matrix(first_fqn[pid], p), p.requires_grad)
+                       for pid, p in param_objs.items() if unit_of_param[pid] == uname)
+        specs.append(UnitSpec(uname, params))
+    return Collected(units, specs, {first_fqn[pid]: p for pid, p in param_objs.items()},
+                     {first_fqn[pid]: r for pid, r in regs.items()})
 
-    replicate_size = dist.get_world_size(replicate_pg) if replicate_pg is not None else 1
-    plan = make_plan(unit_specs, sg.size, planner, ns_steps=ns_steps, replicate=replicate_size)
-    split = bool(opts["replica_split"]) and replicate_size > 1
-    if split:
-        plan.steppers, plan.replica_flops = assign_steppers(plan, unit_specs, replicate_size, ns_steps)
-    schedule = {
-        "collective": collective,
-        "param_dtype": str(param_dtype),
-        "reduce_dtype": str(reduce_dtype),
-        "reshard_after_forward": reshard_after_forward,
-        "replicate": replicate_size,
-        "prefetch": prefetch,
-        "zero_missing_grads": bool(zero_missing_grads),
-        "replica_split": split,
-        "sequence_check": sequence_check_wanted(sg),
-        "broadcast_buffers": opts["broadcast_buffers"],
+
+# ---------------------------------------------------------------------- 3. the runtime
+def agreed_options(config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, module: nn.Module) -> dict[str, Any]:
+    """What every rank of a group must have chosen alike, beside the plan (compared once, by digest)."""
+    return {
+        "collective": config.collective,
+        "param_dtype": str(config.param_dtype),
+        "reduce_dtype": str(config.reduce_dtype),
+        "reshard_after_forward": config.reshard_after_forward,
+        "replicate": mesh.replicate_size,
+        "prefetch": config.prefetch,
+        "zero_missing_grads": config.zero_missing_grads,
+        "replica_split": plan.replica_split,
+        "sequence_check": sequence_check_wanted(mesh.shard),
+        "broadcast_buffers": config.broadcast_buffers,
         "buffers": buffer_layout(module),
     }
-    validate_schedule(plan, schedule, sg)
+
+
+def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, collected: Collected,
+                  device: torch.device) -> MatrixFSDPState:
+    """Agree on plan and options, take rank 0's values, and build the parameters, units and hooks."""
+    sg, replicate_pg = mesh.shard, mesh.replicate_group
+    agreed = agreed_options(config, mesh, plan, module)
+    validate_schedule(plan, agreed, sg)
     if replicate_pg is not None:  # HSDP: every replica must hold the same layout too
-        validate_schedule(plan, schedule, ShardGroup(replicate_pg))
+        validate_schedule(plan, agreed, ShardGroup(replicate_pg))
 
     # -- every owner on global rank 0's values (DDP's broadcast at wrap), before non-owners drop theirs
     stats = CommStats()
-    fqn_to_pid = {first_fqn[pid]: pid for pid in param_objs}
+    params = collected.params
     layouts = [shard for layout in plan.units for shard in layout.shards]
-    if not any(p.is_meta for p in param_objs.values()):
-        agree_params([param_objs[fqn_to_pid[s.fqn]].data for s in layouts], [s.owner for s in layouts], sg,
-                     replicate_pg, stats)
+    if not any(p.is_meta for p in params.values()):
+        agree_params([params[s.fqn].data for s in layouts], [s.owner for s in layouts], sg, replicate_pg, stats)
 
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
-    coll = make_collective(collective, sg, stats)
-    exchange = ReplicaExchange(replicate_pg, stats) if split else None
+    coll = make_collective(config.collective, sg, stats)
+    exchange = ReplicaExchange(replicate_pg, stats) if plan.replica_split else None
     reducer = GradientReducer(coll, replicate_pg, split=exchange, steppers=plan.steppers)
-    options = dict(schedule, planner=plan.planner, ns_steps=ns_steps, prefetch=prefetch)
-    state = MatrixFSDPState(module, plan, reducer, options)
-    check = make_sequence_check(sg, [u.fqn for u in plan.units]) if schedule["sequence_check"] else None
+    state = MatrixFSDPState(module, plan, reducer, mesh, config.prefetch)
+    check = make_sequence_check(sg, [u.fqn for u in plan.units]) if agreed["sequence_check"] else None
     if check is not None:
         check.describe = state.describe_waiting
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
-    for index, (layout, (_, umod)) in enumerate(zip(plan.units, units)):
-        sparams = []
-        for shard in layout.shards:
-            pid = fqn_to_pid[shard.fqn]
-            sparams.append(ShardedParam(shard, param_objs[pid], regs[pid], sg.rank, device, param_dtype, reduce_dtype))
+    for index, (layout, (_, umod)) in enumerate(zip(plan.units, collected.units)):
+        sparams = [ShardedParam(shard, params[shard.fqn], collected.registrations[shard.fqn], sg.rank, device,
+                                config.param_dtype, config.reduce_dtype) for shard in layout.shards]
         is_root = umod is module
         state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
-                            reshard_after_forward and not is_root, zero_missing_grads=bool(zero_missing_grads),
+                            config.reshard_after_forward and not is_root, zero_missing_grads=config.zero_missing_grads,
                             index=index, check=check))
+    root_index = next(i for i, u in enumerate(state.units) if u.module is module)
     if exchange is not None:
-        root_index = next((i for i, u in enumerate(state.units) if u.module is module), None)
         state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange, first=root_index)
         for unit in state.units:
             unit.replicas = state.replicas
     _materialize_meta(module, meta_modules, device)
     if meta_modules:  # owners initialized their own roles: the replicas of each owner take replica 0's
         agree_replicas([p.resident.data for p in state.params if p.owned], replicate_pg, stats)
-    state.buffers = BufferSync(module, sg, replicate_pg, stats, opts["broadcast_buffers"])
-    root_index = next(i for i, u in enumerate(state.units) if u.module is module)
+    state.buffers = BufferSync(module, sg, replicate_pg, stats, config.broadcast_buffers)
     if check is not None:
         state.buffer_check = lambda: check(SYNC_BUFFERS, root_index)
     state.install_hooks()  # the root's own: replica transfers, rank 0's buffers
@@ -262,7 +278,7 @@ def matrix_shard(
     attach_state(module, state)
     for unit in state.units:  # a deepcopy of the model or of a unit: sharded like it (weight averaging)
         track_copies(unit.module, state)
-    return module
+    return state
 
 
 def _materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: torch.device) -> None:

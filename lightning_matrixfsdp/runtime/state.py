@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
+from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan
@@ -21,26 +22,14 @@ from lightning_matrixfsdp.runtime.unit import Unit
 class MatrixFSDPState(RefusePickle):
     """Everything ``matrix_shard`` attaches to the root module."""
 
-    def __init__(
-        self,
-        root: nn.Module,
-        plan: Plan,
-        reducer: GradientReducer,
-        options: dict[str, Any],
-    ) -> None:
+    def __init__(self, root: nn.Module, plan: Plan, reducer: GradientReducer, mesh: MeshInfo, prefetch: bool) -> None:
         self.root = root
         self.plan = plan
         self.reducer = reducer
-        self.sg: ShardGroup = reducer.sg
-        self.replicate_group: Optional[dist.ProcessGroup] = reducer.replicate_group
-        self.replicate_size = reducer.replicate_size
-        self.dp_size = reducer.dp_size
+        self.mesh = mesh
         self.stats: CommStats = reducer.stats
-        self.options = options
         self.units: list[Unit] = []
-        self.prefetch = bool(options.get("prefetch", True))
-        self.zero_missing_grads = bool(options.get("zero_missing_grads", False))
-        self.schedule: Schedule[Unit] = Schedule(self.prefetch, self._end_of_backward, self.abandon_iteration)
+        self.schedule: Schedule[Unit] = Schedule(prefetch, self._end_of_backward, self.abandon_iteration)
         #: ``replica_split`` under HSDP: the weight transfers from each role's stepping replica
         self.replicas: Optional[ReplicaSync] = None
         self._root_handles: list[Any] = []
@@ -64,13 +53,35 @@ class MatrixFSDPState(RefusePickle):
         return {p.shard.fqn: p for p in self.params}
 
     @property
+    def sg(self) -> ShardGroup:
+        return self.mesh.shard
+
+    @property
+    def replicate_group(self) -> Optional[dist.ProcessGroup]:
+        return self.mesh.replicate_group
+
+    @property
+    def replicate_size(self) -> int:
+        return self.mesh.replicate_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
     def rank(self) -> int:
-        return self.sg.rank
+        return self.mesh.shard_rank
 
     @property
     def replica_rank(self) -> int:
         """This rank's replica index (its rank in the replicate group; 0 without HSDP)."""
-        return dist.get_rank(self.replicate_group) if self.replicate_group is not None else 0
+        return self.mesh.replicate_rank
+
+    @property
+    def norm_group(self) -> Optional[dist.ProcessGroup]:
+        """What a global-norm clip sums the owners' pieces over: the shard group (HSDP replicas
+        hold equal gradients), or the world (None) under ``replica_split`` (one rank holds each)."""
+        return None if self.plan.replica_split else self.mesh.shard_group
 
     # ------------------------------------------------------------------ building
     def add_unit(self, unit: Unit) -> None:

@@ -1,0 +1,162 @@
+"""``MatrixFSDPConfig``: every option of ``matrix_shard`` and the two strategies, checked once.
+
+The one list of options. ``matrix_shard``, ``MatrixFSDPStrategy`` and
+``MatrixFSDPFabricStrategy`` take a config (``config=``) or the same options as keywords;
+the keyword forms build a config, through a signature generated here from the fields
+(so it stays introspectable: LightningCLI and jsonargparse read it). A config is frozen
+and normalized when built (``__post_init__``, with ``options.py``'s checks, whose errors
+name the option and the value): nothing below the place an option enters checks it again.
+
+Which entry point reads a field is its ``where`` metadata: ``SHARD`` (``matrix_shard``),
+``ADAPTER`` (the strategies only: optimizer, checkpoints, process group) or both.
+"""
+
+from dataclasses import dataclass, field, fields, replace
+from datetime import timedelta
+import inspect
+from typing import Any, Callable, Iterable, Mapping, Optional, Union, get_type_hints
+
+import torch
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+
+from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
+from lightning_matrixfsdp.runtime.options import (
+    MatrixShardError,
+    check_backend,
+    check_bool,
+    check_checkpointing_policy,
+    check_collective,
+    check_dtype,
+    check_matrix_filter,
+    check_optimizer_factory,
+    check_planner,
+    check_positive_int,
+    check_timeout,
+    check_wrap_policy,
+)
+
+__all__ = ["ADAPTER", "SHARD", "MatrixFSDPConfig", "bind_options", "options_signature"]
+
+SHARD, ADAPTER = "shard", "adapter"
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+def _opt(default: Any, check: Callable[[Any, str], Any], *where: str) -> Any:
+    return field(default=default, metadata={"check": check, "where": where or (SHARD, ADAPTER)})
+
+
+def _named(check: Callable[[Any], Any]) -> Callable[[Any, str], Any]:
+    return lambda value, name: check(value)
+
+
+def _policy_set(check: Callable[[Any], Any]) -> Callable[[Any, str], Any]:
+    """A set of module classes frozen (the config is hashable and immutable all through)."""
+    def run(value: Any, name: str) -> Any:
+        out = check(value)
+        return frozenset(out) if isinstance(out, set) else out
+    return run
+
+
+def _tensor_parallel(value: Any, name: str) -> int:
+    if isinstance(value, bool) or value != 1:
+        raise MatrixShardError(
+            f"tensor_parallel_size={value!r}: MatrixFSDP keeps every matrix whole on one rank and "
+            "does not compose with tensor parallelism; use tensor_parallel_size=1 (data parallel over all ranks)")
+    return 1
+
+
+def _adapter_default_bool(value: Any, name: str) -> Optional[bool]:
+    """``None``: the adapter's own default (``accumulation_no_sync``: off for the Trainer, on for Fabric)."""
+    return None if value is None else check_bool(value, name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatrixFSDPConfig:
+    """Every option of ``matrix_shard`` and the strategies (see ``MatrixFSDPStrategy`` for each).
+
+    Checked and normalized at construction (dtype names to dtypes, policy classes and import
+    paths to a frozenset of classes); a wrong value raises ``MatrixShardError`` naming the
+    option and the value. ``matrix_shard`` reads the shard options and ignores the adapters'
+    (``activation_checkpointing_policy``, ``optimizer``, checkpoints, process group). Derive a
+    changed copy with ``dataclasses.replace(config, ...)`` (checked again).
+    """
+
+    # Order: the strategies' positional order (their keyword signatures are generated from it).
+    wrap_policy: Any = _opt(None, _policy_set(check_wrap_policy))
+    planner: str = _opt("role_greedy", _named(check_planner))
+    collective: str = _opt(DEFAULT_COLLECTIVE, _named(check_collective))
+    matrix_filter: Optional[Callable[[str, nn.Parameter], bool]] = _opt(None, _named(check_matrix_filter))
+    param_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype)
+    reduce_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype)
+    activation_checkpointing_policy: Any = _opt(None, _policy_set(check_checkpointing_policy), ADAPTER)
+    optimizer: Optional[OptimizerFactory] = _opt(None, _named(check_optimizer_factory), ADAPTER)
+    reshard_after_forward: bool = _opt(True, check_bool)
+    accumulation_no_sync: Optional[bool] = _opt(None, _adapter_default_bool, ADAPTER)
+    shard_size: Optional[int] = _opt(None, lambda v, n: check_positive_int(v, n, optional=True))
+    prefetch: bool = _opt(True, check_bool)
+    zero_missing_grads: bool = _opt(False, check_bool)
+    save_distributed_checkpoint: bool = _opt(True, check_bool, ADAPTER)
+    process_group_backend: Optional[str] = _opt(None, _named(check_backend), ADAPTER)
+    timeout: Optional[timedelta] = _opt(default_pg_timeout, _named(check_timeout), ADAPTER)
+    tensor_parallel_size: int = _opt(1, _tensor_parallel, ADAPTER)
+    log_plan: bool = _opt(True, check_bool, ADAPTER)
+    verify_checkpoints: bool = _opt(True, check_bool, ADAPTER)
+    reset_changed_roles: bool = _opt(False, check_bool, ADAPTER)
+    replica_split: bool = _opt(False, check_bool)
+    flatten_conv: bool = _opt(False, check_bool)
+    broadcast_buffers: bool = _opt(True, check_bool)
+    ns_steps: int = _opt(5, check_positive_int, SHARD)
+
+    def __post_init__(self) -> None:
+        # tensor parallelism first: it says what the strategy cannot be asked at all
+        order = sorted(fields(self), key=lambda f: f.name != "tensor_parallel_size")
+        for f in order:
+            object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), f.name))
+
+    @classmethod
+    def names(cls, where: str) -> tuple[str, ...]:
+        """The options ``where`` (:data:`SHARD` or :data:`ADAPTER`) takes, in field order."""
+        return tuple(f.name for f in fields(cls) if where in f.metadata["where"])
+
+    def updated(self, **changes: Any) -> "MatrixFSDPConfig":
+        """A copy with ``changes`` (checked)."""
+        return replace(self, **changes)
+
+
+def options_signature(where: str, *, first: Iterable[inspect.Parameter] = (), keyword_only: bool = False,
+                      defaults: Optional[Mapping[str, Any]] = None) -> inspect.Signature:
+    """The keyword signature of an entry point that takes the options ``where`` (its
+    parameters ``first``, then the options with the config's types and defaults, or
+    ``defaults``' where the entry point has its own, then ``config``)."""
+    hints = get_type_hints(MatrixFSDPConfig)
+    kind = inspect.Parameter.KEYWORD_ONLY if keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+    by_name = {f.name: f for f in fields(MatrixFSDPConfig)}
+    params = list(first)
+    for name in MatrixFSDPConfig.names(where):
+        default = (defaults or {}).get(name, by_name[name].default)
+        params.append(inspect.Parameter(name, kind, default=default, annotation=hints[name]))
+    params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                    annotation=Optional[MatrixFSDPConfig]))
+    return inspect.Signature(params)
+
+
+def bind_options(signature: inspect.Signature, who: str, args: tuple, kwargs: dict[str, Any]) -> MatrixFSDPConfig:
+    """The config a keyword-form call means: ``config=`` as given, or one built from the options
+    passed (positionally or by keyword; unknown ones refused as Python refuses them)."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{who}: {e}") from None
+    options = dict(bound.arguments)
+    config = options.pop("config", None)
+    if config is None:
+        return MatrixFSDPConfig(**options)
+    if not isinstance(config, MatrixFSDPConfig):
+        raise TypeError(f"{who}(config=...) takes a MatrixFSDPConfig, got {type(config).__name__}")
+    if options:
+        raise TypeError(f"{who}: pass the options either as config=MatrixFSDPConfig(...) or as keywords, not both "
+                        f"(got config= and {', '.join(sorted(options))}=); use config.updated({next(iter(options))}"
+                        "=...) to change one")
+    return config

@@ -1,0 +1,94 @@
+"""Device meshes and their process groups: the communication that builds a ``MeshInfo``.
+
+``hsdp_mesh`` creates the ``(replicate, shard)`` groups; :func:`mesh_info` describes the
+groups of a given mesh (a DeviceMesh of ours, Lightning's ``(data_parallel,
+tensor_parallel)`` mesh, or one built from ``shard_size``) as one :class:`MeshInfo`.
+Every process-group creation of the package is here.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_matrixfsdp.runtime.comm import comm_device
+from lightning_matrixfsdp.runtime.mesh import MeshInfo
+from lightning_matrixfsdp.runtime.options import MatrixShardError, check_timeout
+
+__all__ = ["build_hsdp_mesh", "hsdp_mesh", "mesh_info", "shard_and_replicate_groups"]
+
+#: Lightning's ``ModelParallelStrategy`` mesh dimensions.
+DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
+
+
+def hsdp_mesh(shard_size: int, device: Optional[torch.device] = None, timeout: Optional[timedelta] = None) -> Any:
+    """A ``(replicate, shard)`` DeviceMesh with shard groups of ``shard_size`` consecutive ranks
+    (HSDP), on ``device``'s type (default: where communication runs).
+
+    ``timeout``: for the collectives of its groups. ``init_device_mesh`` gives its groups
+    torch's default timeout, not the one the world group was created with, so a hang in
+    the shard or replicate group would outlast the user's ``timeout``; with a value, the
+    groups are created here with it (``new_group`` on every rank for every group, as
+    torch requires) and wrapped as a DeviceMesh.
+    """
+    return build_hsdp_mesh(shard_size, device, check_timeout(timeout))  # a wrong type fails alone, at once
+
+
+def build_hsdp_mesh(shard_size: int, device: Optional[torch.device], timeout: Optional[timedelta]) -> Any:
+    """``hsdp_mesh`` for a ``timeout`` checked already (the strategies' option)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if not dist.is_initialized():
+        raise MatrixShardError("shard_size needs an initialized process group")
+    world = dist.get_world_size()
+    if shard_size < 1 or world % shard_size:
+        raise MatrixShardError(f"shard_size={shard_size} must be a positive divisor of the world size {world}")
+    device_type = torch.device(device).type if device is not None else comm_device().type
+    names = ("replicate", "shard")
+    if timeout is None:
+        return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=names)
+    layout = torch.arange(world).view(world // shard_size, shard_size)
+    rank = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    for name, rows in (("shard", layout), ("replicate", layout.T)):
+        for ranks in rows.tolist():
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[name] = group
+    return DeviceMesh.from_group([mine["replicate"], mine["shard"]], device_type, mesh=layout, mesh_dim_names=names)
+
+
+def shard_and_replicate_groups(mesh: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """(shard group, replicate group) from a DeviceMesh or None."""
+    if mesh is None:
+        return (dist.group.WORLD if dist.is_initialized() else None), None
+    names = tuple(mesh.mesh_dim_names or ())
+    if TENSOR_PARALLEL in names:  # Lightning's (data_parallel, tensor_parallel) mesh
+        if mesh[TENSOR_PARALLEL].size() > 1:
+            raise MatrixShardError("tensor parallelism is out of scope for MatrixFSDP: use tensor_parallel_size=1")
+        mesh = mesh[DATA_PARALLEL]
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise MatrixShardError(f"mesh must be 1-D (shard) or 2-D (replicate, shard); got {mesh.ndim}-D")
+
+
+def mesh_info(mesh: Any = None, shard_size: Optional[int] = None, device: Optional[torch.device] = None,
+              timeout: Optional[timedelta] = None) -> MeshInfo:
+    """The :class:`MeshInfo` of ``mesh`` (a DeviceMesh, or None: the world), or of the HSDP mesh
+    of ``shard_size`` built here (``device``'s type, groups with ``timeout``). A shard size equal
+    to the world of a Lightning mesh keeps that mesh's data-parallel dimension."""
+    if shard_size is not None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        lightning = mesh is not None and DATA_PARALLEL in tuple(mesh.mesh_dim_names or ())
+        if not (lightning and shard_size == world):
+            mesh = build_hsdp_mesh(shard_size, device, timeout)
+    if mesh is not None and DATA_PARALLEL in tuple(mesh.mesh_dim_names or ()):
+        shard_and_replicate_groups(mesh)  # refuses a tensor-parallel dimension above 1
+        mesh = mesh[DATA_PARALLEL]  # what configure_model sees as self.device_mesh
+    shard_group, replicate_group = shard_and_replicate_groups(mesh)
+    return MeshInfo.of(shard_group, replicate_group, device_mesh=mesh)
