@@ -337,11 +337,8 @@ COLLECTIVE_NAMES = (*COLLECTIVES, "p2p_packed", "p2p_direct")
 
 def make_collective(name: str, sg: ShardGroup, stats: CommStats) -> OwnerCollective:
     """``p2p`` packs segments on gloo and sends tensors directly on NCCL;
-    ``p2p_packed`` / ``p2p_direct`` force one of the two."""
+    ``p2p_packed`` / ``p2p_direct`` force one of the two. ``name`` was checked where it entered
+    (``MatrixFSDPConfig``)."""
     if name in ("p2p_packed", "p2p_direct"):
         return P2PCollective(sg, stats, pack=name == "p2p_packed")
-    try:
-        cls = COLLECTIVES[name]
-    except KeyError:
-        raise ValueError(f"unknown collective {name!r}; choose one of {', '.join(COLLECTIVE_NAMES)}") from None
-    return cls(sg, stats)
+    return COLLECTIVES[name](sg, stats)

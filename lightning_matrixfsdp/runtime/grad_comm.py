@@ -30,16 +30,17 @@ class GradientReducer:
     """
 
     def __init__(self, collective: OwnerCollective, replicate_group: Optional[dist.ProcessGroup],
-                 split: Optional[Any] = None, steppers: Optional[dict[str, int]] = None) -> None:
+                 replicate_size: int = 1, split: Optional[Any] = None,
+                 steppers: Optional[dict[str, int]] = None) -> None:
         self.collective = collective
         self.sg = collective.sg
         self.stats = collective.stats
         self.replicate_group = replicate_group
-        self.replicate_size = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.replicate_size = replicate_size
         self.dp_size = self.sg.size * self.replicate_size
         #: ``replica_split``: a ``replica_comm.ReplicaExchange`` (typed Any: that module imports this
-        #: one) and the stepping replica of every parameter; None and {} otherwise
-        self.split = split if steppers else None
+        #: one) and the stepping replica of every parameter (the plan's); None and {} otherwise
+        self.split = split
         self.steppers = dict(steppers or {})
 
     def globally_used(self, used: list[bool], what: str = "the used-gradient flags") -> tuple[list[bool], list[bool]]:

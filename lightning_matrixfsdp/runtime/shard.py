@@ -248,7 +248,7 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     coll = make_collective(config.collective, sg, stats)
     exchange = ReplicaExchange(replicate_pg, stats) if plan.replica_split else None
-    reducer = GradientReducer(coll, replicate_pg, split=exchange, steppers=plan.steppers)
+    reducer = GradientReducer(coll, replicate_pg, mesh.replicate_size, split=exchange, steppers=plan.steppers)
     state = MatrixFSDPState(module, plan, reducer, mesh, config.prefetch)
     check = make_sequence_check(sg, [u.fqn for u in plan.units]) if agreed["sequence_check"] else None
     if check is not None:
