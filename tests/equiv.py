@@ -244,7 +244,10 @@ def check_memory_shape(model: torch.nn.Module) -> None:
 
     st = state_of(model)
     for p in st.params:
-        assert p.unsharded.untyped_storage().size() == 0, f"{p.shard.fqn}: unsharded buffer still allocated"
+        if p.aliases:  # a shard group of one rank: the unsharded parameter is the resident's own bytes
+            assert p.unsharded.data_ptr() == p.resident.data_ptr(), f"{p.shard.fqn}: alias lost its resident"
+        else:
+            assert p.unsharded.untyped_storage().size() == 0, f"{p.shard.fqn}: unsharded buffer still allocated"
         assert p.unsharded.grad is None, f"{p.shard.fqn}: unsharded gradient still held"
         for m, name in p.registrations:
             assert m._parameters[name] is p.resident, f"{p.shard.fqn}: unsharded parameter still registered"

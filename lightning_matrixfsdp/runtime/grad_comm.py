@@ -86,7 +86,7 @@ class GradientReducer:
             out: list[Optional[torch.Tensor]] = [None] * len(sums)
             for i, g in zip(idx, pending.wait() if pending is not None else []):
                 if g is not None:
-                    out[i] = g.div_(self.dp_size)
+                    out[i] = g.div_(self.dp_size) if self.dp_size > 1 else g
             return out
 
         return finish
@@ -103,7 +103,8 @@ class GradientReducer:
             if g is None or not k:
                 out.append(None)
                 continue
-            g.div_(self.dp_size)
+            if self.dp_size > 1:  # dividing by 1 is the identity: skip the pass over the gradient
+                g.div_(self.dp_size)
             if self.replicate_group is not None and self.replicate_size > 1:
                 works.append((dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.replicate_group,
                                               async_op=True), g))

@@ -35,6 +35,7 @@ class ShardedParam:
         device: torch.device,
         compute_dtype: Optional[torch.dtype],
         reduce_dtype: Optional[torch.dtype],
+        alone: bool = False,
     ) -> None:
         self.shard = shard
         self.resident = resident
@@ -52,14 +53,21 @@ class ShardedParam:
         self.reduce_dtype = (reduce_dtype if floating else None) or self.compute_dtype
         self._make_resident()
         tag_param(self.resident, shard, self.owned)
+        #: A shard group of one rank with nothing to cast: the unsharded parameter shares the
+        #: resident's storage, so materializing copies nothing and resharding frees nothing
+        #: (the resident is whole here anyway). ``alloc`` re-points it if the resident's data
+        #: was replaced since.
+        self.aliases = alone and self.owned and self.compute_dtype == resident.dtype
         # Created trainable (where the dtype allows) so the unit can hook it once; frozen-ness follows the resident.
-        self.unsharded = nn.Parameter(torch.empty(self.shape, dtype=self.compute_dtype, device=device),
-                                      requires_grad=self.differentiable)
+        buffer = self.resident.data if self.aliases else torch.empty(self.shape, dtype=self.compute_dtype,
+                                                                     device=device)
+        self.unsharded = nn.Parameter(buffer, requires_grad=self.differentiable)
         # A plain alias of the same storage with its own version counter: writes
         # through it refill the buffer without tripping autograd's saved-tensor checks.
         self.data = self.unsharded.data
         self._nbytes = self.data.numel() * self.data.element_size()
-        self.unsharded.untyped_storage().resize_(0)
+        if not self.aliases:
+            self.unsharded.untyped_storage().resize_(0)
         self.materialized = False
 
     # ------------------------------------------------------------------ resident state
@@ -89,12 +97,26 @@ class ShardedParam:
 
     # ------------------------------------------------------------------ unsharded state
     def alloc(self) -> None:
-        """Give the pinned storage its bytes back (same storage object)."""
+        """Give the pinned storage its bytes back (same storage object); when aliasing, make
+        sure the unsharded parameter still shares the resident's data (a ``load_state_dict``
+        with ``assign=True`` or ``p.data = ...`` replaces it)."""
+        if self.aliases:
+            r = self.resident.data
+            if r.dtype != self.compute_dtype or r.shape != self.shape or r.device != self.device:
+                raise RuntimeError(
+                    f"parameter {self.shard.fqn!r} changed to {tuple(r.shape)} {r.dtype} on {r.device} after "
+                    f"matrix_shard (it was {tuple(self.shape)} {self.compute_dtype} on {self.device}); change "
+                    "dtype or device before sharding (or pass param_dtype=)")
+            if self.unsharded.data_ptr() != r.data_ptr():
+                self.unsharded.data = r
+                self.data = self.unsharded.data
+            return
         if not self.materialized:
             self.unsharded.untyped_storage().resize_(self._nbytes)
 
     def free(self) -> None:
-        self.unsharded.untyped_storage().resize_(0)
+        if not self.aliases:  # an alias shares the resident's bytes: nothing to give back
+            self.unsharded.untyped_storage().resize_(0)
         self.materialized = False
 
     def to_unsharded(self) -> None:

@@ -256,7 +256,8 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
     for index, (layout, (_, umod)) in enumerate(zip(plan.units, collected.units)):
         sparams = [ShardedParam(shard, params[shard.fqn], collected.registrations[shard.fqn], sg.rank, device,
-                                config.param_dtype, config.reduce_dtype) for shard in layout.shards]
+                                config.param_dtype, config.reduce_dtype, alone=sg.size == 1)
+                   for shard in layout.shards]
         is_root = umod is module
         state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
                             config.reshard_after_forward and not is_root, zero_missing_grads=config.zero_missing_grads,

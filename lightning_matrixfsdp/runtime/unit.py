@@ -194,6 +194,13 @@ class Unit(RefusePickle):
             self._check(MATERIALIZE, self.index)
         for p in todo:
             p.alloc()
+        # Aliases of their resident (a shard group of one rank) are whole already: nothing to move.
+        for p in todo:
+            if p.aliases:
+                p.materialized = True
+        todo = [p for p in todo if not p.aliases]
+        if not todo:
+            return
         with torch.no_grad():
             self._pending_unshard = self.collective.start_materialize(
                 [p.shard for p in todo], [p.source() for p in todo], [p.data for p in todo]

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device: Lightning's default, matrix_fsdp at an older revision (BASE) and now, alternating.
+#   OUT=<dir> BASE=build/rev_base bash scripts/single_device.sh [ROUNDS] [flags for single_device.py]
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-bench_out/single}
+BASE=${BASE:?BASE=<directory holding the older lightning_matrixfsdp>}
+ROUNDS=${1:-2}
+shift || true
+mkdir -p "$OUT"
+for i in $(seq 1 "$ROUNDS"); do
+  PYTHONPATH=$PWD timeout 250 python3 scripts/single_device.py auto "$OUT/auto-$i.json" "$@" 2>&1 | tail -1
+  PYTHONPATH=$BASE timeout 250 python3 scripts/single_device.py matrix_fsdp "$OUT/base-$i.json" "$@" 2>&1 | tail -1
+  PYTHONPATH=$PWD timeout 250 python3 scripts/single_device.py matrix_fsdp "$OUT/new-$i.json" "$@" 2>&1 | tail -1
+done
+python3 - "$OUT" <<'PY'
+import glob, json, statistics, sys
+out = sys.argv[1]
+runs = {k: [json.load(open(f)) for f in sorted(glob.glob(f"{out}/{k}-*.json"))] for k in ("auto", "base", "new")}
+res = {k: {"median_ms": statistics.median(r["median_ms"] for r in v), "peak_gib": max(r["peak_gib"] for r in v),
+           "runs_ms": [r["median_ms"] for r in v]} for k, v in runs.items() if v}
+for k in ("base", "new"):
+    if k in res and "auto" in res:
+        res[k]["time_vs_auto"] = res[k]["median_ms"] / res["auto"]["median_ms"]
+        res[k]["peak_vs_auto"] = res[k]["peak_gib"] / res["auto"]["peak_gib"]
+json.dump(res, open(f"{out}/single_device.json", "w"), indent=1)
+print(json.dumps(res, indent=1))
+PY
