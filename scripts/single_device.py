@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--small", action="store_true", help="a tiny model (a quick check of the script)")
+    p.add_argument("--profile", help="write torch.profiler's op table of the measured steps to this file")
     a = p.parse_args()
     cfg = (ModelConfig(vocab_size=256, hidden=128, n_heads=4, mlp_hidden=256, n_layers=2, seq_len=64,
                        activation_checkpointing=True) if a.small else
@@ -91,7 +92,16 @@ def main() -> None:
     trainer = Trainer(accelerator="gpu" if CUDA else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
                       max_steps=a.warmup + a.steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
-    trainer.fit(model, DataLoader(Tokens(cfg, 4 * (a.warmup + a.steps)), batch_size=4))
+    data = DataLoader(Tokens(cfg, 4 * (a.warmup + a.steps)), batch_size=4)
+    if a.profile:
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if CUDA else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            trainer.fit(model, data)
+        sort = "cuda_time_total" if CUDA else "cpu_time_total"
+        with open(a.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=70))
+    else:
+        trainer.fit(model, data)
     result = {"mode": a.mode, "median_ms": statistics.median(timer.times), "step_ms": timer.times,
               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if CUDA else 0.0, "package": mf.__file__}
     with open(a.out, "w") as f:

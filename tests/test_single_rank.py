@@ -96,3 +96,20 @@ def test_one_rank_with_param_dtype_still_casts():
     seen = _linear_weights_seen_in_forward(model)
     model(_batch(0))
     assert all(ptr != residents[f"{n}.weight"].data_ptr() for n, ptr in seen.items())
+
+
+def test_one_rank_clipping_is_torchs():
+    """One rank holds every gradient: ``clip_grad_norm_`` is torch's own (its fused kernels
+    too), the same total and gradients bit for bit."""
+    torch.manual_seed(0)
+    oracle = TinyLM()
+    model = copy.deepcopy(oracle)
+    mf.matrix_shard(model)
+    idx = _batch(0)
+    _loss(model, idx).backward()
+    _loss(oracle, idx).backward()
+    ours = mf.clip_grad_norm_(model, 0.05)
+    theirs = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.05)
+    assert torch.equal(ours, theirs) and ours > 0.05  # the clip really scaled
+    for (n, p), (_, q) in zip(model.named_parameters(), oracle.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n

@@ -138,8 +138,12 @@ def clip_grad_norm_(
                 group = state.norm_group  # the world under replica_split (one rank holds each gradient)
         parameters = list(parameters.parameters())
     params = list(parameters)
-    grads = _owned_grads(params)
     norm_type = float(norm_type)
+    if _alone(group):
+        # One rank holds every gradient whole (one device, or HSDP's replicas of a one-rank shard
+        # group, whose gradients are equal): this is torch's own clipping, its fused kernels included.
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+    grads = _owned_grads(params)
     exact = _same_everywhere(params, group, stats)
     if exact:
         total = _exact_total(params, norm_type, group, stats)
@@ -150,10 +154,20 @@ def clip_grad_norm_(
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot "
             "be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
+    if exact:  # torch's own scaling step (a float32 factor multiplies lower-precision gradients as it is)
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None and _held(p)], max_norm, total)
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:  # exact: torch's step (a float32 factor multiplies lower-precision gradients as it is)
-        g.mul_(coef.to(g.device) if exact else coef.to(g.device, g.dtype))
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def _alone(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether the norm group is one rank (or there is no process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_world_size(group) == 1
 
 
 def _same_everywhere(params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup],
