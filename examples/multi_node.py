@@ -102,7 +102,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--shard-size", type=int, default=None,
                    help="shard span W (default: processes per node, so one shard group per node)")
     p.add_argument("--planner", default="role_greedy")
-    p.add_argument("--collective", default="p2p")
+    p.add_argument("--collective", default="auto", help="auto (p2p inside a node, broadcast across), p2p, broadcast")
+    p.add_argument("--replica-split", default="off", choices=("auto", "on", "off"),
+                   help="off here by default: the check below counts plain HSDP's replicate all-reduce")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--d-model", type=int, default=128)
@@ -126,7 +128,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         accelerator=args.accelerator,
         devices=devices,
         num_nodes=args.num_nodes,
-        strategy=mf.MatrixFSDPStrategy(shard_size=shard_size, planner=args.planner, collective=args.collective),
+        strategy=mf.MatrixFSDPStrategy(shard_size=shard_size, planner=args.planner, collective=args.collective,
+                                       replica_split={"on": True, "off": False}.get(args.replica_split, "auto")),
         precision=args.precision,
         max_steps=args.max_steps,
         limit_val_batches=0,

@@ -92,7 +92,8 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
     mf.matrix_shard(sharded, planner=cfg.get("planner", "role_greedy"), collective=cfg.get("collective", "p2p"),
                     matrix_filter=cfg.get("matrix_filter"), shard_size=cfg.get("shard_size"),
                     reshard_after_forward=cfg.get("reshard_after_forward", True), prefetch=cfg.get("prefetch", True),
-                    zero_missing_grads=cfg.get("zero_missing_grads", False))
+                    zero_missing_grads=cfg.get("zero_missing_grads", False),
+                    replica_split=cfg.get("replica_split", False))
     if cfg.get("meta"):
         oracle = TinyLM(**model_kw)
         full = full_params(sharded)

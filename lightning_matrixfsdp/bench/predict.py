@@ -31,6 +31,7 @@ from typing import Any
 from lightning_matrixfsdp.runtime.placement import Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
 from lightning_matrixfsdp.runtime.replicas import assign_steppers
+from lightning_matrixfsdp.runtime.topology import choose
 
 from .baselines import assign_owners
 from .cluster import GIB, Cluster
@@ -43,7 +44,13 @@ MODES: tuple[str, ...] = (
     "fsdp2_adamw", "fsdp2_muon", "fsdp2_gather_once", "zero1_owner", "ddp_muon",
     "matrix_fsdp", "matrix_fsdp_broadcast", "matrix_fsdp_hsdp", "matrix_fsdp_hsdp_split",
 )
-HSDP_MODES = ("matrix_fsdp_hsdp", "matrix_fsdp_hsdp_split")
+HSDP_MODES = ("matrix_fsdp_hsdp", "matrix_fsdp_hsdp_split", "matrix_fsdp_hsdp_auto")
+#: the defaults (``collective="auto"``, ``replica_split="auto"``): each row is the explicit mode the
+#: runtime's own chooser (``runtime.topology.choose``) picks for the cluster's topology, labelled auto
+AUTO_MODES = ("matrix_fsdp_auto", "matrix_fsdp_hsdp_auto")
+#: the explicit choices auto picks among, per auto mode (tests/test_predict.py compares them)
+AUTO_ALTERNATIVES = {"matrix_fsdp_auto": ("matrix_fsdp", "matrix_fsdp_broadcast"),
+                     "matrix_fsdp_hsdp_auto": ("matrix_fsdp_hsdp", "matrix_fsdp_hsdp_split")}
 DDP_BUCKET = 25 * 2**20
 
 
@@ -72,8 +79,8 @@ def stock_collectives(shape: ModelShape, span: int) -> int:
 
 # ---------------------------------------------------------------- the modes
 def _spans(mode: str, c: Cluster, shard_size: int | None) -> tuple[int, int]:
-    if mode not in MODES:
-        raise PredictError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode not in MODES + AUTO_MODES:
+        raise PredictError(f"unknown mode {mode!r}; known: {', '.join(MODES + AUTO_MODES)}")
     if mode not in HSDP_MODES:
         return c.world, 1
     w = shard_size or c.gpus_per_node
@@ -188,9 +195,25 @@ def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -
     return opt, max(held + state for _, _, _, held, state in work), 0.0
 
 
+def auto_mode(mode: str, c: Cluster, shard_size: int | None = None) -> tuple[str, str]:
+    """The explicit mode an auto mode resolves to on ``c`` (shard group 0: ranks ``0..span-1``,
+    node ``rank // gpus_per_node``), and the chooser's reason."""
+    span, replicas = _spans(mode, c, shard_size)
+    ch = choose("auto", "auto", list(range(span)), {r: r // c.gpus_per_node for r in range(span)}, replicas)
+    if mode == "matrix_fsdp_auto":
+        return ("matrix_fsdp_broadcast" if ch.collective == "broadcast" else "matrix_fsdp"), ch.collective_reason
+    if ch.collective != "p2p":  # the HSDP rows model p2p inside the shard group only
+        raise PredictError(f"{mode}: the shard span W={span} crosses nodes; the HSDP rows model p2p inside one")
+    return ("matrix_fsdp_hsdp_split" if ch.replica_split else "matrix_fsdp_hsdp"), ch.replica_split_reason
+
+
 def predict_mode(mode: str, shape: ModelShape, c: Cluster, shard_size: int | None = None,
                  planner: str = "role_greedy") -> dict[str, Any]:
     """One row: fwd/bwd/opt/total ms and peak GiB of the busiest rank for ``mode`` on ``c``."""
+    if mode in AUTO_MODES:
+        chosen, reason = auto_mode(mode, c, shard_size)
+        return {**predict_mode(chosen, shape, c, shard_size, planner), "mode": mode, "chosen": chosen,
+                "reason": reason}
     span, replicas = _spans(mode, c, shard_size)
     units = unit_specs(shape)
     rate = c.matmul_tflops * 1e12 * c.model_eff

@@ -21,7 +21,7 @@ from typing import Any
 from lightning_matrixfsdp.runtime.placement import RoleKind
 
 from .cluster import CALIBRATION_SOURCES, CLUSTERS, H200_HBM_GBS, Cluster, ClusterError, cluster, h200
-from .predict import MODES, SHAPES, ModelShape, PredictError, forward_flops, newton_schulz_flops, plan_for, \
+from .predict import AUTO_ALTERNATIVES, AUTO_MODES, MODES, SHAPES, ModelShape, PredictError, forward_flops, newton_schulz_flops, plan_for, \
     predict, predict_mode, shape_from_bench_config, stock_collectives, table
 
 # The six modes measured on H200 that the predictor models (the calibration's modes).
@@ -238,6 +238,39 @@ def _palette_png(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- command line
+AUTO_MODELS, AUTO_CLUSTERS, AUTO_NODES = ("paper", "7b", "32b"), ("a100-ib", "h200"), (1, 2, 4, 8, 16)
+
+
+def auto_comparison(models: Sequence[str] = AUTO_MODELS, clusters: Sequence[str] = AUTO_CLUSTERS,
+                    nodes: Sequence[int] = AUTO_NODES) -> list[dict[str, Any]]:
+    """Per (model, cluster, nodes, auto mode): auto's predicted total against the best of the
+    explicit choices it picks among (``AUTO_ALTERNATIVES``); ``ratio`` = auto / best."""
+    out = []
+    for name in models:
+        for cl in clusters:
+            modes = [m for a in AUTO_MODES for m in (a, *AUTO_ALTERNATIVES[a])]
+            rows = predict(SHAPES[name], cluster(cl), list(nodes), modes, layers_per_node=WEAK_LAYERS.get(name))
+            by = {(r["mode"], r["nodes"]): r for r in rows}
+            for k in nodes:
+                for a in AUTO_MODES:
+                    best = min(AUTO_ALTERNATIVES[a], key=lambda m: by[(m, k)]["total_ms"])
+                    auto = by[(a, k)]
+                    out.append({"model": name, "cluster": cl, "nodes": k, "mode": a, "chosen": auto["chosen"],
+                                "auto_ms": auto["total_ms"], "best": best, "best_ms": by[(best, k)]["total_ms"],
+                                "ratio": auto["total_ms"] / by[(best, k)]["total_ms"]})
+    return out
+
+
+def auto_markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a markdown table (docs/benchmarks.md)."""
+    lines = ["| model | cluster | nodes | auto mode | auto picks | auto ms | best explicit | best ms | auto / best |",
+             "| --- | --- | ---: | --- | --- | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['cluster']} | {r['nodes']} | {r['mode']} | {r['chosen']} | "
+                     f"{r['auto_ms']:.1f} | {r['best']} | {r['best_ms']:.1f} | {r['ratio']:.3f} |")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_matrixfsdp.bench predict", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,13 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="h200", choices=sorted(CLUSTERS))
     p.add_argument("--nodes", type=int, nargs="+", default=[1])
     p.add_argument("--gpus-per-node", type=int)
-    p.add_argument("--modes", nargs="+", default=list(MODES), help=f"known: {', '.join(MODES)}")
+    p.add_argument("--modes", nargs="+", default=list(MODES), help=f"known: {', '.join(MODES + AUTO_MODES)}")
     p.add_argument("--shard-size", type=int, help="HSDP span W (default: GPUs per node)")
     p.add_argument("--planner", default="role_greedy")
     p.add_argument("--layers-per-node", type=int, help="weak scaling: layers = this x nodes")
     p.add_argument("--json", dest="json_path", help="also write the rows to this file")
     p.add_argument("--measure", action="store_true", help="probe the matmul rate on this machine's GPU")
     p.add_argument("--calibration", nargs="?", const=str(DEFAULT_RESULTS), help="predicted vs measured H200 runs")
+    p.add_argument("--auto-table", action="store_true",
+                   help="auto (the defaults) against the best explicit choice: paper, 7b, 32b on a100-ib, h200")
     p.add_argument("--report", help="write the docs' JSON and markdown into this folder")
     p.add_argument("--plot", help="with --report: the PNG (needs the 'bench' extra: matplotlib)")
     m = p.add_argument_group("model shape")
@@ -275,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_report(Path(args.report), Path(args.plot) if args.plot else None)
             extra = f", {args.plot}" if args.plot else ""
             print(f"[predict] wrote {args.report}/predict.json and predict.md{extra}")
+            return 0
+        if args.auto_table:
+            print(auto_markdown(auto_comparison()))
             return 0
         if args.calibration:
             print(calibration_markdown(calibration_table(Path(args.calibration))))

@@ -329,9 +329,6 @@ class PaddedAllGatherCollective(OwnerCollective):
 COLLECTIVES: dict[str, type[OwnerCollective]] = {
     c.name: c for c in (P2PCollective, BroadcastCollective, PaddedAllGatherCollective)
 }
-DEFAULT_COLLECTIVE = "p2p"
-
-
 COLLECTIVE_NAMES = (*COLLECTIVES, "p2p_packed", "p2p_direct")
 
 

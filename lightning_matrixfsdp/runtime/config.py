@@ -21,11 +21,11 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
-from lightning_matrixfsdp.runtime.collectives import DEFAULT_COLLECTIVE
 from lightning_matrixfsdp.runtime.options import (
     MatrixShardError,
     check_backend,
     check_bool,
+    check_bool_or_auto,
     check_checkpointing_policy,
     check_collective,
     check_dtype,
@@ -86,7 +86,7 @@ class MatrixFSDPConfig:
     # Order: the strategies' positional order (their keyword signatures are generated from it).
     wrap_policy: Any = _opt(None, _policy_set(check_wrap_policy))
     planner: str = _opt("role_greedy", _named(check_planner))
-    collective: str = _opt(DEFAULT_COLLECTIVE, _named(check_collective))
+    collective: str = _opt("auto", _named(check_collective))
     matrix_filter: Optional[Callable[[str, nn.Parameter], bool]] = _opt(None, _named(check_matrix_filter))
     param_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype)
     reduce_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype)
@@ -104,7 +104,7 @@ class MatrixFSDPConfig:
     log_plan: bool = _opt(True, check_bool, ADAPTER)
     verify_checkpoints: bool = _opt(True, check_bool, ADAPTER)
     reset_changed_roles: bool = _opt(False, check_bool, ADAPTER)
-    replica_split: bool = _opt(False, check_bool)
+    replica_split: Union[bool, str] = _opt("auto", check_bool_or_auto)
     flatten_conv: bool = _opt(False, check_bool)
     broadcast_buffers: bool = _opt(True, check_bool)
     ns_steps: int = _opt(5, check_positive_int, SHARD)

@@ -183,10 +183,11 @@ def check_planner(value: Any) -> Union[str, Callable[..., Any]]:
 
 
 def check_collective(value: Any) -> str:
-    accepted = f"one of {', '.join(map(repr, COLLECTIVE_NAMES))}"
+    names = ("auto", *COLLECTIVE_NAMES)  # "auto": chosen from the topology in matrix_shard (runtime/topology.py)
+    accepted = f"one of {', '.join(map(repr, names))}"
     if not isinstance(value, str):
         raise _refuse("collective", value, accepted)
-    if value not in COLLECTIVE_NAMES:
+    if value not in names:
         raise _refuse("collective", value, accepted, f"unknown collective {value!r}")
     return value
 
@@ -226,6 +227,15 @@ def check_dtype(value: Any, name: str) -> Optional[torch.dtype]:
 def check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise _refuse(name, value, "True or False")
+    return value
+
+
+def check_bool_or_auto(value: Any, name: str) -> Union[bool, str]:
+    """``True``, ``False`` or ``"auto"`` (chosen from the topology in ``matrix_shard``)."""
+    if value == "auto" and isinstance(value, str):
+        return value
+    if not isinstance(value, bool):
+        raise _refuse(name, value, "True, False or 'auto'")
     return value
 
 

@@ -268,6 +268,9 @@ class Plan:
                 f"{r:>4} | {self.loads_bytes[r] / 2**20:>12.2f} | "
                 f"{self.loads_flops[r] / 1e9:>15.3f} | {n_mat[r]:>8}"
             )
+        if "collective" in self.options:  # matrix_shard's resolved choice ("auto" or explicit) and why
+            lines.append(f"collective: {self.options['collective']} ({self.options.get('collective_reason', '')}); "
+                         f"replica_split: {self.replica_split} ({self.options.get('replica_split_reason', '')})")
         if self.steppers:
             per = ", ".join(f"replica {k}: " + " ".join(f"{f / 1e9:.3f}" for f in row)
                             for k, row in enumerate(self.replica_flops))

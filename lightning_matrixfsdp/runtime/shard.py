@@ -38,6 +38,7 @@ from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
 from lightning_matrixfsdp.runtime.tags import attach_state
+from lightning_matrixfsdp.runtime.topology_comm import resolve
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
@@ -106,6 +107,10 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     default (DDP's semantics: ``None`` when unused everywhere) the ranks must leave the
     same parameters unused, or their communication disagrees.
 
+    ``collective="auto"`` and ``replica_split="auto"`` (the defaults) are chosen here from the
+    topology (``runtime/topology.py``): p2p inside one node, broadcast across nodes; the split
+    on under HSDP. The choice and its reason are printed with the plan and logged.
+
     ``replica_split=True`` (HSDP only; without replicas it changes nothing): each role's
     optimizer step runs on one replica, chosen to balance optimizer FLOPs; its gradient is
     reduced to that replica alone, which alone holds the role's optimizer state, and the
@@ -143,9 +148,14 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
         device = real[0].device if real else mesh.device
     device = torch.device(device)
 
+    # "auto" options resolved once, alike on every rank, before any other collective (runtime/topology.py)
+    choice = resolve(config.collective, config.replica_split, mesh)
+    config = config.updated(collective=choice.collective, replica_split=choice.replica_split)
     collected = collect(module, config)  # 1. specs
     plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
                      replicate=mesh.replicate_size, replica_split=config.replica_split)
+    plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
+                        replica_split_reason=choice.replica_split_reason)  # printed; not in the digest
     build_runtime(module, config, mesh, plan, collected, device)  # 3. the runtime
     return module
 
