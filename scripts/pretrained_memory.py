@@ -34,7 +34,13 @@ LAYER = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
 
 
 def _rss_mib() -> float:
-    """This process's peak resident set size (Linux reports KiB)."""
+    """This process's peak resident set size, MiB: ``VmHWM`` of this address space. ``ru_maxrss``
+    is not used alone: Linux carries it over ``exec``, so a spawned worker would report its
+    parent's peak (the parent built and saved the model)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -63,9 +69,10 @@ def _worker(rank: int, world: int, port: int, way: str, path: str, queue: Any) -
         mf.load_pretrained(model, path)
     dist.barrier()
     seconds = time.perf_counter() - t0
+    peak = _rss_mib()  # before the digest below, whose float64 copies are not part of loading
     owned = {n: p for n, p in model.named_parameters() if is_owned(p)}
-    digest = sum(float(p.double().sum()) for p in owned.values())  # same model both ways
-    queue.put((rank, {"seconds": round(seconds, 2), "peak_rss_mib": round(_rss_mib(), 1),
+    digest = sum(float(p.detach().sum(dtype=torch.float64)) for p in owned.values())  # same model both ways
+    queue.put((rank, {"seconds": round(seconds, 2), "peak_rss_mib": round(peak, 1),
                       "rss_before_load_mib": round(before, 1), "owned_params": sum(p.numel() for p in owned.values()),
                       "digest": digest}))
     dist.destroy_process_group()
@@ -124,7 +131,7 @@ def main() -> None:
                         "vocab": args.vocab, "params": n_params, "dtype": "float32", "file_bytes": file_bytes},
               "ways": ways, "peak_ratio_load_pretrained_over_from_pretrained": round(ratio, 3)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(result, separators=(",", ":")) + "\n")  # compact, as docs/results keeps JSON
     print(json.dumps(result, indent=1))
 
 

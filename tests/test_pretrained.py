@@ -208,3 +208,99 @@ def test_missing_unexpected_and_misshapen_keys_fail_on_every_rank_naming_key_and
             assert all(w in got["message"] for w in words), (name, got["message"])
         assert r[4] == {"error": None}, r[4]
         assert r[5]["error"] == "FileNotFoundError" and "model-00001-of-00002" in r[5]["message"], r[5]
+
+
+# ---------------------------------------------------------------------- Trainer and Fabric
+def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Trainer.fit on a LightningModule holding a from_pretrained model, then on one built on the meta
+    device and loaded by its owners (PretrainedWeights, or the demo module's empty_init): same losses, weights."""
+    from lightning.pytorch import LightningModule, Trainer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import lightning_matrixfsdp as mf
+    from lit import TokenData, gather_full
+    from models import lm_loss
+
+    class Lit(LightningModule):
+        def __init__(self, meta: bool) -> None:
+            super().__init__()
+            if meta:
+                with mf.meta_init():
+                    self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg["dir"]))
+            else:
+                self.model = AutoModelForCausalLM.from_pretrained(cfg["dir"])
+            self.losses: list[float] = []
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = lm_loss(self.model(batch).logits, batch)
+            self.losses.append(loss.item())
+            return loss
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(TokenData(vocab=VOCAB, seq=SEQ), batch_size=2)
+
+        def configure_optimizers(self) -> Any:
+            return mf.Muon(self.parameters(), lr=0.02, adamw_lr=3e-3)
+
+    def fit(module: LightningModule, callbacks: list) -> dict:
+        trainer = Trainer(strategy=mf.MatrixFSDPStrategy(wrap_policy=LAYER["llama"], log_plan=False),
+                          accelerator="cpu", devices=world, max_steps=3, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                          default_root_dir=cfg["root"], callbacks=callbacks)
+        trainer.fit(module)
+        return {"losses": module.losses, "weights": gather_full(module.model)}
+
+    ref = fit(Lit(meta=False), [])
+    ours = fit(Lit(meta=True), [mf.PretrainedWeights(cfg["dir"], prefix="model.")])
+    diff = [n for n in ref["weights"] if not torch.equal(ref["weights"][n], ours["weights"][n])]
+    return {"ref": ref["losses"], "ours": ours["losses"], "diff": diff}
+
+
+def test_trainer_callback_equals_from_pretrained(tmp_path: Path, pool) -> None:
+    d = save(tmp_path, "llama", True, tie_word_embeddings=True)
+    for r in pool.run(trainer_worker, {"dir": d, "root": str(tmp_path)}, timeout=300):
+        assert r["ref"] == r["ours"] and len(r["ours"]) == 3, r
+        assert not r["diff"], r["diff"]
+
+
+def fabric_worker(rank: int, world: int, cfg: dict) -> dict:
+    """fabric.init_module(empty_init=True) + setup_module + load_pretrained against from_pretrained + setup_module."""
+    from lightning.fabric import Fabric
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import lightning_matrixfsdp as mf
+    from models import batch_for, lm_loss
+
+    fabric = Fabric(accelerator="cpu", devices=world,
+                    strategy=mf.MatrixFSDPFabricStrategy(wrap_policy=LAYER["gpt2"], log_plan=False))
+    fabric.launch()
+    out = {}
+    for way in ("from_pretrained", "empty_init"):
+        if way == "empty_init":
+            with fabric.init_module(empty_init=True):
+                raw = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg["dir"]))
+            assert all(p.is_meta for p in raw.parameters()) and not any(b.is_meta for b in raw.buffers())
+        else:
+            raw = AutoModelForCausalLM.from_pretrained(cfg["dir"])
+        model = fabric.setup_module(raw)
+        if way == "empty_init":
+            mf.load_pretrained(raw, cfg["dir"])
+        optimizer = fabric.setup_optimizers(mf.Muon(model.parameters(), lr=0.02, adamw_lr=3e-3))
+        losses = []
+        for step in range(3):
+            idx = batch_for(step, rank)
+            loss = lm_loss(model(idx).logits, idx)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[way] = (losses, owned(raw))
+    (lr, wr), (lo, wo) = out["from_pretrained"], out["empty_init"]
+    return {"ref": lr, "ours": lo, "diff": [n for n in wr if not torch.equal(wr[n], wo[n])], "same": set(wr) == set(wo)}
+
+
+def test_fabric_empty_init_equals_from_pretrained(tmp_path: Path, pool) -> None:
+    d = save(tmp_path, "gpt2", False)
+    for r in pool.run(fabric_worker, {"dir": d}, timeout=300):
+        assert r["ref"] == r["ours"], r
+        assert r["same"] and not r["diff"], r
