@@ -24,13 +24,16 @@ from lightning_matrixfsdp.checkpoint import (
     CheckpointKeyError,
     CheckpointMismatchError,
     CheckpointNotResumableError,
+    load_pretrained,
     load_sharded,
     load_weights,
+    meta_init,
     save_sharded,
 )
 from lightning_matrixfsdp.strategy import MatrixFSDPStrategy, register
 from lightning_matrixfsdp.from_checkpoint import load_from_checkpoint
 from lightning_matrixfsdp.fabric import MatrixFSDPFabricStrategy, register_fabric
+from lightning_matrixfsdp.pretrained import PretrainedWeights
 
 __version__ = "0.1.0"
 
@@ -38,7 +41,7 @@ register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 register_fabric()  # and Fabric(strategy="matrix_fsdp")
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "CheckpointNotResumableError", "load_from_checkpoint", "load_sharded", "load_weights", "save_sharded",
+           "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
            "LoneForwardError", "clip_grad_norm_", "full_model", "get_comm_stats", "get_plan",

@@ -17,7 +17,7 @@ other's, at any world size.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -43,7 +43,7 @@ from lightning_matrixfsdp.adapter import (
     set_gradient_sync,
 )
 from lightning_matrixfsdp.adapter_base import MatrixFSDPAdapter, adapter_signature
-from lightning_matrixfsdp.checkpoint import load_sharded, save_sharded
+from lightning_matrixfsdp.checkpoint import load_sharded, meta_init, save_sharded
 from lightning_matrixfsdp.optim.routing import full_params
 from lightning_matrixfsdp.runtime import is_matrix_sharded
 
@@ -126,6 +126,17 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         if precision is not None:
             check_precision(getattr(precision, "precision", None), type(self).__name__)
         self._precision = precision
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        # ModelParallelStrategy enters torch.device("meta"): buffers too, so one computed in __init__
+        # and absent from every checkpoint (a rotary inv_freq) would be garbage after sharding.
+        # Parameters alone go to the meta device; setup_module gives each owner its tensors.
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(meta_init())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
 
     # ------------------------------------------------------------------ setup
     @override

@@ -11,7 +11,7 @@ join), the optimizer (``replacement.py``, routing), the global-norm clip
 from __future__ import annotations
 
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Generator, Mapping, Optional
 
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -37,6 +37,7 @@ from lightning_matrixfsdp.checkpoint import (
     KeyIndex,
     build_index,
     load_sharded,
+    meta_init,
     model_view,
     optimizer_class,
     sharded_optimizer_state_dict,
@@ -147,6 +148,13 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel rank: distinct batches per rank.
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # As the Fabric strategy's module_init_context: parameters on the meta device, buffers real.
+        with (meta_init() if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+            yield
 
     # ------------------------------------------------------------------ setup
     @override

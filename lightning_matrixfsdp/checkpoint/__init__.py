@@ -30,6 +30,7 @@ Files, one concern each, dependencies one way (top to bottom)::
     validate     checks of a checkpoint against the run (keys, shapes, optimizers, roles)
     save         write and publish atomically; stale partials
     load         validate and read everything, then write in place
+    pretrained   Hugging Face safetensors (or a checkpoint) read by the owners into a meta-built model
     consolidate  directory <-> file conversion (``python -m lightning_matrixfsdp.consolidate``)
 
 Callers hand in modules, optimizers, paths and flags; nothing here sees the strategy.
@@ -47,6 +48,7 @@ from lightning_matrixfsdp.checkpoint.errors import (
 from lightning_matrixfsdp.checkpoint.formats import from_native, optimizer_class, to_native
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.load import load_sharded, load_weights
+from lightning_matrixfsdp.checkpoint.pretrained import PretrainedLoad, load_pretrained, meta_init
 from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, save_sharded, write_checkpoint
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, layout_dict, read_sidecar
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
@@ -56,6 +58,6 @@ __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
     "CheckpointNotResumableError", "KeyIndex",
     "META_NAME", "PARTIAL_PREFIX", "SIDECAR_NAME", "build_index", "from_native", "layout_dict", "load_sharded",
-    "load_weights", "model_view", "optimizer_class", "read_sidecar", "save_sharded", "sharded_model_state_dict",
+    "load_pretrained", "load_weights", "meta_init", "model_view", "PretrainedLoad", "optimizer_class", "read_sidecar", "save_sharded", "sharded_model_state_dict",
     "sharded_optimizer_state_dict", "to_native", "write_checkpoint",
 ]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_matrixfsdp.checkpoint.pretrained import load_pretrained, meta_init
 from lightning_matrixfsdp.demos.data import VOCAB_SIZE
 from lightning_matrixfsdp.demos.schedule import fit_schedules_to_trainer, warmup_cosine
 from lightning_matrixfsdp.optim.muon import Muon
@@ -41,6 +42,10 @@ class HFCausalLM(LightningModule):
             override the saved config.
         pretrained: a directory written by ``save_pretrained`` or a hub name; ``None``
             builds a randomly initialized model from ``config``.
+        empty_init: with ``pretrained`` (a local directory), build the model from its config
+            with the parameters on the meta device and let each rank read only the tensors it
+            owns at the start of ``fit`` (``load_pretrained``), instead of ``from_pretrained``
+            on every rank. The same weights, bit for bit.
         lr: Muon learning rate for the matrices.
         adamw_lr: AdamW learning rate for the non-matrix tail (norms, biases).
         weight_decay: decoupled weight decay for both.
@@ -57,6 +62,7 @@ class HFCausalLM(LightningModule):
         model_type: str = "llama",
         config: Optional[dict[str, Any]] = None,
         pretrained: Optional[str] = None,
+        empty_init: bool = False,
         lr: float = 0.02,
         adamw_lr: Optional[float] = 3e-3,
         weight_decay: float = 0.1,
@@ -68,7 +74,11 @@ class HFCausalLM(LightningModule):
         self.save_hyperparameters()
         transformers = _transformers()
         overrides = dict(config or {})
-        if pretrained is not None:
+        if pretrained is not None and empty_init:
+            with meta_init():
+                hf_config = transformers.AutoConfig.from_pretrained(pretrained, **overrides)
+                self.model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        elif pretrained is not None:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, **overrides)
         else:
             overrides.setdefault("vocab_size", VOCAB_SIZE)
@@ -98,6 +108,11 @@ class HFCausalLM(LightningModule):
         optimizer: torch.optim.Optimizer = Muon(
             self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr)
         return warmup_cosine(optimizer, self.trainer, hp.warmup_steps, hp.lr_schedule, hp.min_lr_ratio)
+
+    def on_fit_start(self) -> None:
+        hp = self.hparams
+        if hp.pretrained is not None and hp.empty_init and self.trainer.ckpt_path is None:  # a resume loads its own
+            load_pretrained(self, hp.pretrained, prefix="model.")
 
     def on_train_start(self) -> None:
         fit_schedules_to_trainer(self.trainer)  # a resumed run with a larger max_steps extends the schedule
