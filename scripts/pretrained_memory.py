@@ -3,7 +3,7 @@
 A Llama built from a config (about 1.1B parameters by default) is saved with
 ``save_pretrained`` into ``--dir`` (outside the repository), then each way runs in its own
 pair of fresh gloo processes on the CPU, so that each process's RSS high-water mark
-(``ru_maxrss``) is that way's alone:
+(``VmHWM``) is that way's alone:
 
 * ``from_pretrained``: ``AutoModelForCausalLM.from_pretrained(dir)`` on every rank, then ``matrix_shard``;
 * ``load_pretrained``: ``meta_init()`` + ``from_config``, ``matrix_shard``, ``load_pretrained(dir)``.
