@@ -78,6 +78,8 @@ def _equiv_worker(rank, world, env, cfg):
 
 
 def _shard_worker(rank, world, env, kw, hosts=None):
+    env = {k: (v[rank] if isinstance(v, list) else v) for k, v in env.items()}  # a list: one value per rank
+
     def go():
         if hosts is not None:  # this rank's host name as the gather sees it (socket.gethostname)
             with mock.patch("socket.gethostname", return_value=hosts[rank]):
@@ -137,7 +139,9 @@ def test_host_names_decide_without_local_world_size(dist_pools):
     ({"LOCAL_WORLD_SIZE": 2}, {}, ["a", "b", "b", "b"], "cannot span two hosts"),  # LWS vs the host gather
     # nodes of 3 and 1 ranks: shard group {0, 1} inside a node, {2, 3} across; every replica refuses
     ({"LOCAL_WORLD_SIZE": None}, {"shard_size": 2}, ["a", "a", "a", "b"], "chose different collectives"),
-], ids=["lws-3-of-4", "group-rank", "lws-vs-hosts", "uneven-nodes-hsdp"])
+    # one rank's launcher variable is garbage: it must not raise alone while the others gather
+    ({"LOCAL_WORLD_SIZE": ["two", 2, 2, 2]}, {}, None, "LOCAL_WORLD_SIZE='two' is not an integer"),
+], ids=["lws-3-of-4", "group-rank", "lws-vs-hosts", "uneven-nodes-hsdp", "one-rank-bad-lws"])
 def test_inconsistent_topology_fails_on_every_rank(env, kw, hosts, match, dist_pools):
     res = dist_pools(4).run(_shard_worker, env, kw, hosts, timeout=60)
     assert all("error" in r and match in r["error"] for r in res), res

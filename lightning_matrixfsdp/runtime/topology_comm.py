@@ -49,8 +49,15 @@ def _shard_choice(collective: str, replica_split: object, mesh: MeshInfo) -> Cho
     ranks = list(mesh.shard.global_ranks)
     nodes = None
     if collective == AUTO and len(ranks) > 1:
-        places = gather_objects(local_place(), mesh.shard_group)
-        nodes = node_ids(places)
+        try:
+            mine: object = local_place()
+        except TopologyError as e:  # gathered, not raised alone: the others would wait in the gather
+            mine = str(e)
+        places = gather_objects(mine, mesh.shard_group)
+        bad = next((p for p in places if isinstance(p, str)), None)
+        if bad is not None:
+            raise TopologyError(bad)
+        nodes = node_ids(places)  # type: ignore[arg-type]
     return choose(collective, replica_split, ranks, nodes, mesh.replicate_size)  # type: ignore[arg-type]
 
 
