@@ -102,11 +102,13 @@ class ShardedParam:
         with ``assign=True`` or ``p.data = ...`` replaces it)."""
         if self.aliases:
             r = self.resident.data
-            if r.dtype != self.compute_dtype or r.shape != self.shape or r.device != self.device:
+            # A device move (``model.cpu()``) is followed, as a plain module would; a dtype or shape
+            # change is not: gradients are kept in the dtype the parameter had when it was sharded.
+            if r.dtype != self.compute_dtype or r.shape != self.shape:
                 raise RuntimeError(
-                    f"parameter {self.shard.fqn!r} changed to {tuple(r.shape)} {r.dtype} on {r.device} after "
-                    f"matrix_shard (it was {tuple(self.shape)} {self.compute_dtype} on {self.device}); change "
-                    "dtype or device before sharding (or pass param_dtype=)")
+                    f"parameter {self.shard.fqn!r} changed to {tuple(r.shape)} {r.dtype} after matrix_shard "
+                    f"(it was {tuple(self.shape)} {self.compute_dtype}); change the dtype before sharding, or "
+                    "pass param_dtype=")
             if self.unsharded.data_ptr() != r.data_ptr():
                 self.unsharded.data = r
                 self.data = self.unsharded.data
