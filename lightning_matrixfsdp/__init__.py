@@ -1,5 +1,6 @@
 """Owner-sharded ZeRO-3 for PyTorch Lightning with exact matrix optimizers."""
-from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
+from lightning_matrixfsdp.optim.norms import clip_grad_norm_, grad_norm
+from lightning_matrixfsdp.optim.routing import route_optimizer
 from lightning_matrixfsdp.runtime import (
     CollectiveInterrupted,
     LoneForwardError,
@@ -44,7 +45,7 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "C
            "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
-           "LoneForwardError", "clip_grad_norm_", "full_model", "get_comm_stats", "get_plan",
+           "LoneForwardError", "clip_grad_norm_", "full_model", "get_comm_stats", "get_plan", "grad_norm",
            "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo

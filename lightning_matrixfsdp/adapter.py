@@ -19,7 +19,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.adapter_comm import any_rank
-from lightning_matrixfsdp.optim.routing import clip_grad_norm_, route_optimizer
+from lightning_matrixfsdp.optim.norms import clip_grad_norm_
+from lightning_matrixfsdp.optim.routing import route_optimizer
 from lightning_matrixfsdp.runtime import matrix_shard, set_requires_gradient_sync, start_replica_sync
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.copies import copies_of

@@ -14,7 +14,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.adapter import check_precision, clip_group
-from lightning_matrixfsdp.optim.routing import clip_grad_norm_, full_params
+from lightning_matrixfsdp.optim.norms import clip_grad_norm_
+from lightning_matrixfsdp.optim.routing import full_params
 
 __all__ = ["GlobalNormClip", "install_clip_group", "with_global_norm_clip"]
 

@@ -267,3 +267,48 @@ def test_pickling_is_refused_clearly_and_full_model_pickles_what_ddp_pickles(dis
     # inside full_model, rank 0 pickles a plain model: the same weights and outputs as DDP's
     assert res[0]["loaded_differ"] == [] and res[0]["logits_equal"] == [True, True, True]
     assert res[1]["loaded"] is False
+
+
+# ---------------------------------------------------------------------- 5. logging gradient norms
+class GradNormLit(LitTiny):
+    """Logs every parameter's gradient norm before each step, as Lightning's docs suggest:
+    ``lightning.pytorch.utilities.grad_norm`` under DDP, ``lightning_matrixfsdp.grad_norm``
+    under matrix_fsdp (Lightning's would read each rank's local, owner-sharded gradients)."""
+
+    def __init__(self, norm_fn: Any, norm_type: Any) -> None:
+        super().__init__()
+        self.norm_fn, self.norm_type = norm_fn, norm_type
+        self.norms: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norms = self.norm_fn(self, norm_type=self.norm_type)
+        self.log_dict(norms)
+        self.norms.append({k: v.item() for k, v in norms.items()})
+
+
+def _grad_norm_worker(rank: int, world: int) -> dict:
+    import lightning_matrixfsdp
+    from lightning.pytorch.utilities import grad_norm
+
+    out: dict[str, Any] = {}
+    for norm_type in (2, "inf"):
+        runs = {}
+        for strategy, fn in (("ddp", grad_norm), ("matrix_fsdp", lightning_matrixfsdp.grad_norm),
+                             ("matrix_fsdp_lightning_fn", grad_norm)):
+            torch.manual_seed(0)
+            lit = GradNormLit(fn, norm_type)
+            _trainer(strategy.replace("_lightning_fn", ""), max_steps=3).fit(lit)
+            runs[strategy] = lit.norms
+        out[str(norm_type)] = runs
+    return out
+
+
+def test_grad_norm_logs_what_ddp_logs(dist_pools):
+    """``lightning_matrixfsdp.grad_norm`` gives DDP's per-parameter and total norms, bitwise,
+    on every rank; Lightning's own function on the sharded model does not (the control)."""
+    for r in dist_pools(WORLD).run(_grad_norm_worker):
+        for norm_type, runs in r.items():
+            ddp, ours = runs["ddp"], runs["matrix_fsdp"]
+            assert len(ddp) == 3 and ddp[0] and any(k.endswith("_total") for k in ddp[0])
+            assert ours == ddp, norm_type
+            assert runs["matrix_fsdp_lightning_fn"] != ddp  # local shards: zeros or missing entries
