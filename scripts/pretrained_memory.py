@@ -11,7 +11,7 @@ pair of fresh gloo processes on the CPU, so that each process's RSS high-water m
 Both end with the same sharded model (checked: a digest of each rank's owned tensors).
 Writes a small JSON (``--out``)::
 
-    python scripts/pretrained_memory.py --dir /tmp/llama-1b --out docs/results/<date>-cpu-<rev>-pretrained/pretrained_memory.json
+    python scripts/pretrained_memory.py --dir /tmp/llama-1b --out docs/results/<date>-cpu-<rev>-pretrained.json
 """
 from __future__ import annotations
 

@@ -222,6 +222,24 @@ def test_relative_links_resolve() -> None:
                 assert anchor in _anchors(path), f"{doc.relative_to(ROOT)} links to missing anchor {target}"
 
 
+#: A path under docs/results as the pages cite it (``docs/results/x``, a relative ``results/x``, or a
+#: bare run name in backticks in the results index); ``git show REV:path`` names history, not the tree.
+_RESULT_PATH = re.compile(r"(git show [0-9a-f]+:)?(?:(?:docs/)?results/|(?<=`))(20\d\d-\d\d-\d\d-[\w.*<>-]+(?:/[\w.-]*)?)")
+
+
+def test_cited_results_exist() -> None:
+    """Every file or folder under docs/results that a page, the changelog, a script or the package
+    names exists (the folder's files get moved and merged to keep it small)."""
+    sources = [*_docs(), ROOT / "CHANGELOG.md", ROOT / "docs" / "results" / "README.md",
+               *sorted((ROOT / "scripts").glob("*.*")), *sorted((ROOT / "lightning_matrixfsdp").rglob("*.py"))]
+    cited = [(src, m.group(2).rstrip(".,;:")) for src in sources for m in _RESULT_PATH.finditer(src.read_text())
+             if not m.group(1)]
+    missing = [f"{src.relative_to(ROOT)}: {path}" for src, path in cited
+               if not any(ch in path for ch in "*<>") and not (ROOT / "docs" / "results" / path).exists()]
+    assert len(cited) >= 30, f"only {len(cited)} citations found: is the pattern broken?"
+    assert not missing, "cited but not in docs/results:\n" + "\n".join(missing)
+
+
 def test_python_snippets_compile_and_the_public_api_imports() -> None:
     blocks = [(doc, body) for doc in _docs() for body in _blocks(doc.read_text(), ("python",))]
     assert len(blocks) >= 5

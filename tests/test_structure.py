@@ -171,11 +171,18 @@ def test_code_map_import_column_equals_the_real_imports():
 
 
 def test_docs_results_stay_small():
-    """Raw results only where a page cites them: the folder stays under 300 KB."""
-    files = [f for f in (ROOT / "docs" / "results").rglob("*") if f.is_file()]
-    size = sum(f.stat().st_size for f in files)
-    biggest = sorted(((f.stat().st_size, str(f.relative_to(ROOT))) for f in files), reverse=True)[:5]
-    assert size < 300_000, f"docs/results holds {size} bytes; the largest: {biggest}"
+    """Raw results only where a page cites them: the folder stays under 300 KB on disk, counted
+    as a checkout stores it (``du``): every file rounded up to a 4 KiB block, and one block per
+    folder, ``docs/results`` itself included. Many tiny files cost more than their bytes."""
+    block = 4096
+    root = ROOT / "docs" / "results"
+    entries = [root, *root.rglob("*")]
+    disk = {str(e.relative_to(ROOT)): (-(-e.stat().st_size // block) * block if e.is_file() else block)
+            for e in entries}
+    size = sum(disk.values())
+    biggest = sorted(((b, p) for p, b in disk.items()), reverse=True)[:5]
+    assert size < 300_000, (f"docs/results takes {size} bytes on disk ({len(entries)} files and folders, "
+                            f"4 KiB blocks); the largest: {biggest}")
 
 
 def test_checkpoints_read_the_runtime_only_through_its_view():
