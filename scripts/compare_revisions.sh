@@ -5,13 +5,9 @@
 # Runs the benchmark's default matrix_fsdp mode ROUNDS times for each revision, alternating
 # (base, new, base, new, ...) so drift of the machine hits both alike, then writes
 # $OUT/compare.json: per-phase medians of each revision and new/base ratios.
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_out/compare}
-BASE=${BASE:?BASE=<directory holding the older lightning_matrixfsdp>}
-ROUNDS=${1:-2}
-shift || true
-mkdir -p "$OUT"
+# shellcheck source=scripts/_gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"  # env, BASE, ROUNDS (shifted off), mkdir OUT
 if command -v nvidia-smi >/dev/null 2>&1; then N=$(nvidia-smi -L | wc -l); DEVICE=cuda; else N=2; DEVICE=cpu; fi
 for i in $(seq 1 "$ROUNDS"); do
   for rev in base new; do

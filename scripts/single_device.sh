@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
 # One device: Lightning's default, matrix_fsdp at an older revision (BASE) and now, alternating.
 #   OUT=<dir> BASE=build/rev_base bash scripts/single_device.sh [ROUNDS] [flags for single_device.py]
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_out/single}
-BASE=${BASE:?BASE=<directory holding the older lightning_matrixfsdp>}
-ROUNDS=${1:-2}
-shift || true
-mkdir -p "$OUT"
+# shellcheck source=scripts/_gpu_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_gpu_env.sh"  # env, BASE, ROUNDS (shifted off), mkdir OUT
 for i in $(seq 1 "$ROUNDS"); do
   PYTHONPATH=$PWD timeout 250 python3 scripts/single_device.py auto "$OUT/auto-$i.json" "$@" 2>&1 | tail -1
   PYTHONPATH=$BASE timeout 250 python3 scripts/single_device.py matrix_fsdp "$OUT/base-$i.json" "$@" 2>&1 | tail -1
