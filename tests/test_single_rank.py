@@ -37,13 +37,19 @@ def _linear_weights_seen_in_forward(model: torch.nn.Module) -> dict[str, int]:
     return seen
 
 
-def test_one_rank_forward_uses_the_resident_storage_and_equals_the_oracle():
+def _oracle_and_one_rank_model() -> tuple[TinyLM, TinyLM, dict[str, torch.nn.Parameter], dict[str, int]]:
+    """A plain TinyLM (the oracle's model), its copy sharded over one rank, the copy's resident
+    parameters (taken before sharding) and the Linear weights its forward sees."""
     torch.manual_seed(0)
     oracle = TinyLM()
     model = copy.deepcopy(oracle)
     residents = {n: p for n, p in model.named_parameters()}
     mf.matrix_shard(model)
-    seen = _linear_weights_seen_in_forward(model)
+    return oracle, model, residents, _linear_weights_seen_in_forward(model)
+
+
+def test_one_rank_forward_uses_the_resident_storage_and_equals_the_oracle():
+    oracle, model, residents, seen = _oracle_and_one_rank_model()
     opts = make_sharded_optimizer(model, "ours")
     ref = oracle_optimizers(oracle)
     for step in range(STEPS):
@@ -66,12 +72,7 @@ def test_one_rank_forward_uses_the_resident_storage_and_equals_the_oracle():
 
 
 def test_one_rank_follows_a_replaced_resident_and_refuses_a_changed_dtype():
-    torch.manual_seed(0)
-    oracle = TinyLM()
-    model = copy.deepcopy(oracle)
-    residents = {n: p for n, p in model.named_parameters()}
-    mf.matrix_shard(model)
-    seen = _linear_weights_seen_in_forward(model)
+    oracle, model, residents, seen = _oracle_and_one_rank_model()
     idx = _batch(0)
     with torch.no_grad():
         for (n, q) in oracle.named_parameters():
@@ -101,10 +102,7 @@ def test_one_rank_with_param_dtype_still_casts():
 def test_one_rank_clipping_is_torchs():
     """One rank holds every gradient: ``clip_grad_norm_`` is torch's own (its fused kernels
     too), the same total and gradients bit for bit."""
-    torch.manual_seed(0)
-    oracle = TinyLM()
-    model = copy.deepcopy(oracle)
-    mf.matrix_shard(model)
+    oracle, model, _, _ = _oracle_and_one_rank_model()
     idx = _batch(0)
     _loss(model, idx).backward()
     _loss(oracle, idx).backward()
