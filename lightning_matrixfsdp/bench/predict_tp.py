@@ -31,14 +31,22 @@ import functools
 from dataclasses import replace
 from typing import Any
 
-from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, RoleKind, UnitLayout
+from lightning_matrixfsdp.runtime.placement import Plan, RoleKind, UnitLayout
 from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
 
 from .baselines import assign_owners
 from .cluster import GIB, Cluster
-from .predict import DDP_BUCKET, _elementwise, _passes, auto_mode, stock_matrix_work
-from .predict_shape import (ELEM, ModelShape, PredictError, activation_bytes, all_params, block_flops, plan_for,
-                            unit_specs)
+from .predict import DDP_BUCKET, auto_mode, elementwise, passes, stock_matrix_work
+from .predict_shape import (
+    ELEM,
+    ModelShape,
+    PredictError,
+    activation_bytes,
+    all_params,
+    block_flops,
+    plan_for,
+    unit_specs,
+)
 
 __all__ = ["TP_BASE", "TP_MODES", "dp_view", "local_shape", "predict_tp", "predict_tp_mode", "tp_activation_seconds",
            "tp_markdown"]
@@ -129,7 +137,7 @@ def _ours_step(plan: Plan, shape: ModelShape, c: Cluster, tp: int) -> tuple[floa
             mine = [i for i, st in enumerate(stepper) if st == t]
             f = sum(flops[i] for i in mine)
             mat = sum(whole[mats[i].fqn].numel for i in mine)
-            compute = max(compute, f / ns_rate + _elementwise(c, mat, adam))
+            compute = max(compute, f / ns_rate + elementwise(c, mat, adam))
             recv = sum(whole[mats[i].fqn].nbytes - mats[i].nbytes for i in mine)
             sent = sum(mats[i].nbytes for i, st in enumerate(stepper) if st != t)
             moved = max(moved, 2 * (recv + sent))
@@ -148,7 +156,7 @@ def _stock_step(plan: Plan, shape: ModelShape, c: Cluster, dp_c: Cluster, tp: in
     m_elems = sum(local[p.fqn].numel for p in params if p.is_matrix)
     rest = sum(local[p.fqn].numel for p in params) - m_elems
     ns_rate = c.matmul_tflops * 1e12 * c.ns_eff_stock
-    opt = _elementwise(c, m_elems / n, rest / n)
+    opt = elementwise(c, m_elems / n, rest / n)
     whole = [p for p in params if p.is_matrix]
     for p in whole:
         f, colls = stock_matrix_work(p.shape, shape.ns_steps, n)
@@ -178,7 +186,7 @@ def _duplicated(plan: Plan, shape: ModelShape, c: Cluster, dp_c: Cluster, tp: in
         else:
             per[o][2] += s.numel
     ns_rate = c.matmul_tflops * 1e12 * c.ns_eff_stock
-    opt = max(f / ns_rate + _elementwise(c, mat, adam) + g for f, mat, adam, g in per)
+    opt = max(f / ns_rate + elementwise(c, mat, adam) + g for f, mat, adam, g in per)
     opt += sum(dp_c.broadcast(s.nbytes, n) for s in frag)  # each updated fragment from its DP owner
     static = 2 * p_bytes + max((mat + 2 * adam) * ELEM for _, mat, adam, _ in per)
     temp = 3 * max(p.nbytes for p in params if p.is_matrix) if tp > 1 else 0.0  # gathered matrix, NS workspace
@@ -202,11 +210,11 @@ def predict_tp_mode(mode: str, shape: ModelShape, c: Cluster, tp: int = 1,
         fwd, bwd, opt, static, temp = _duplicated(plan, shape, c, dp_c, tp, cf, cb)
         buffers = 0.0
     elif mode == "fsdp2_muon_tp":
-        fwd, bwd = _passes("fsdp2_muon", plan, shape, dp_c, cf, cb, 1)
+        fwd, bwd = passes("fsdp2_muon", plan, shape, dp_c, cf, cb, 1)
         opt, static, temp = _stock_step(plan, shape, c, dp_c, tp)
     else:
         chosen, _ = auto_mode("matrix_fsdp_auto", dp_c)
-        fwd, bwd = _passes(chosen, plan, shape, dp_c, cf, cb, 1)
+        fwd, bwd = passes(chosen, plan, shape, dp_c, cf, cb, 1)
         opt, static, temp, moved = _ours_step(plan, shape, c, tp)
         row.update(chosen=chosen, step_tp_bytes=moved, step_dp_bytes=0)
     peak = static + max(activation_bytes(shape) + buffers, temp)
