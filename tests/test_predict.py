@@ -337,15 +337,21 @@ def test_tp_modes_by_hand():
     redundant = 6 * ns / 500 + elementwise + 6 * 64
     assert rows["fsdp2_muon_tp"]["opt_ms"] == pytest.approx(redundant * 1e3)
     assert rows["megatron_dup_tp"]["opt_ms"] == pytest.approx(redundant * 1e3)
+    # batch per TP group: each GPU computes half of one sequence's FLOPs; the collectives carry 64 B (32 B each)
+    group = predict_tp_mode("matrix_fsdp_tp", ONE, c, tp=2, per_group=True)
+    assert group["fwd_ms"] == pytest.approx((3328 / 2 / 1e3 + 4 * 32) * 1e3)
+    assert group["bwd_ms"] == pytest.approx((3 * 3328 / 2 / 1e3 + 8 * 32) * 1e3)
+    assert group["opt_ms"] == pytest.approx(rows["matrix_fsdp_tp"]["opt_ms"])
+    assert (group["global_batch"], rows["matrix_fsdp_tp"]["global_batch"]) == (1, 2)
 
 
-@pytest.mark.parametrize("name, nodes", [("a100-ib", 1), ("a100-ib", 2), ("h200", 3)])
-def test_tp_one_is_the_non_tp_prediction_exactly(name, nodes):
+@pytest.mark.parametrize("name, nodes, per_group", [("a100-ib", 1, False), ("a100-ib", 2, True), ("h200", 3, False)])
+def test_tp_one_is_the_non_tp_prediction_exactly(name, nodes, per_group):
     from lightning_matrixfsdp.bench.predict_tp import TP_BASE, predict_tp_mode
 
     shape, c = ModelShape("s", 512, 2048, 4, 8, 256, 1000), cluster(name, nodes=nodes)
     for mode, base in TP_BASE.items():
-        tp, ref = predict_tp_mode(mode, shape, c, tp=1), predict_mode(base, shape, c)
+        tp, ref = predict_tp_mode(mode, shape, c, tp=1, per_group=per_group), predict_mode(base, shape, c)
         for key in ("fwd_ms", "bwd_ms", "opt_ms", "total_ms", "peak_gib", "fits"):
             assert tp[key] == ref[key], (mode, key, tp[key], ref[key])
 
@@ -368,6 +374,23 @@ def test_tp_spreads_ours_but_repeats_the_duplicated_newton_schulz():
     for t in (2, 4, 8):
         best = min(TP_MODES, key=lambda m: rows[(m, t)]["total_ms"])
         assert best == "matrix_fsdp_tp", (t, {m: rows[(m, t)]["total_ms"] for m in TP_MODES})
+
+
+def test_tp_adds_gpus_to_one_batch_and_ours_divides_its_step_over_them():
+    """A global batch of 16 sequences on 2 T nodes (one per TP group): ours' step halves each
+    time T doubles (every matrix once, over all D T GPUs); duplicated's does not fall (each
+    TP group repeats its D-th); ours ends fastest end to end."""
+    from lightning_matrixfsdp.bench.predict_tp import predict_tp_mode
+
+    rows = {(m, t): predict_tp_mode(m, SHAPES_7B, cluster("a100-ib", nodes=2 * t), t, per_group=True)
+            for m in ("matrix_fsdp_tp", "megatron_dup_tp") for t in (1, 2, 4, 8)}
+    assert {rows[(m, t)]["global_batch"] for m, t in rows} == {16}
+    ours = [rows[("matrix_fsdp_tp", t)]["opt_ms"] for t in (1, 2, 4, 8)]
+    dup = [rows[("megatron_dup_tp", t)]["opt_ms"] for t in (1, 2, 4, 8)]
+    assert all(0.4 < b / a < 0.6 for a, b in zip(ours, ours[1:])), ours
+    assert all(b >= 0.95 * a for a, b in zip(dup, dup[1:])), dup
+    assert rows[("matrix_fsdp_tp", 8)]["total_ms"] < 0.6 * rows[("matrix_fsdp_tp", 1)]["total_ms"]
+    assert rows[("matrix_fsdp_tp", 8)]["total_ms"] < rows[("megatron_dup_tp", 8)]["total_ms"]
 
 
 def test_tp_bad_sizes_are_refused():

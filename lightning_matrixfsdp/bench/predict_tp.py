@@ -49,7 +49,7 @@ from .predict_shape import (
 )
 
 __all__ = ["TP_BASE", "TP_MODES", "dp_view", "local_shape", "predict_tp", "predict_tp_mode", "tp_activation_seconds",
-           "tp_markdown"]
+           "tp_markdown", "tp_strong_markdown"]
 
 TP_MODES: tuple[str, ...] = ("matrix_fsdp_tp", "fsdp2_muon_tp", "megatron_dup_tp")
 #: the non-TP mode each TP mode is at T = 1
@@ -95,20 +95,22 @@ def dp_view(c: Cluster, tp: int) -> Cluster:
     return c.with_(gpus_per_node=c.gpus_per_node // tp, inter_gbs=c.inter_gbs / tp)
 
 
-def tp_activation_seconds(shape: ModelShape, c: Cluster, tp: int) -> tuple[float, float]:
+def tp_activation_seconds(shape: ModelShape, c: Cluster, tp: int, per_group: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one block's TP activation collectives; the root unit has
     half as many. Sequence parallelism: per block an all-gather before and a reduce-scatter
-    after attention and MLP, each of the TP group's ``T b s h`` activations; the backward
-    mirrors them, and recomputes the forward's under activation checkpointing."""
-    one = c.all_gather(tp * shape.batch * shape.seq_len * shape.hidden * ELEM, tp)
+    after attention and MLP, each of the TP group's activations (``T b s h``; ``b s h`` when
+    ``batch`` counts per TP group); the backward mirrors them, and recomputes the forward's
+    under activation checkpointing."""
+    one = c.all_gather((1 if per_group else tp) * shape.batch * shape.seq_len * shape.hidden * ELEM, tp)
     return 4 * one, 4 * one * (2 if shape.ac else 1)
 
 
-def _compute(shape: ModelShape, c: Cluster, tp: int) -> tuple[list[float], list[float]]:
-    """Per-unit forward and backward seconds of one GPU: the non-TP FLOPs plus the TP collectives."""
-    rate = c.matmul_tflops * 1e12 * c.model_eff
+def _compute(shape: ModelShape, c: Cluster, tp: int, per_group: bool) -> tuple[list[float], list[float]]:
+    """Per-unit forward and backward seconds of one GPU: the non-TP FLOPs (a ``T``-th of them
+    when ``batch`` counts per TP group) plus the TP collectives."""
+    rate = c.matmul_tflops * 1e12 * c.model_eff * (tp if per_group else 1)
     head = 2 * shape.batch * shape.seq_len * shape.vocab * shape.hidden
-    fa, ba = tp_activation_seconds(shape, c, tp)
+    fa, ba = tp_activation_seconds(shape, c, tp, per_group)
     units = unit_specs(shape)
     cf = [(block_flops(shape) if u.fqn else head) / rate for u in units]
     cb = [f * (3 if shape.ac and u.fqn else 2) for f, u in zip(cf, units)]
@@ -194,17 +196,19 @@ def _duplicated(plan: Plan, shape: ModelShape, c: Cluster, dp_c: Cluster, tp: in
 
 
 # ---------------------------------------------------------------- rows
-def predict_tp_mode(mode: str, shape: ModelShape, c: Cluster, tp: int = 1,
-                    planner: str = "role_greedy") -> dict[str, Any]:
-    """One row: fwd/bwd/opt/total ms and peak GiB of the busiest GPU for a TP mode on ``c``."""
+def predict_tp_mode(mode: str, shape: ModelShape, c: Cluster, tp: int = 1, planner: str = "role_greedy",
+                    per_group: bool = False) -> dict[str, Any]:
+    """One row: fwd/bwd/opt/total ms and peak GiB of the busiest GPU for a TP mode on ``c``;
+    ``batch`` sequences per GPU (global batch ``world batch``), or with ``per_group`` per TP
+    group (global batch ``D batch``: TP adds GPUs to the same batch)."""
     if mode not in TP_MODES:
         raise PredictError(f"unknown TP mode {mode!r}; known: {', '.join(TP_MODES)}")
     _check(shape, c, tp)
     dp, dp_c = c.world // tp, dp_view(c, tp)
     plan = local_plan(shape, dp, tp, planner)
-    cf, cb = _compute(shape, c, tp)
+    cf, cb = _compute(shape, c, tp, per_group)
     row: dict[str, Any] = {"mode": mode, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "world": c.world,
-                           "tp": tp, "dp": dp, "span": dp, "replicas": 1, "max_gamma": round(plan.max_gamma, 3)}
+                           "tp": tp, "dp": dp, "global_batch": (dp if per_group else c.world) * shape.batch, "span": dp, "replicas": 1, "max_gamma": round(plan.max_gamma, 3)}
     temp, buffers = 0.0, 2 * max(u.nbytes for u in plan.units) if dp > 1 else 0.0
     if mode == "megatron_dup_tp":
         fwd, bwd, opt, static, temp = _duplicated(plan, shape, c, dp_c, tp, cf, cb)
@@ -217,7 +221,8 @@ def predict_tp_mode(mode: str, shape: ModelShape, c: Cluster, tp: int = 1,
         fwd, bwd = passes(chosen, plan, shape, dp_c, cf, cb, 1)
         opt, static, temp, moved = _ours_step(plan, shape, c, tp)
         row.update(chosen=chosen, step_tp_bytes=moved, step_dp_bytes=0)
-    peak = static + max(activation_bytes(shape) + buffers, temp)
+    acts = activation_bytes(shape) / (tp if per_group else 1)  # sequence parallel: a T-th of the group's
+    peak = static + max(acts + buffers, temp)
     row.update(fwd_ms=fwd * 1e3, bwd_ms=bwd * 1e3, opt_ms=opt * 1e3, total_ms=(fwd + bwd + opt) * 1e3,
                peak_gib=peak / GIB)
     row["fits"] = row["peak_gib"] <= c.gpu_mem_gib
@@ -225,14 +230,16 @@ def predict_tp_mode(mode: str, shape: ModelShape, c: Cluster, tp: int = 1,
 
 
 def predict_tp(shape: ModelShape, base: Cluster, nodes: list[int], modes: list[str] | tuple[str, ...] = TP_MODES,
-               tps: list[int] | tuple[int, ...] = (1,), planner: str = "role_greedy") -> list[dict[str, Any]]:
+               tps: list[int] | tuple[int, ...] = (1,), planner: str = "role_greedy",
+               per_group: bool = False) -> list[dict[str, Any]]:
     """One row per (T, nodes, mode)."""
     for m in modes:
         if m not in TP_MODES:
             raise PredictError(f"unknown TP mode {m!r}; known: {', '.join(TP_MODES)}")
     for t in tps:
         _check(shape, base, t)
-    return [predict_tp_mode(m, shape, base.with_(nodes=k), t, planner) for t in tps for k in nodes for m in modes]
+    return [predict_tp_mode(m, shape, base.with_(nodes=k), t, planner, per_group) for t in tps for k in nodes
+            for m in modes]
 
 
 def tp_markdown(rows: list[dict[str, Any]]) -> str:
@@ -248,3 +255,17 @@ def tp_markdown(rows: list[dict[str, Any]]) -> str:
     order = sorted(cells, key=lambda k: (TP_MODES.index(k[0]), k[1]))
     return "\n".join(head + [f"| {m} | {t} | " + " | ".join(cells[(m, t)].get(n, "") for n in nodes) + " |"
                              for m, t in order])
+
+
+def tp_strong_markdown(rows: list[dict[str, Any]]) -> str:
+    """Rows of one global batch at several (T, nodes): per mode a line, per (T, nodes) a cell."""
+    cols = sorted({(r["tp"], r["nodes"]) for r in rows})
+    head = ["| mode | " + " | ".join(f"T={t}, {n} node{'s' if n > 1 else ''}" for t, n in cols) + " |",
+            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+    cells: dict[str, dict[tuple[int, int], str]] = {}
+    for r in rows:
+        fit = "" if r["fits"] else " no fit"
+        cells.setdefault(r["mode"], {})[(r["tp"], r["nodes"])] = \
+            f"{r['total_ms']:.0f} ({r['opt_ms']:.0f}) {r['peak_gib']:.1f}{fit}"
+    return "\n".join(head + [f"| {m} | " + " | ".join(cells[m].get(k, "") for k in cols) + " |"
+                             for m in TP_MODES if m in cells])
