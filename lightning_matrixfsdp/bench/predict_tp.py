@@ -16,9 +16,11 @@ parallelism over ``T`` GPUs of one node (``world = D T``), for three Muon steps:
   fragments and every TP rank runs the whole Newton-Schulz; the owner broadcasts its
   updated fragment over DP.
 
-The global batch is that of ``world`` GPUs with ``batch`` sequences each: a TP group runs
-``T batch`` sequences, so every GPU does the FLOPs of the non-TP modes, and activations
-per GPU are those of ``batch`` sequences (sequence parallelism). Forward and backward add
+By default the global batch is that of ``world`` GPUs with ``batch`` sequences each: a TP
+group runs ``T batch`` sequences, so every GPU does the FLOPs of the non-TP modes, and
+activations per GPU are those of ``batch`` sequences (sequence parallelism). With
+``per_group`` a TP group runs ``batch`` sequences (global batch ``D batch``): each GPU does a
+``T``-th of the FLOPs and holds a ``T``-th of the activations. Forward and backward add
 the same TP activation collectives in all three modes (`tp_activation_seconds`), not
 overlapped with compute. DP collectives run on `dp_view`: ``g/T`` DP ranks per node, ``T``
 DP groups sharing the node's NICs. At ``T = 1`` every mode is its non-TP row
