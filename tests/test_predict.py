@@ -22,6 +22,7 @@ from lightning_matrixfsdp.bench.predict_cli import calibrate, calibration_table,
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 TINY = ModelShape("tiny", hidden=8, mlp=16, layers=2, heads=2, seq_len=4, vocab=10)
+SHAPES_7B = ModelShape("7b", 4096, 11008, 32, 32, 4096, 32000)  # predict_shape.SHAPES["7b"], written out
 ROW_KEYS = {"mode", "nodes", "gpus_per_node", "world", "span", "replicas", "layers", "parameters", "fwd_ms", "bwd_ms",
             "opt_ms", "total_ms", "peak_gib", "fits"}
 
@@ -300,3 +301,115 @@ def test_auto_is_within_3_percent_of_the_best_explicit_choice_everywhere():
             assert r["chosen"] == ("matrix_fsdp" if r["nodes"] == 1 else "matrix_fsdp_broadcast"), r
         else:
             assert r["chosen"] == ("matrix_fsdp_hsdp" if r["nodes"] == 1 else "matrix_fsdp_hsdp_split"), r
+
+
+# ---------------------------------------------------------------- tensor parallelism (issue 21)
+ONE = ModelShape("one", hidden=8, mlp=8, layers=1, heads=2, seq_len=4, vocab=0, gated=False, ns_steps=1)
+
+
+def test_tp_modes_by_hand():
+    """One block of six 8x8 matrices and two norms, T = 2 on one node of two GPUs (D = 1), the
+    toy cluster's rates (1e3 FLOP/s, 1 B/s of HBM and NVLink, no latency)."""
+    from lightning_matrixfsdp.bench.predict_tp import local_shape, predict_tp_mode
+
+    assert local_shape("blocks.0.attn.wq.weight", (8, 8), 2) == (4, 8)  # colwise
+    assert local_shape("blocks.0.mlp.down.weight", (8, 16), 2) == (8, 8)  # rowwise
+    assert local_shape("embed.weight", (11, 8), 2) == (6, 8)  # vocabulary padded
+    assert local_shape("blocks.0.attn_norm.weight", (8,), 2) == (8,)  # replicated
+    c = toy_cluster(gpus_per_node=2, nodes=1)
+    ns = 4 * 8 * 8 * 8 + 2 * 8 ** 3  # one Newton-Schulz step of an 8x8 matrix: 3072 FLOPs
+    # forward: 2 * 4 tokens * 384 matrix elements + causal attention 2 * 16 * 8, at 1e3 FLOP/s,
+    # plus 4 TP collectives of the group's 2 * 4 tokens * 8 * 2 bytes = 128 B, each moving 64 B
+    fwd, bwd = (3328 / 1e3 + 4 * 64), (3 * 3328 / 1e3 + 8 * 64)  # backward: mirrored + recomputed
+    rows = {m: predict_tp_mode(m, ONE, c, tp=2) for m in ("matrix_fsdp_tp", "fsdp2_muon_tp", "megatron_dup_tp")}
+    for m, r in rows.items():
+        assert (r["tp"], r["dp"]) == (2, 1)
+        assert r["fwd_ms"] == pytest.approx(fwd * 1e3), m
+        assert r["bwd_ms"] == pytest.approx(bwd * 1e3), m
+    elementwise = 6 * 32 * 2.0 + 16 * 10.0  # momentum on 192 matrix elements, AdamW on the 16 norm elements
+    # ours: each TP rank orthogonalizes 3 whole matrices; it receives the other half of those (3 x 64 B) and
+    # sends its half of the other rank's 3 (3 x 64 B), then the same back
+    assert rows["matrix_fsdp_tp"]["opt_ms"] == pytest.approx((3 * ns / 1e3 + elementwise + 2 * 192) * 1e3)
+    assert rows["matrix_fsdp_tp"]["step_tp_bytes"] == 2 * (192 + 192)
+    assert rows["matrix_fsdp_tp"]["step_dp_bytes"] == 0
+    # FSDP2 + TP and duplicated: all six matrices on both ranks at the stock rate (ns_eff 0.5), one
+    # TP all-gather of each whole 128 B matrix (64 B through each link)
+    redundant = 6 * ns / 500 + elementwise + 6 * 64
+    assert rows["fsdp2_muon_tp"]["opt_ms"] == pytest.approx(redundant * 1e3)
+    assert rows["megatron_dup_tp"]["opt_ms"] == pytest.approx(redundant * 1e3)
+    # batch per TP group: each GPU computes half of one sequence's FLOPs; the collectives carry 64 B (32 B each)
+    group = predict_tp_mode("matrix_fsdp_tp", ONE, c, tp=2, per_group=True)
+    assert group["fwd_ms"] == pytest.approx((3328 / 2 / 1e3 + 4 * 32) * 1e3)
+    assert group["bwd_ms"] == pytest.approx((3 * 3328 / 2 / 1e3 + 8 * 32) * 1e3)
+    assert group["opt_ms"] == pytest.approx(rows["matrix_fsdp_tp"]["opt_ms"])
+    assert (group["global_batch"], rows["matrix_fsdp_tp"]["global_batch"]) == (1, 2)
+
+
+@pytest.mark.parametrize("name, nodes, per_group", [("a100-ib", 1, False), ("a100-ib", 2, True), ("h200", 3, False)])
+def test_tp_one_is_the_non_tp_prediction_exactly(name, nodes, per_group):
+    from lightning_matrixfsdp.bench.predict_tp import TP_BASE, predict_tp_mode
+
+    shape, c = ModelShape("s", 512, 2048, 4, 8, 256, 1000), cluster(name, nodes=nodes)
+    for mode, base in TP_BASE.items():
+        tp, ref = predict_tp_mode(mode, shape, c, tp=1, per_group=per_group), predict_mode(base, shape, c)
+        for key in ("fwd_ms", "bwd_ms", "opt_ms", "total_ms", "peak_gib", "fits"):
+            assert tp[key] == ref[key], (mode, key, tp[key], ref[key])
+
+
+def test_tp_spreads_ours_but_repeats_the_duplicated_newton_schulz():
+    """At a fixed world, ours' step stays near T = 1's (each matrix orthogonalized once, spread over
+    the TP group) with zero DP bytes; duplicated's grows with T (every TP rank repeats it); the TP
+    activation collectives grow with T; ours is the fastest TP mode at every T > 1."""
+    from lightning_matrixfsdp.bench.predict_tp import TP_MODES, predict_tp, tp_activation_seconds
+
+    c = cluster("a100-ib", nodes=2)
+    rows = {(r["mode"], r["tp"]): r for r in predict_tp(SHAPES_7B, c, [2], TP_MODES, (1, 2, 4, 8))}
+    ours = [rows[("matrix_fsdp_tp", t)]["opt_ms"] for t in (1, 2, 4, 8)]
+    dup = [rows[("megatron_dup_tp", t)]["opt_ms"] for t in (1, 2, 4, 8)]
+    assert max(ours) < 1.15 * ours[0], ours
+    assert all(a < b for a, b in zip(dup, dup[1:])), dup
+    assert all(rows[("matrix_fsdp_tp", t)]["step_dp_bytes"] == 0 for t in (1, 2, 4, 8))
+    act = [tp_activation_seconds(SHAPES_7B, c, t)[0] for t in (1, 2, 4, 8)]
+    assert act[0] == 0.0 and all(a < b for a, b in zip(act, act[1:])), act
+    for t in (2, 4, 8):
+        best = min(TP_MODES, key=lambda m: rows[(m, t)]["total_ms"])
+        assert best == "matrix_fsdp_tp", (t, {m: rows[(m, t)]["total_ms"] for m in TP_MODES})
+
+
+def test_tp_adds_gpus_to_one_batch_and_ours_divides_its_step_over_them():
+    """A global batch of 16 sequences on 2 T nodes (one per TP group): ours' step halves each
+    time T doubles (every matrix once, over all D T GPUs); duplicated's does not fall (each
+    TP group repeats its D-th); ours ends fastest end to end."""
+    from lightning_matrixfsdp.bench.predict_tp import predict_tp_mode
+
+    rows = {(m, t): predict_tp_mode(m, SHAPES_7B, cluster("a100-ib", nodes=2 * t), t, per_group=True)
+            for m in ("matrix_fsdp_tp", "megatron_dup_tp") for t in (1, 2, 4, 8)}
+    assert {rows[(m, t)]["global_batch"] for m, t in rows} == {16}
+    ours = [rows[("matrix_fsdp_tp", t)]["opt_ms"] for t in (1, 2, 4, 8)]
+    dup = [rows[("megatron_dup_tp", t)]["opt_ms"] for t in (1, 2, 4, 8)]
+    assert all(0.4 < b / a < 0.6 for a, b in zip(ours, ours[1:])), ours
+    assert all(b >= 0.95 * a for a, b in zip(dup, dup[1:])), dup
+    assert rows[("matrix_fsdp_tp", 8)]["total_ms"] < 0.6 * rows[("matrix_fsdp_tp", 1)]["total_ms"]
+    assert rows[("matrix_fsdp_tp", 8)]["total_ms"] < rows[("megatron_dup_tp", 8)]["total_ms"]
+
+
+def test_tp_bad_sizes_are_refused():
+    from lightning_matrixfsdp.bench.predict_tp import predict_tp
+
+    with pytest.raises(PredictError, match="T=3 must divide the GPUs per node"):
+        predict_tp(TINY, cluster("a100-ib"), [1], tps=(3,))
+    with pytest.raises(PredictError, match="T=4 must divide heads=2"):
+        predict_tp(TINY, cluster("a100-ib"), [1], tps=(4,))
+    with pytest.raises(PredictError, match="unknown TP mode 'fsdp2_muon'"):
+        predict_tp(TINY, cluster("a100-ib"), [1], ["fsdp2_muon"], (2,))
+
+
+def test_cli_tp_rows_and_table(tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    assert main(["--model", "7b", "--cluster", "a100-ib", "--layers", "2", "--tp", "1", "2", "--nodes", "1", "2",
+                 "--json", str(out)]) == 0
+    assert "| megatron_dup_tp | 2 |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({(r["tp"], r["dp"], r["nodes"]) for r in rows}) == [(1, 8, 1), (1, 16, 2), (2, 4, 1), (2, 8, 2)]
+    assert main(["--cluster", "a100-ib", "--tp", "2", "--modes", "ddp_muon"]) == 2
+    assert "unknown TP mode 'ddp_muon'" in capsys.readouterr().err

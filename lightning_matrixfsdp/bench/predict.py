@@ -113,7 +113,7 @@ def _owner_work(plan: Plan, units: tuple[UnitSpec, ...], shape: ModelShape, repl
     return out
 
 
-def _elementwise(c: Cluster, matrix_elems: float, adamw_elems: float) -> float:
+def elementwise(c: Cluster, matrix_elems: float, adamw_elems: float) -> float:
     """Seconds of the optimizer's elementwise work (momentum, AdamW) at HBM bandwidth."""
     return (matrix_elems * c.muon_bpp + adamw_elems * c.adamw_bpp) / (c.hbm_gbs * 1e9)
 
@@ -134,14 +134,14 @@ def _replicated(mode: str, shape: ModelShape, c: Cluster, cf: list[float],
             per[o][1] += p.numel
         else:
             per[o][2] += p.numel
-    opt = max(f / ns_stock + _elementwise(c, mat, adam) for f, mat, adam in per)
+    opt = max(f / ns_stock + elementwise(c, mat, adam) for f, mat, adam in per)
     if mode == "zero1_owner":
         opt += sum(c.broadcast(p.nbytes, n) for p in params)  # each parameter from its owner
     static = 2 * p_bytes + max((mat + 2 * adam) * ELEM for _, mat, adam in per)
     return sum(cf), bwd, opt, static, 0.0
 
 
-def _passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float], cb: list[float],
+def passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float], cb: list[float],
             replicas: int) -> tuple[float, float]:
     """(fwd, bwd) seconds of a sharded mode: `pipeline` over the plan's units."""
     units, span = unit_specs(shape), plan.world
@@ -175,9 +175,9 @@ def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -
     rest_elems = sum(p.numel for p in params) - m_elems
     ns_stock = c.matmul_tflops * 1e12 * c.ns_eff_stock
     if mode == "fsdp2_adamw":
-        return _elementwise(c, 0, (m_elems + rest_elems) / n), 4 * p_bytes / n, p_bytes / n  # foreach temporary
+        return elementwise(c, 0, (m_elems + rest_elems) / n), 4 * p_bytes / n, p_bytes / n  # foreach temporary
     if mode.startswith("fsdp2"):
-        opt = _elementwise(c, m_elems / n, rest_elems / n)
+        opt = elementwise(c, m_elems / n, rest_elems / n)
         static, temp = (3 * m_elems + 4 * rest_elems) * ELEM / n, 0.0
         mats = [p.shape for p in params if p.is_matrix]
         if mode == "fsdp2_muon":
@@ -191,7 +191,7 @@ def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -
         return opt, static, temp
     work = _owner_work(plan, unit_specs(shape), shape, replicas, mode == "matrix_fsdp_hsdp_split")
     ns_ours = c.matmul_tflops * 1e12 * c.ns_eff_ours
-    opt = max(f / ns_ours + _elementwise(c, mat, adam) for f, mat, adam, _, _ in work)
+    opt = max(f / ns_ours + elementwise(c, mat, adam) for f, mat, adam, _, _ in work)
     return opt, max(held + state for _, _, _, held, state in work), 0.0
 
 
@@ -227,7 +227,7 @@ def predict_mode(mode: str, shape: ModelShape, c: Cluster, shard_size: int | Non
         buffers = 0.0
     else:
         plan = plan_for(shape, span, planner)
-        fwd, bwd = _passes(mode, plan, shape, c, cf, cb, replicas)
+        fwd, bwd = passes(mode, plan, shape, c, cf, cb, replicas)
         opt, static, temp = _step(mode, plan, shape, c, replicas)
         buffers = 2 * max(sum(p.nbytes for p in u.params) for u in units) if span > 1 else 0.0
         row["max_gamma"] = round(plan.max_gamma, 3)

@@ -6,6 +6,8 @@ Table 3, and the report and plot of docs/benchmarks.md ("Predicted step times").
     python -m lightning_matrixfsdp.bench predict --model 7b --nodes 1 2 4 8 16 --json out.json
     python -m lightning_matrixfsdp.bench predict --calibration docs/results
     python -m lightning_matrixfsdp.bench predict --report OUT --plot docs/predict-scaling.png
+    python -m lightning_matrixfsdp.bench predict --model 32b --cluster a100-ib --tp 1 2 4 8 --nodes 1 4 16
+    python -m lightning_matrixfsdp.bench predict --tp-table
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lightning_matrixfsdp.runtime.placement import RoleKind
 from .cluster import CALIBRATION_SOURCES, CLUSTERS, H200_HBM_GBS, Cluster, ClusterError, cluster, h200
 from .predict import AUTO_ALTERNATIVES, AUTO_MODES, MODES, SHAPES, ModelShape, PredictError, forward_flops, newton_schulz_flops, plan_for, \
     predict, predict_mode, shape_from_bench_config, stock_collectives, table
+from .predict_tp import TP_MODES, predict_tp, tp_markdown, tp_strong_markdown
 
 # The six modes measured on H200 that the predictor models (the calibration's modes).
 CALIBRATED_MODES = ("fsdp2_adamw", "fsdp2_muon", "fsdp2_gather_once", "zero1_owner", "ddp_muon", "matrix_fsdp")
@@ -271,6 +274,28 @@ def auto_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+TP_MODELS, TP_SIZES, TP_GLOBAL_BATCH = ("7b", "32b"), (1, 2, 4, 8), 16
+
+
+def tp_tables(models: Sequence[str] = TP_MODELS, nodes: Sequence[int] = AUTO_NODES) -> str:
+    """The TP modes at T = 1, 2, 4, 8 on 1-16 nodes of 8 GPUs (a100-ib and h200 with 8 per node):
+    one sequence per GPU; then one global batch of 16 sequences (one per TP group) on 2 T nodes."""
+    out = []
+    clusters = (cluster("a100-ib"), cluster("h200", gpus_per_node=8))
+    for name in models:
+        for cl in clusters:
+            out += [f"{name}, {cl.name} ({cl.gpus_per_node} GPUs per node), one sequence per GPU: "
+                    "total ms (optimizer-step ms) peak GiB", "",
+                    tp_markdown(predict_tp(SHAPES[name], cl, list(nodes), TP_MODES, TP_SIZES)), ""]
+    for name in models:
+        for cl in clusters:
+            rows = [r for t in TP_SIZES for r in predict_tp(SHAPES[name], cl, [TP_GLOBAL_BATCH * t // cl.gpus_per_node],
+                                                            TP_MODES, (t,), per_group=True)]
+            out += [f"{name}, {cl.name}, a global batch of {TP_GLOBAL_BATCH} sequences (one per TP group): "
+                    "total ms (optimizer-step ms) peak GiB", "", tp_strong_markdown(rows), ""]
+    return "\n".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lightning_matrixfsdp.bench predict", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,7 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="h200", choices=sorted(CLUSTERS))
     p.add_argument("--nodes", type=int, nargs="+", default=[1])
     p.add_argument("--gpus-per-node", type=int)
-    p.add_argument("--modes", nargs="+", default=list(MODES), help=f"known: {', '.join(MODES + AUTO_MODES)}")
+    p.add_argument("--modes", nargs="+", help=f"known: {', '.join(MODES + AUTO_MODES)}; with --tp: {', '.join(TP_MODES)}")
+    p.add_argument("--tp", type=int, nargs="+", help="tensor-parallel sizes (inside a node): predict the TP modes")
+    p.add_argument("--tp-batch", choices=("gpu", "group"), default="gpu",
+                   help="with --tp: --batch sequences per GPU (default) or per TP group (TP adds GPUs to one batch)")
     p.add_argument("--shard-size", type=int, help="HSDP span W (default: GPUs per node)")
     p.add_argument("--planner", default="role_greedy")
     p.add_argument("--layers-per-node", type=int, help="weak scaling: layers = this x nodes")
@@ -287,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", nargs="?", const=str(DEFAULT_RESULTS), help="predicted vs measured H200 runs")
     p.add_argument("--auto-table", action="store_true",
                    help="auto (the defaults) against the best explicit choice: paper, 7b, 32b on a100-ib, h200")
+    p.add_argument("--tp-table", action="store_true",
+                   help="the TP modes for 7b and 32b at T = 1, 2, 4, 8 on 1-16 nodes (a100-ib, h200 x 8)")
     p.add_argument("--report", help="write the docs' JSON and markdown into this folder")
     p.add_argument("--plot", help="with --report: the PNG (needs the 'bench' extra: matplotlib)")
     m = p.add_argument_group("model shape")
@@ -314,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.auto_table:
             print(auto_markdown(auto_comparison()))
             return 0
+        if args.tp_table:
+            print(tp_tables())
+            return 0
         if args.calibration:
             print(calibration_markdown(calibration_table(Path(args.calibration))))
             return 0
@@ -331,14 +364,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ClusterError("--measure needs a CUDA GPU on this machine")
             changes["matmul_tflops"] = matmul_tflops(torch.device("cuda"))
         base = base.with_(**changes)
-        weak = args.layers_per_node or (WEAK_LAYERS.get(args.model) if args.layers is None else None)
-        rows = predict(shape, base, args.nodes, args.modes, args.shard_size, weak, args.planner)
+        modes = args.modes or list(TP_MODES if args.tp else MODES)
+        if args.tp or any(m in TP_MODES for m in modes):
+            if args.layers_per_node or args.shard_size:
+                raise PredictError("--tp models a fixed depth over all GPUs: drop --layers-per-node and --shard-size")
+            rows = predict_tp(shape, base, args.nodes, modes, args.tp or [1], args.planner, args.tp_batch == "group")
+            render = tp_markdown
+        else:
+            weak = args.layers_per_node or (WEAK_LAYERS.get(args.model) if args.layers is None else None)
+            rows = predict(shape, base, args.nodes, modes, args.shard_size, weak, args.planner)
+            render = table
     except (PredictError, ClusterError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"model {shape.name}: {json.dumps(shape.to_dict())}")
     print(f"cluster {base.name}: {json.dumps(base.to_dict())}")
-    print(table(rows))
+    print(render(rows))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({"model": shape.to_dict(), "cluster": base.to_dict(),
                                                     "rows": rows}, indent=1))
