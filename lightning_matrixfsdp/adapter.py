@@ -46,15 +46,16 @@ def check_precision(precision: Optional[str], who: str) -> None:
         )
 
 
-def is_sharded(module: nn.Module, hint: str) -> bool:
+def is_sharded(module: nn.Module, hint: str, tensor_parallel: bool = False) -> bool:
     """True if ``module`` holds a model that ``matrix_shard`` sharded already; refuses FSDP1
-    wrappers and DTensor parameters (FSDP2, tensor parallelism), saying ``hint`` on how to fix it."""
+    wrappers and DTensor parameters (FSDP2, or tensor parallelism without ``tensor_parallel``:
+    with it, ``matrix_shard`` checks their placements), saying ``hint`` on how to fix it."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         raise TypeError("Found FSDP1-wrapped modules; matrix_fsdp needs the plain model.")
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    if not tensor_parallel and any(isinstance(p, DTensor) for p in module.parameters()):
         raise TypeError(f"the model holds DTensor parameters (FSDP2 or tensor parallelism); {hint}")
     return bool(sharded_roots(module))
 

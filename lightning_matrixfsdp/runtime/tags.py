@@ -25,6 +25,7 @@ _ROLE = "_mfsdp_role"  # a string, so tests and scripts can tag a plain tensor b
 _OWNED = "_mfsdp_owned"
 _STATE = "_mfsdp_state"
 _VIEW = "_mfsdp_view"
+_TP = "_mfsdp_tp"
 
 
 # ---------------------------------------------------------------------- parameters
@@ -33,6 +34,17 @@ def tag_param(p: Any, shard: MatrixShard, owned: bool) -> None:
     setattr(p, _SHARD, shard)
     setattr(p, _ROLE, shard.role.value)
     setattr(p, _OWNED, bool(owned))
+
+
+def tag_tp(p: Any, fragment: Any) -> None:
+    """Mark a resident parameter as one TP rank's fragment of a split matrix (a
+    ``tp_comm.TPFragment``: its layout, the TP group, the rank that steps it whole)."""
+    setattr(p, _TP, fragment)
+
+
+def tp_of(p: Any) -> Optional[Any]:
+    """The ``TPFragment`` of a TP-split parameter, or None (whole on this rank, or replicated)."""
+    return getattr(p, _TP, None)
 
 
 def untag_param(p: Any) -> None:
