@@ -135,7 +135,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
     # Every option first, before the model is touched (a config was checked when it was built).
     config = bind_options(_SIGNATURE, "matrix_shard", (), dict(options, config=config))
-    if mesh is not None and config.shard_size is not None and not isinstance(mesh, MeshInfo):
+    if mesh is not None and config.shard_size is not None and not isinstance(mesh, MeshInfo) and not is_tp_mesh(mesh):
         raise MatrixShardError(f"pass either mesh or shard_size, not both (got mesh={mesh!r}, "
                                f"shard_size={config.shard_size!r})")
     if not isinstance(mesh, MeshInfo):

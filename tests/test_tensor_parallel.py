@@ -1,0 +1,260 @@
+"""Tensor parallelism x owner sharding at world 4 = data parallel 2 x tensor parallel 2 (gloo,
+float32): every scenario in one 4-process launch (``_results``), each test reads its part.
+
+* step oracle (Muon, Shampoo, SOAP): after each of 3 steps every fragment a rank holds, and its
+  optimizer state, equal the slice of a whole-matrix step on the gathered gradient, taken by the
+  unwrapped library / ``torch.optim.Muon`` written out here (``torch.equal``);
+* trajectory: 20 steps bitwise equal to ``tp_reference.Reference`` (DP mean + the same TP plan +
+  whole-matrix Muon), and the blockwise reference (each fragment orthogonalized alone) is not;
+* bytes: ``step()`` talks only inside the TP group (every send/recv peer is a TP peer, no
+  collective), and the TP bytes equal the formula of docs/tensor-parallel.md;
+* HSDP with TP: (replicate 2 x shard 1) x TP 2 equals the same reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_distributed
+from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+from tp_reference import Net, Reference, batch, gather_tp, loss_of, parallelize, slice_of, split_dim
+
+SHAMPOO = dict(lr=0.01, start_preconditioning_step=1, preconditioning_compute_steps=1, use_svd=True,
+               block_size=512, shape_interpretation=False, betas=(0.9, 0.999), weight_decay=0.0,
+               moving_average_for_momentum=False, decoupled_weight_decay=False, decoupled_learning_rate=True,
+               nesterov=True, statistics_compute_steps=1, inverse_exponent_override=0,
+               skip_preconditioning_rank_lt=1, no_preconditioning_for_layers_with_dim_gt=8192,
+               diagonal_eps=1e-10, matrix_eps=1e-6)
+SOAP = dict(lr=3e-3, betas=(0.95, 0.95), shampoo_beta=None, weight_decay=1e-2, precondition_frequency=1,
+            max_precondition_dim=10000, correct_bias=True, normalize_gradient=False, eps=1e-8)
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+
+def _sharded(mesh, **options):
+    import lightning_matrixfsdp as mf
+
+    torch.manual_seed(0)
+    model = parallelize(Net(), mesh["tensor_parallel"])
+    mf.matrix_shard(model, mesh=mesh, **options)
+    return model
+
+
+def _ours(kind, params):
+    import lightning_matrixfsdp as mf
+
+    if kind == "muon":
+        a = ADAMW_DEFAULTS
+        return mf.Muon(params, adamw_betas=a["betas"], adamw_eps=a["eps"], adamw_weight_decay=a["weight_decay"],
+                       **MUON_DEFAULTS)
+    if kind == "shampoo":
+        return mf.Shampoo(params, graft_type="sgd", pre_conditioner_type="all", **SHAMPOO)
+    return mf.SOAP(params, **SOAP)
+
+
+def _oracle(kind, whole):
+    import pytorch_optimizer
+
+    if kind == "muon":
+        return torch.optim.Muon(whole, **MUON_DEFAULTS)
+    if kind == "shampoo":
+        return pytorch_optimizer.ScalableShampoo(whole, graft_type=1, pre_conditioner_type=0, **SHAMPOO)
+    return pytorch_optimizer.SOAP(whole, **SOAP)
+
+
+def _flat(state: dict) -> dict:
+    """The oracle library's state as flat tensors (lists as ``name.i``, objects' tensors as ``name.attr``)."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v
+        elif isinstance(v, (list, tuple)):
+            out.update({f"{k}.{i}": e for i, e in enumerate(v) if isinstance(e, torch.Tensor)})
+        elif hasattr(v, "__dict__"):
+            for a, t in vars(v).items():
+                if isinstance(t, torch.Tensor):
+                    out[f"{k}.{a}"] = t
+                elif isinstance(t, (list, tuple)):
+                    out.update({f"{k}.{a}.{i}": e for i, e in enumerate(t) if isinstance(e, torch.Tensor)})
+    return {k: v for k, v in out.items() if k != "step"}
+
+
+def _same_layout_copy(g: torch.Tensor) -> torch.Tensor:
+    """A copy at the same offset in a copy of its storage: CPU matmuls round by the data's alignment
+    (``g @ g.T`` of a view one float into its buffer differs from the same of its clone)."""
+    return torch.empty(0, dtype=g.dtype).set_(g.untyped_storage().clone(), g.storage_offset(), g.shape, g.stride())
+
+
+def _step_oracle(kind, mesh) -> dict:
+    """3 steps; after each, every held fragment and its state against the whole-matrix oracle."""
+    tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
+    model = _sharded(mesh)
+    opt = _ours(kind, list(model.parameters()))
+    held = {n: p for n, p in model.named_parameters() if p.numel() and p.ndim == 2}  # this rank owns them
+    whole = {n: (gather_tp(p, split_dim(n), tp) if split_dim(n) is not None else p.detach().clone()).requires_grad_()
+             for n, p in held.items()}
+    oracle = {n: _oracle(kind, [w]) for n, w in whole.items()}  # one optimizer per matrix: its own step count
+    bad, checked, state_checked = [], 0, 0
+    for step in range(3):
+        loss_of(model, batch(step, dp_rank)).backward()
+        for n, p in held.items():
+            dim = split_dim(n)
+            whole[n].grad = gather_tp(p.grad, dim, tp) if dim is not None else _same_layout_copy(p.grad)
+            oracle[n].step()
+        opt.step()
+        opt.zero_grad()
+        for n, p in held.items():
+            dim, w = split_dim(n), whole[n].detach()
+            want = slice_of(w, dim, tp) if dim is not None else w
+            checked += 1
+            if not torch.equal(p.detach(), want):
+                bad.append((kind, step, n, "weight", (p.detach() - want).abs().max().item()))
+            ours, ref = opt.state[p], oracle[n].state[whole[n]]
+            if kind == "muon":  # momentum sliced on every TP rank
+                m = ref["momentum_buffer"]
+                if not torch.equal(ours["momentum_buffer"], slice_of(m, dim, tp) if dim is not None else m):
+                    bad.append((kind, step, n, "momentum"))
+                state_checked += 1
+                continue
+            holders = [None] * dist.get_world_size(tp)
+            dist.all_gather_object(holders, bool(ours), group=tp)
+            if dim is not None and sum(holders) != 1:
+                bad.append((kind, step, n, f"state held on TP ranks {holders}, not on one"))
+            if ours:  # the whole-matrix state, on the TP rank that stepped it
+                for key, t in _flat(ref).items():
+                    state_checked += 1
+                    if key not in ours or not torch.equal(ours[key], t):
+                        bad.append((kind, step, n, f"state {key}"))
+    return {"bad": bad, "checked": checked, "state_checked": state_checked}
+
+
+class _Watch:
+    """Records every torch.distributed call inside the block: the names, and each p2p op's peer."""
+
+    def __enter__(self):
+        self.calls, self.peers, self._orig = [], set(), {}
+        names = [n for n in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                             "broadcast", "reduce", "send", "recv", "all_to_all",
+                             "all_to_all_single", "gather", "scatter", "all_gather_object", "barrier") if hasattr(dist, n)]
+        for n in names + ["batch_isend_irecv"]:
+            f = self._orig[n] = getattr(dist, n)
+
+            def wrapped(*a, __f=f, __n=n, **k):
+                self.calls.append(__n)
+                if __n == "batch_isend_irecv":
+                    self.peers.update(op.peer for op in a[0])
+                return __f(*a, **k)
+            setattr(dist, n, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self._orig.items():
+            setattr(dist, n, f)
+
+
+def _expected_tp_bytes(model, tp) -> tuple[int, int]:
+    """docs/tensor-parallel.md's formula for this rank: per trainable split matrix it owns, with
+    fragments n_t (elements) and stepper s (Newton-Schulz FLOPs balanced largest first, ties to
+    the lower rank): a non-stepper sends 4 n_t (float32 update) and receives 2 n_t (bfloat16
+    result); the stepper receives 4 (N - n_s) and sends 2 (N - n_s). TP-replicated: nothing."""
+    t_size, me = dist.get_world_size(tp), dist.get_rank(tp)
+    mats = []
+    for n, p in model.named_parameters():
+        dim = split_dim(n)
+        if dim is not None and p.numel():
+            full = gather_tp(torch.zeros(p.shape), dim, tp).shape
+            m, k = sorted(full)
+            mats.append((-(5 * (4 * m * m * k + 2 * m ** 3)), n, [c.numel() for c in torch.zeros(full).chunk(t_size, dim)]))
+    loads, sent, recv = [0] * t_size, 0, 0
+    for neg, _, sizes in sorted(mats, key=lambda x: (x[0], x[1])):
+        s = min(range(t_size), key=lambda r: (loads[r], r))
+        loads[s] -= neg
+        if me == s:
+            recv, sent = recv + 4 * (sum(sizes) - sizes[s]), sent + 2 * (sum(sizes) - sizes[s])
+        else:
+            sent, recv = sent + 4 * sizes[me], recv + 2 * sizes[me]
+    return sent, recv
+
+
+def _trajectory(mesh, steps: int, check_bytes: bool, **options) -> dict:
+    """The sharded run against the whole-matrix and the blockwise references, step by step."""
+    from lightning_matrixfsdp.runtime.tags import state_of
+
+    tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
+    tp_peers = set(dist.get_process_group_ranks(tp)) - {dist.get_rank()}
+    model = _sharded(mesh, **options)
+    opt = _ours("muon", list(model.parameters()))
+    ref, blockwise = Reference(mesh), Reference(mesh, blockwise=True)
+    stats = state_of(model).stats
+    out = {"loss_equal": True, "weights_equal": True, "blockwise_equal": True, "bytes": [], "calls": set(),
+           "foreign_peers": set()}
+    for step in range(steps):
+        x = batch(step, dp_rank)
+        loss = loss_of(model, x)
+        loss.backward()
+        before = dict(stats.snapshot().get("tp", {"sent": 0, "recv": 0}))
+        with _Watch() as w:
+            opt.step()
+        after = stats.snapshot()["tp"]
+        out["bytes"].append((after["sent"] - before["sent"], after["recv"] - before["recv"]))
+        out["calls"] |= set(w.calls)
+        out["foreign_peers"] |= w.peers - tp_peers
+        opt.zero_grad()
+        out["loss_equal"] &= loss.item() == ref.step(x)
+        blockwise.step(x)
+        for n, p in model.named_parameters():
+            if p.numel():  # held here: the reference's fragment, bit for bit
+                out["weights_equal"] &= torch.equal(p.detach(), ref.fragment(n))
+                out["blockwise_equal"] &= torch.equal(p.detach(), blockwise.fragment(n))
+    if check_bytes:
+        out["expected_bytes"] = _expected_tp_bytes(model, tp)
+    return out
+
+
+def _worker(rank, world):
+    mesh = _mesh()
+    res = {kind: _step_oracle(kind, mesh) for kind in ("muon", "shampoo", "soap")}
+    res["trajectory"] = _trajectory(mesh, 20, check_bytes=True)
+    res["hsdp"] = _trajectory(mesh, 3, check_bytes=False, shard_size=1)
+    return res
+
+
+@functools.lru_cache(maxsize=1)
+def _results():
+    return run_distributed(_worker, 4, timeout=420)
+
+
+@pytest.mark.parametrize("kind", ["muon", "shampoo", "soap"])
+def test_step_oracle_every_fragment_and_state_is_the_whole_matrix_step(kind):
+    for rank, r in enumerate(_results()):
+        got = r[kind]
+        assert got["checked"] > 0 and got["state_checked"] > 0, (rank, got)
+        assert not got["bad"], (rank, got["bad"][:5])
+
+
+def test_trajectory_20_steps_bitwise_the_whole_matrix_reference_and_not_blockwise():
+    res = [r["trajectory"] for r in _results()]
+    assert all(r["loss_equal"] and r["weights_equal"] for r in res), res
+    # negative control: orthogonalizing each fragment alone gives another trajectory
+    assert not all(r["blockwise_equal"] for r in res)
+
+
+def test_step_talks_only_inside_the_tp_group_and_tp_bytes_follow_the_formula():
+    for rank, r in enumerate(_results()):
+        t = r["trajectory"]
+        assert t["calls"] <= {"batch_isend_irecv"}, (rank, t["calls"])  # no collective, no DP traffic
+        assert not t["foreign_peers"], (rank, t["foreign_peers"])
+        assert all(b == t["expected_bytes"] for b in t["bytes"]), (rank, t["bytes"][:2], t["expected_bytes"])
+        assert t["expected_bytes"] != (0, 0)
+
+
+def test_hsdp_with_tensor_parallelism_equals_the_reference():
+    res = [r["hsdp"] for r in _results()]
+    assert all(r["loss_equal"] and r["weights_equal"] for r in res), res

@@ -1,0 +1,139 @@
+"""Tensor-parallel test helpers: a tiny model with every kind of split, its TP plan, and the
+plain reference the sharded runs are held to (independent of the runtime).
+
+The reference is data parallel plus the *same* TP plan: the model is parallelized as in the
+sharded run (so forward and backward are the same float operations), each local gradient is
+averaged over the data-parallel ranks in rank order, and every TP-split matrix is gathered
+whole over the TP group and stepped by ``torch.optim.Muon`` on the whole matrix; every rank
+keeps its slice. ``blockwise=True`` steps each fragment alone instead (the negative control:
+Megatron's blockwise mode, whose update depends on the TP size).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+
+#: split matrices of a block: name -> the dimension ``parallelize_module`` splits
+SPLIT = {"qkv.weight": 0, "proj.weight": 1, "up.weight": 0, "down.weight": 1}
+
+
+class Block(nn.Module):
+    """A fused QKV (colwise) into a rowwise projection; an uneven colwise/rowwise pair (11 over 2
+    ranks: 6 and 5); a matrix TP leaves whole (``gate``); a LayerNorm (replicated tail)."""
+
+    def __init__(self, d: int = 8, h: int = 11) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(3 * d, d)
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.gate = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj(torch.tanh(self.qkv(self.norm(x))))
+        return x + self.down(torch.relu(self.up(x))) + self.gate(x)
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d) for _ in range(layers)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def parallelize(model: Net, tp_mesh) -> Net:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for b in model.blocks:
+        parallelize_module(b, tp_mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
+                                        "up": ColwiseParallel(output_layouts=Replicate()),
+                                        "down": RowwiseParallel(input_layouts=Replicate())})
+    return model
+
+
+def split_dim(name: str):
+    return SPLIT.get(name.split(".", 2)[-1]) if name.startswith("blocks.") else None
+
+
+def batch(step: int, dp_rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + 17 * step + dp_rank)
+    return torch.randn(4, 8, generator=g)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def gather_tp(t: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
+    parts = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(parts, t.detach().cpu(), group=tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+def slice_of(whole: torch.Tensor, dim: int, tp_group) -> torch.Tensor:
+    """This TP rank's fragment of ``whole`` (DTensor's Shard: torch.chunk)."""
+    return whole.chunk(dist.get_world_size(tp_group), dim=dim)[dist.get_rank(tp_group)]
+
+
+def dp_mean(g: torch.Tensor, dp_group) -> torch.Tensor:
+    """The data-parallel mean, summed in data-parallel rank order."""
+    n = dist.get_world_size(dp_group)
+    parts = [torch.empty_like(g) for _ in range(n)]
+    dist.all_gather(parts, g.contiguous(), group=dp_group)
+    total = parts[0].clone()
+    for x in parts[1:]:
+        total.add_(x)
+    return total / n
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class Reference:
+    """The plain reference run (see the module docstring) on a (data_parallel, tensor_parallel) mesh."""
+
+    def __init__(self, mesh, blockwise: bool = False, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = parallelize(Net(), mesh["tensor_parallel"])
+        self.tp, self.dp = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_group()
+        self.blockwise = blockwise
+        self.mirrors: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            dim = split_dim(name)
+            t = local(p).detach()
+            self.mirrors[name] = (gather_tp(t, dim, self.tp) if dim is not None and not blockwise else t).clone()
+        mats = [m for n, m in self.mirrors.items() if m.ndim == 2]
+        rest = [m for n, m in self.mirrors.items() if m.ndim != 2]
+        self.opts = [torch.optim.Muon(mats, **MUON_DEFAULTS), torch.optim.AdamW(rest, **ADAMW_DEFAULTS)]
+
+    def step(self, x: torch.Tensor) -> float:
+        loss = loss_of(self.model, x)
+        loss.backward()
+        for name, p in self.model.named_parameters():
+            g = dp_mean(local(p.grad), self.dp)
+            dim = split_dim(name)
+            self.mirrors[name].grad = gather_tp(g, dim, self.tp) if dim is not None and not self.blockwise else g
+            p.grad = None
+        for o in self.opts:
+            o.step()
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                m, dim = self.mirrors[name], split_dim(name)
+                local(p).copy_(slice_of(m, dim, self.tp) if dim is not None and not self.blockwise else m)
+        return loss.item()
+
+    def fragment(self, name: str) -> torch.Tensor:
+        return local(dict(self.model.named_parameters())[name]).detach()
