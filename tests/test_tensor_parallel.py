@@ -220,14 +220,57 @@ def _trajectory(mesh, steps: int, check_bytes: bool, **options) -> dict:
     return out
 
 
+def _trainer(mesh) -> dict:
+    """``MatrixFSDPStrategy(tensor_parallel_size=2)``: ``configure_model`` sees Lightning's mesh and
+    parallelizes; the strategy shards; the TP ranks read the same batches; 3 steps equal the reference."""
+    from lightning.pytorch import LightningModule, Trainer
+
+    import lightning_matrixfsdp as mf
+
+    class LitTP(LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.seen, self.losses, self.names = Net(), [], [], None
+
+        def configure_model(self):
+            self.names = tuple(self.device_mesh.mesh_dim_names)
+            parallelize(self.net, self.device_mesh["tensor_parallel"])
+
+        def training_step(self, x, i):
+            loss = loss_of(self.net, x)
+            self.seen.append(x.clone())
+            self.losses.append(loss.item())
+            return loss
+
+        def train_dataloader(self):
+            data = torch.randn(32, 8, generator=torch.Generator().manual_seed(3))
+            return torch.utils.data.DataLoader(list(data), batch_size=4)
+
+        def configure_optimizers(self):
+            a = ADAMW_DEFAULTS
+            return mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"],
+                           adamw_weight_decay=a["weight_decay"], **MUON_DEFAULTS)
+
+    lit = LitTP()
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPStrategy(tensor_parallel_size=2),
+                      max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    trainer.fit(lit)
+    ref = Reference(mesh)
+    return {"names": lit.names, "losses": lit.losses, "ref": [ref.step(x) for x in lit.seen],
+            "first_batch": lit.seen[0].sum().item()}
+
+
 def _worker(rank, world):
     import os
     mesh = _mesh()
-    if os.environ.get("TP_ONLY_HSDP"):
-        return {"hsdp": _trajectory(mesh, 3, check_bytes=False, shard_size=1)}
+    if os.environ.get("TP_ONLY_TRAINER"):
+        return {"trainer": _trainer(mesh)}
     res = {kind: _step_oracle(kind, mesh) for kind in ("muon", "shampoo", "soap")}
     res["trajectory"] = _trajectory(mesh, 20, check_bytes=True)
     res["hsdp"] = _trajectory(mesh, 3, check_bytes=False, shard_size=1)
+    res["trainer"] = _trainer(mesh)
     return res
 
 
@@ -263,3 +306,11 @@ def test_step_talks_only_inside_the_tp_group_and_tp_bytes_follow_the_formula():
 def test_hsdp_with_tensor_parallelism_equals_the_reference():
     res = [r["hsdp"] for r in _results()]
     assert all(r["loss_equal"] and r["weights_equal"] for r in res), res
+
+
+def test_trainer_path_tp_ranks_share_batches_and_equal_the_reference():
+    res = [r["trainer"] for r in _results()]
+    assert all(r["names"] == ("data_parallel", "tensor_parallel") for r in res), res
+    assert all(len(r["losses"]) == 3 and r["losses"] == r["ref"] for r in res), res
+    firsts = [r["first_batch"] for r in res]
+    assert firsts[0] == firsts[1] and firsts[2] == firsts[3] and firsts[0] != firsts[2], firsts  # keyed on DP rank

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
 from lightning_matrixfsdp.runtime.tags import tag_param
+from lightning_matrixfsdp.runtime.tp_comm import as_dtensor, local_fragment
 
 
 def placeholder_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -83,13 +84,7 @@ class ShardedParam:
 
     def _wrap(self, local: torch.Tensor) -> torch.Tensor:
         """The unsharded tensor: ``local`` itself, or under TP the DTensor over it (same storage)."""
-        if self.dtensor is None:
-            return local
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, shape, stride = self.dtensor
-        with torch.no_grad():
-            return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return local if self.dtensor is None else as_dtensor(local, self.dtensor)
 
     # ------------------------------------------------------------------ resident state
     def _make_resident(self) -> None:
@@ -159,7 +154,7 @@ class ShardedParam:
         if g is None:
             return None
         if self.dtensor is not None:
-            g = self._local_grad(g)
+            g = local_fragment(g, self.dtensor[1])
         if g.layout != torch.strided:
             raise RuntimeError(
                 f"parameter {self.shard.fqn!r} got a {g.layout} gradient (e.g. from nn.Embedding(sparse=True)); "
@@ -168,18 +163,6 @@ class ShardedParam:
         if g.dtype != self.reduce_dtype:
             g = g.to(self.reduce_dtype)
         return g.contiguous()
-
-    def _local_grad(self, g: Any) -> torch.Tensor:
-        """This TP rank's fragment of a DTensor gradient, in the parameter's own placement (a
-        ``Partial`` gradient is reduced over the TP group first, inside DTensor)."""
-        from torch.distributed.tensor import DTensor
-
-        if not isinstance(g, DTensor):
-            return g
-        placements = self.dtensor[1]
-        if tuple(g.placements) != tuple(placements):
-            g = g.redistribute(placements=placements)
-        return g.to_local()
 
     def accumulate_grad(self, g: torch.Tensor) -> None:
         """Add the reduced full gradient to the resident parameter's ``.grad`` (owner only)."""

@@ -13,7 +13,7 @@ in the step communicates: the data-parallel group sees no byte.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup, nbytes, wait_all
 from lightning_matrixfsdp.runtime.tp import TPLayout
 
-__all__ = ["TP_PHASE", "TPFragment", "gather_to_steppers", "scatter_from_steppers"]
+__all__ = ["TP_PHASE", "TPFragment", "as_dtensor", "gather_to_steppers", "local_fragment", "scatter_from_steppers"]
 
 TP_PHASE = "tp"
 
@@ -120,3 +120,25 @@ def scatter_from_steppers(frags: Sequence[TPFragment], wholes: Sequence[Optional
         frags[0].stats.add(TP_PHASE, sent, recv, calls=1 if ops else 0)
     return out
 
+
+
+def as_dtensor(local: torch.Tensor, spec: tuple[Any, tuple, torch.Size, tuple[int, ...]]) -> torch.Tensor:
+    """The DTensor over ``local`` (same storage) with ``spec`` = (TP mesh, placements, global shape,
+    global stride): what a unit registers in forward, as ``parallelize_module`` placed it."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = spec
+    with torch.no_grad():
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def local_fragment(g: Any, placements: tuple) -> torch.Tensor:
+    """This TP rank's fragment of a DTensor gradient in the parameter's placements (a ``Partial``
+    gradient is reduced over the TP group first, by DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(g, DTensor):
+        return g
+    if tuple(g.placements) != tuple(placements):
+        g = g.redistribute(placements=placements)
+    return g.to_local()
