@@ -37,7 +37,7 @@ from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
-from lightning_matrixfsdp.runtime.tags import attach_state, tag_tp
+from lightning_matrixfsdp.runtime.tags import attach_state, tag_tp, tag_tp_shape
 from lightning_matrixfsdp.runtime.topology_comm import resolve
 from lightning_matrixfsdp.runtime.tp import local_data, read_layout
 from lightning_matrixfsdp.runtime.tp_comm import TPFragment
@@ -292,6 +292,8 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
                    for shard in layout.shards]
         if tp_plan is not None:
             for sp in sparams:
+                if tp_plan.layouts[sp.shard.fqn].split:
+                    tag_tp_shape(sp.resident, tp_plan.layouts[sp.shard.fqn].global_shape)
                 if sp.shard.fqn in tp_plan.steppers:
                     tag_tp(sp.resident, TPFragment(tp_plan.layouts[sp.shard.fqn], mesh.tp,
                                                    tp_plan.steppers[sp.shard.fqn], stats))
