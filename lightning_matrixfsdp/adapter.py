@@ -28,7 +28,7 @@ from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
 
 __all__ = [
     "SETUP_ORDER", "apply_activation_checkpointing", "build_replacement", "check_optimizers_follow",
-    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "refuse_tp_clip", "tensor_parallel", "release_unfinished", "replicas_after_step",
+    "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "release_unfinished", "replicas_after_step",
     "route_optimizers", "set_gradient_sync", "settle_replicas", "shard_module", "sync_buffers",
 ]
 
@@ -85,38 +85,24 @@ def shard_module(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, de
     matrix_shard(module, config=config, mesh=mesh, device=device)
 
 
-def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any]:
-    """(group, traffic stats) of the first sharded model inside ``module``: the global norm sums
-    the owners' pieces over the shard group (HSDP replicas hold equal gradients), or over the
-    world under ``replica_split`` (one replica holds each gradient)."""
+def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any, Optional[dist.ProcessGroup]]:
+    """(group, traffic stats, TP group) of the first sharded model inside ``module``: the global norm
+    sums the owners' pieces over the shard group (HSDP replicas hold equal gradients), or over the
+    world under ``replica_split`` (one replica holds each gradient), and over the TP group (None
+    without tensor parallelism)."""
     roots = sharded_roots(module)
     if not roots:
-        return None, None
+        return None, None, None
     state = state_of(roots[0])
-    return state.norm_group, state.stats
-
-
-def tensor_parallel(module: nn.Module) -> bool:
-    """Whether a sharded model inside ``module`` is tensor parallel."""
-    return any(state_of(r).mesh.tp_size > 1 for r in sharded_roots(module))
-
-
-def refuse_tp_clip(module: Optional[nn.Module] = None) -> None:
-    """Global-norm clipping of a tensor-parallel model (``module``'s, or known to be) is not served
-    yet: say so (every rank clips, so every rank raises)."""
-    if module is None or tensor_parallel(module):
-        raise ValueError("global-norm clipping of a tensor-parallel model (tensor_parallel_size > 1) is not supported "
-                         "yet: the norm must add the TP fragments' norms as well (docs/tensor-parallel.md, 'Not done "
-                         "yet'); train without gradient_clip_val / clip_gradients")
+    return state.norm_group, state.stats, state.mesh.tp_group
 
 
 def clip_gradients_norm(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: Union[float, int],
                         norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip ``parameters`` by the global norm of the owner-sharded gradients of ``module``."""
-    refuse_tp_clip(module)
-    group, stats = clip_group(module)
+    group, stats, tp_group = clip_group(module)
     return clip_grad_norm_(list(parameters), float(max_norm), norm_type=float(norm_type), group=group,
-                           error_if_nonfinite=error_if_nonfinite, stats=stats)
+                           error_if_nonfinite=error_if_nonfinite, stats=stats, tp_group=tp_group)
 
 
 def build_replacement(factory: Callable[[Iterable[nn.Parameter]], Optimizer], params: Sequence[nn.Parameter],

@@ -38,13 +38,57 @@ def _mesh():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
-def _sharded(mesh, **options):
+def _sharded(mesh, checkpointing: bool = False, **options):
     import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.adapter import apply_activation_checkpointing
+    from tp_reference import Block
 
     torch.manual_seed(0)
     model = parallelize(Net(), mesh["tensor_parallel"])
+    if checkpointing:
+        apply_activation_checkpointing(model, {Block})
     mf.matrix_shard(model, mesh=mesh, **options)
     return model
+
+
+def _clip(mesh) -> dict:
+    """Global-norm clipping over both groups against torch's norm of the whole DP-mean gradients."""
+    import lightning_matrixfsdp as mf
+
+    dp_rank = mesh["data_parallel"].get_local_rank()
+    model, ref = _sharded(mesh), Reference(mesh)
+    x = batch(0, dp_rank)
+    loss_of(model, x).backward()
+    whole = ref.whole_grads(x)
+    want = torch.nn.utils.get_total_norm(whole)
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    total = mf.clip_grad_norm_(model, 0.05)
+    coef = min(0.05 / (want.item() + 1e-6), 1.0)
+    scaled = all(torch.allclose(p.grad, before[n] * coef, rtol=1e-6, atol=0)
+                 for n, p in model.named_parameters() if p.grad is not None)
+    return {"total": total.item(), "want": want.item(), "scaled": scaled, "clipped": coef < 1}
+
+
+def _refusals(mesh) -> dict:
+    """What matrix_shard refuses before any collective: the messages, per case."""
+    import lightning_matrixfsdp as mf
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    out = {}
+    for case in ("partial", "2d"):
+        torch.manual_seed(0)
+        model = parallelize(Net(), mesh["tensor_parallel"])
+        w = model.head.weight
+        if case == "partial":
+            model.head.weight = torch.nn.Parameter(DTensor.from_local(w.detach(), mesh["tensor_parallel"], [Partial()]))
+        else:
+            model.head.weight = torch.nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(0), Shard(1)]))
+        try:
+            mf.matrix_shard(model, mesh=mesh)
+            out[case] = "no error"
+        except ValueError as e:
+            out[case] = str(e)
+    return out
 
 
 def _ours(kind, params):
@@ -183,23 +227,26 @@ def _expected_tp_bytes(model, tp) -> tuple[int, int]:
     return sent, recv
 
 
-def _trajectory(mesh, steps: int, check_bytes: bool, **options) -> dict:
-    """The sharded run against the whole-matrix and the blockwise references, step by step."""
+def _trajectory(mesh, steps: int, check_bytes: bool, micro: int = 1, checkpointing: bool = False,
+                **options) -> dict:
+    """The sharded run against the whole-matrix and the blockwise references, step by step
+    (``micro`` batches per step; ``checkpointing``: the blocks recomputed in backward)."""
     from lightning_matrixfsdp.runtime import sync_replicas
     from lightning_matrixfsdp.runtime.tags import state_of
 
     tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
     tp_peers = set(dist.get_process_group_ranks(tp)) - {dist.get_rank()}
-    model = _sharded(mesh, **options)
+    model = _sharded(mesh, checkpointing=checkpointing, **options)
     opt = _ours("muon", list(model.parameters()))
     ref, blockwise = Reference(mesh), Reference(mesh, blockwise=True)
     stats = state_of(model).stats
     out = {"loss_equal": True, "weights_equal": True, "blockwise_equal": True, "bytes": [], "calls": set(),
            "foreign_peers": set()}
     for step in range(steps):
-        x = batch(step, dp_rank)
-        loss = loss_of(model, x)
-        loss.backward()
+        x = batch(step, dp_rank) if micro == 1 else [batch(step * micro + i, dp_rank) for i in range(micro)]
+        for xb in (x if micro > 1 else [x]):
+            loss = loss_of(model, xb)
+            loss.backward()
         before = dict(stats.snapshot().get("tp", {"sent": 0, "recv": 0}))
         with _Watch() as w:
             opt.step()
@@ -209,8 +256,8 @@ def _trajectory(mesh, steps: int, check_bytes: bool, **options) -> dict:
         out["foreign_peers"] |= w.peers - tp_peers
         sync_replicas(model)  # HSDP's replica_split: the stepping replica's weights reach the other one
         opt.zero_grad()
-        out["loss_equal"] &= loss.item() == ref.step(x)
-        blockwise.step(x)
+        out["loss_equal"] &= loss.item() == ref.step(x, micro)
+        blockwise.step(x, micro)
         for n, p in model.named_parameters():
             if p.numel():  # held here: the reference's fragment, bit for bit
                 out["weights_equal"] &= torch.equal(p.detach(), ref.fragment(n))
@@ -265,11 +312,15 @@ def _trainer(mesh) -> dict:
 def _worker(rank, world):
     import os
     mesh = _mesh()
-    if os.environ.get("TP_ONLY_TRAINER"):
-        return {"trainer": _trainer(mesh)}
+    if os.environ.get("TP_ONLY_NEW"):
+        return {"accumulation_checkpointing": _trajectory(mesh, 2, check_bytes=False, micro=2, checkpointing=True),
+                "clip": _clip(mesh), "refusals": _refusals(mesh)}
     res = {kind: _step_oracle(kind, mesh) for kind in ("muon", "shampoo", "soap")}
     res["trajectory"] = _trajectory(mesh, 20, check_bytes=True)
     res["hsdp"] = _trajectory(mesh, 3, check_bytes=False, shard_size=1)
+    res["accumulation_checkpointing"] = _trajectory(mesh, 2, check_bytes=False, micro=2, checkpointing=True)
+    res["clip"] = _clip(mesh)
+    res["refusals"] = _refusals(mesh)
     res["trainer"] = _trainer(mesh)
     return res
 
@@ -314,3 +365,23 @@ def test_trainer_path_tp_ranks_share_batches_and_equal_the_reference():
     assert all(len(r["losses"]) == 3 and r["losses"] == r["ref"] for r in res), res
     firsts = [r["first_batch"] for r in res]
     assert firsts[0] == firsts[1] and firsts[2] == firsts[3] and firsts[0] != firsts[2], firsts  # keyed on DP rank
+
+
+def test_accumulation_and_activation_checkpointing_with_tp_equal_the_reference():
+    res = [r["accumulation_checkpointing"] for r in _results()]
+    assert all(r["loss_equal"] and r["weights_equal"] for r in res), res
+
+
+def test_clipping_takes_the_norm_over_both_groups():
+    res = [r["clip"] for r in _results()]
+    assert len({r["total"] for r in res}) == 1, res  # every rank the same total
+    for r in res:
+        assert r["clipped"] and r["scaled"], r
+        assert abs(r["total"] - r["want"]) <= 1e-6 * r["want"], r
+
+
+def test_partial_and_two_dimensional_placements_are_refused():
+    for r in _results():
+        msgs = r["refusals"]
+        assert "Partial" in msgs["partial"] and "Shard(0), Shard(1) and Replicate()" in msgs["partial"], msgs
+        assert "tensor-parallel mesh only" in msgs["2d"], msgs

@@ -18,6 +18,8 @@ from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 #: split matrices of a block: name -> the dimension ``parallelize_module`` splits
 SPLIT = {"qkv.weight": 0, "proj.weight": 1, "up.weight": 0, "down.weight": 1}
+#: split biases (the colwise layers'): AdamW steps them where they are, the norm gathers them
+SPLIT_BIAS = {"qkv.bias": 0, "up.bias": 0}
 
 
 class Block(nn.Module):
@@ -119,14 +121,22 @@ class Reference:
         rest = [m for n, m in self.mirrors.items() if m.ndim != 2]
         self.opts = [torch.optim.Muon(mats, **MUON_DEFAULTS), torch.optim.AdamW(rest, **ADAMW_DEFAULTS)]
 
-    def step(self, x: torch.Tensor) -> float:
-        loss = loss_of(self.model, x)
-        loss.backward()
-        for name, p in self.model.named_parameters():
-            g = dp_mean(local(p.grad), self.dp)
+    def step(self, x, micro: int = 1) -> float:
+        """One optimizer step on ``x`` (or on each of ``micro`` batches in the list ``x``, every
+        micro-batch's DP mean added up as the sharded run's reductions add them)."""
+        xs = x if micro > 1 else [x]
+        grads: dict[str, torch.Tensor] = {}
+        for xb in xs:
+            loss = loss_of(self.model, xb)
+            loss.backward()
+            for name, p in self.model.named_parameters():
+                g = dp_mean(local(p.grad), self.dp)
+                grads[name] = g if name not in grads else grads[name].add_(g)
+                p.grad = None
+        for name in grads:
             dim = split_dim(name)
+            g = grads[name]
             self.mirrors[name].grad = gather_tp(g, dim, self.tp) if dim is not None and not self.blockwise else g
-            p.grad = None
         for o in self.opts:
             o.step()
         with torch.no_grad():
@@ -134,6 +144,17 @@ class Reference:
                 m, dim = self.mirrors[name], split_dim(name)
                 local(p).copy_(slice_of(m, dim, self.tp) if dim is not None and not self.blockwise else m)
         return loss.item()
+
+    def whole_grads(self, x) -> list:
+        """The DP-mean gradients of one batch, whole (split ones gathered), in parameter order."""
+        loss_of(self.model, x).backward()
+        out = []
+        for name, p in self.model.named_parameters():
+            dim = split_dim(name) if split_dim(name) is not None else SPLIT_BIAS.get(name.split(".", 2)[-1])
+            g = dp_mean(local(p.grad), self.dp)
+            out.append(gather_tp(g, dim, self.tp) if dim is not None else g)
+            p.grad = None
+        return out
 
     def fragment(self, name: str) -> torch.Tensor:
         return local(dict(self.model.named_parameters())[name]).detach()

@@ -48,6 +48,11 @@ def tag_tp_shape(p: Any, shape: tuple[int, ...]) -> None:
     setattr(p, _TP_SHAPE, tuple(shape))
 
 
+def tp_shape_of(p: Any) -> Optional[tuple[int, ...]]:
+    """The whole shape of a TP-split parameter's fragment, or None (whole on this rank, or replicated)."""
+    return getattr(p, _TP_SHAPE, None)
+
+
 def tp_of(p: Any) -> Optional[Any]:
     """The ``TPFragment`` of a TP-split parameter, or None (whole on this rank, or replicated)."""
     return getattr(p, _TP, None)
