@@ -309,18 +309,64 @@ def _trainer(mesh) -> dict:
             "first_batch": lit.seen[0].sum().item()}
 
 
+def _fabric(mesh) -> dict:
+    """``MatrixFSDPFabricStrategy(tensor_parallel_size=2)``: parallelize on the strategy's mesh, then
+    ``setup_module`` shards; 3 steps bitwise the reference."""
+    from lightning.fabric import Fabric
+
+    import lightning_matrixfsdp as mf
+
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPFabricStrategy(tensor_parallel_size=2))
+    fabric.launch()
+    names = tuple(fabric.strategy.device_mesh.mesh_dim_names)
+    torch.manual_seed(0)
+    net = parallelize(Net(), fabric.strategy.device_mesh["tensor_parallel"])
+    model = fabric.setup_module(net)
+    opt = fabric.setup_optimizers(_ours("muon", list(model.parameters())))
+    ref, dp_rank, same = Reference(mesh), mesh["data_parallel"].get_local_rank(), True
+    for step in range(3):
+        x = batch(step, dp_rank)
+        loss = loss_of(model, x)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        same &= loss.item() == ref.step(x)
+    same &= all(torch.equal(p.detach(), ref.fragment(n)) for n, p in net.named_parameters() if p.numel())
+    return {"names": names, "same": same}
+
+
+def _bf16(mesh) -> dict:
+    """``param_dtype=bfloat16`` with TP: the DTensors carry bfloat16 fragments; the run stays near
+    the float32 reference (a stated tolerance: 5% relative on each of 3 losses)."""
+    dp_rank = mesh["data_parallel"].get_local_rank()
+    model = _sharded(mesh, param_dtype=torch.bfloat16)
+    opt = _ours("muon", list(model.parameters()))
+    ref, losses, refs = Reference(mesh), [], []
+    for step in range(3):
+        x = batch(step, dp_rank)
+        loss = loss_of(model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.float().item())
+        refs.append(ref.step(x))
+    return {"losses": losses, "ref": refs}
+
+
 def _worker(rank, world):
     import os
     mesh = _mesh()
     if os.environ.get("TP_ONLY_NEW"):
         return {"accumulation_checkpointing": _trajectory(mesh, 2, check_bytes=False, micro=2, checkpointing=True),
-                "clip": _clip(mesh), "refusals": _refusals(mesh)}
+                "clip": _clip(mesh), "refusals": _refusals(mesh), "bf16": _bf16(mesh), "fabric": _fabric(mesh)}
     res = {kind: _step_oracle(kind, mesh) for kind in ("muon", "shampoo", "soap")}
     res["trajectory"] = _trajectory(mesh, 20, check_bytes=True)
     res["hsdp"] = _trajectory(mesh, 3, check_bytes=False, shard_size=1)
     res["accumulation_checkpointing"] = _trajectory(mesh, 2, check_bytes=False, micro=2, checkpointing=True)
     res["clip"] = _clip(mesh)
     res["refusals"] = _refusals(mesh)
+    res["bf16"] = _bf16(mesh)
+    res["fabric"] = _fabric(mesh)
     res["trainer"] = _trainer(mesh)
     return res
 
@@ -385,3 +431,14 @@ def test_partial_and_two_dimensional_placements_are_refused():
         msgs = r["refusals"]
         assert "Partial" in msgs["partial"] and "Shard(0), Shard(1) and Replicate()" in msgs["partial"], msgs
         assert "tensor-parallel mesh only" in msgs["2d"], msgs
+
+
+def test_fabric_path_with_tp_equals_the_reference():
+    res = [r["fabric"] for r in _results()]
+    assert all(r["names"] == ("data_parallel", "tensor_parallel") and r["same"] for r in res), res
+
+
+def test_bf16_compute_with_tp_stays_near_the_float32_reference():
+    for r in _results():
+        b = r["bf16"]
+        assert all(abs(a - w) <= 0.05 * abs(w) for a, w in zip(b["losses"], b["ref"])), b
