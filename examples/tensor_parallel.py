@@ -1,14 +1,16 @@
 """Tensor parallelism inside a node, owner sharding across the rest: the demo GPT on 4 CPU processes.
 
-The world of 4 ranks is ``data_parallel 2 x tensor_parallel 2``. ``configure_model`` applies a
-Llama-style plan to every block with ``parallelize_module`` on ``self.device_mesh["tensor_parallel"]``:
-the MLP's first matrix colwise and its second rowwise (the activation stays split between
-them), the fused attention matrices colwise/rowwise too. The demo's fused ``qkv`` keeps q, k and
-v one after another, so a colwise split would hand a TP rank parts of q and k instead of whole
-heads; its output is therefore gathered (``output_layouts=Replicate()``) before the heads are
-formed, and the projection takes the full activation. A model with separate q/k/v (or
-head-interleaved rows) would keep the attention split as the MLP does. Everything else
-(embeddings, norms, the head) is replicated over the TP group.
+The world of 4 ranks is ``data_parallel 2 x tensor_parallel 2``. The model,
+``lightning_matrixfsdp.demos.TensorParallelGPT``, applies a Llama-style plan to every block in
+its ``configure_model`` (``parallelize_module`` on ``self.device_mesh["tensor_parallel"]``): the
+MLP's first matrix colwise and its second rowwise (the activation stays split between them), the
+fused attention matrices colwise/rowwise too. The demo's fused ``qkv`` keeps q, k and v one after
+another, so a colwise split would hand a TP rank parts of q and k instead of whole heads; its
+output is therefore gathered (``output_layouts=Replicate()``) before the heads are formed, and
+the projection takes the full activation. A model with separate q/k/v (or head-interleaved rows)
+would keep the attention split as the MLP does. Everything else (embeddings, norms, the head) is
+replicated over the TP group. The same model runs from the command line with
+``examples/tensor_parallel.yaml``.
 
 The strategy then owner-shards every fragment over the 2 data-parallel ranks. Muon steps each
 TP-split matrix whole on one TP rank (bit for bit the whole-matrix update) and nothing crosses
@@ -26,26 +28,7 @@ from functools import partial
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 import lightning_matrixfsdp as mf
-from lightning_matrixfsdp.demos import GPT, ByteTextDataModule
-
-
-class TensorParallelGPT(GPT):
-    """The demo GPT with a TP plan applied in ``configure_model``."""
-
-    def configure_model(self) -> None:
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        mesh = self.device_mesh  # Lightning's (data_parallel, tensor_parallel) mesh
-        assert tuple(mesh.mesh_dim_names) == ("data_parallel", "tensor_parallel")
-        plan = {
-            "mlp.fc": ColwiseParallel(),
-            "mlp.proj": RowwiseParallel(),
-            "attn.qkv": ColwiseParallel(output_layouts=Replicate()),
-            "attn.proj": RowwiseParallel(input_layouts=Replicate()),
-        }
-        for block in self.blocks:
-            parallelize_module(block, mesh["tensor_parallel"], plan)
+from lightning_matrixfsdp.demos import GPT, ByteTextDataModule, TensorParallelGPT
 
 
 class BytesReport(Callback):
