@@ -494,3 +494,20 @@ def test_bf16_compute_with_tp_stays_near_the_float32_reference():
     for r in _results():
         b = r["bf16"]
         assert all(abs(a - w) <= 0.05 * abs(w) for a, w in zip(b["losses"], b["ref"])), b
+
+
+def test_cli_yaml_builds_the_tp_strategy_and_model(monkeypatch):
+    """examples/tensor_parallel.yaml through LightningCLI (parsed and instantiated, not run: the 4-process
+    run is the example itself, run by hand for the report)."""
+    import sys
+    from pathlib import Path
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.cli import cli_main
+    from lightning_matrixfsdp.demos import TensorParallelGPT
+
+    monkeypatch.setattr(sys, "argv", ["lightning-matrixfsdp"])
+    cli = cli_main(["--config", str(Path(__file__).parents[1] / "examples" / "tensor_parallel.yaml")], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.config.tensor_parallel_size == 2
+    assert isinstance(cli.model, TensorParallelGPT)
