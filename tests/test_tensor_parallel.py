@@ -511,3 +511,17 @@ def test_cli_yaml_builds_the_tp_strategy_and_model(monkeypatch):
     strategy = cli.trainer.strategy
     assert isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.config.tensor_parallel_size == 2
     assert isinstance(cli.model, TensorParallelGPT)
+
+
+def test_a_tp_group_across_nodes_warns(monkeypatch):
+    import warnings
+
+    from lightning_matrixfsdp.runtime.mesh_comm import warn_if_tp_spans_nodes
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_tp_spans_nodes([2, 3])  # one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.warns(UserWarning, match="spans nodes"):
+        warn_if_tp_spans_nodes([2, 3])
