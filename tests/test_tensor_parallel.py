@@ -257,7 +257,7 @@ def _trajectory(mesh, steps: int, check_bytes: bool, micro: int = 1, checkpointi
         before = dict(stats.snapshot().get("tp", {"sent": 0, "recv": 0}))
         with _Watch() as w:
             opt.step()
-        after = stats.snapshot()["tp"]
+        after = stats.snapshot().get("tp", {"sent": 0, "recv": 0})
         out["bytes"].append((after["sent"] - before["sent"], after["recv"] - before["recv"]))
         out["calls"] |= set(w.calls)
         out["foreign_peers"] |= w.peers - tp_peers
