@@ -158,3 +158,33 @@ class Reference:
 
     def fragment(self, name: str) -> torch.Tensor:
         return local(dict(self.model.named_parameters())[name]).detach()
+
+
+class Unsplit:
+    """The unsplit model trained as one process would train it on every data-parallel rank's
+    batch (the DP mean of whole gradients, ``torch.optim.Muon`` / ``AdamW`` on whole tensors):
+    the TP run differs from it only by the order of the float operations TP splits."""
+
+    def __init__(self, mesh, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.model = Net()
+        self.dp = mesh["data_parallel"].get_group()
+        params = list(self.model.parameters())
+        self.opts = [torch.optim.Muon([p for p in params if p.ndim == 2], **MUON_DEFAULTS),
+                     torch.optim.AdamW([p for p in params if p.ndim != 2], **ADAMW_DEFAULTS)]
+
+    def step(self, x: torch.Tensor) -> float:
+        loss = loss_of(self.model, x)
+        loss.backward()
+        for p in self.model.parameters():
+            p.grad = dp_mean(p.grad, self.dp)
+        for o in self.opts:
+            o.step()
+            o.zero_grad()
+        return loss.item()
+
+    def fragment(self, name: str, tp_group) -> torch.Tensor:
+        """The slice of the whole parameter that TP rank holds (whole where TP does not split it)."""
+        whole = dict(self.model.named_parameters())[name].detach()
+        dim = split_dim(name) if split_dim(name) is not None else SPLIT_BIAS.get(name.split(".", 2)[-1])
+        return whole if dim is None else slice_of(whole, dim, tp_group)
