@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
 from lightning_matrixfsdp.runtime.tags import tag_param
+from lightning_matrixfsdp.runtime.tp import local_data
 from lightning_matrixfsdp.runtime.tp_comm import as_dtensor, local_fragment
 
 
@@ -45,8 +46,6 @@ class ShardedParam:
         #: fragment), so the parallel styles of ``parallelize_module`` see what they placed
         self.dtensor = dtensor
         if dtensor is not None:  # the resident is this rank's fragment, a plain tensor
-            from lightning_matrixfsdp.runtime.tp import local_data
-
             resident = nn.Parameter(local_data(resident).detach(), requires_grad=resident.requires_grad)
         self.resident = resident
         self.registrations = registrations
