@@ -100,6 +100,7 @@ def test_partial_and_two_dimensional_placements_are_refused():
         assert "Partial" in msgs["partial"] and "Shard(0), Shard(1) and Replicate()" in msgs["partial"], msgs
         assert "tensor-parallel mesh only" in msgs["2d"], msgs
         assert "checkpoints of a tensor-parallel model" in msgs["checkpoint"], msgs
+        assert "steps each fragment alone" in msgs["torch_muon"], msgs
 
 
 def test_mesh_sizes_must_multiply_to_the_world():

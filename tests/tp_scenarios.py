@@ -81,6 +81,12 @@ def _refusals(mesh) -> dict:
             out[case] = str(e)
     from lightning_matrixfsdp.runtime.checkpoint_view import model_view_of
 
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # a matrix optimizer of another package
+        warnings.simplefilter("always")
+        mf.route_optimizer(torch.optim.Muon([p for p in _sharded(mesh).parameters() if p.ndim == 2], lr=0.02))
+    out["torch_muon"] = " ".join(str(w.message) for w in caught)
     try:  # what a checkpoint save or load of a TP model reads first
         model_view_of(_sharded(mesh))
         out["checkpoint"] = "no error"
