@@ -47,15 +47,16 @@ def check_precision(precision: Optional[str], who: str) -> None:
         )
 
 
-def is_sharded(module: nn.Module, hint: str) -> bool:
+def is_sharded(module: nn.Module, hint: str, tensor_parallel: bool = False) -> bool:
     """True if ``module`` holds a model that ``matrix_shard`` sharded already; refuses FSDP1
-    wrappers and DTensor parameters (FSDP2, tensor parallelism), saying ``hint`` on how to fix it."""
+    wrappers and DTensor parameters (FSDP2, or tensor parallelism without ``tensor_parallel``:
+    with it, ``matrix_shard`` checks their placements), saying ``hint`` on how to fix it."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
         raise TypeError("Found FSDP1-wrapped modules; matrix_fsdp needs the plain model.")
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    if not tensor_parallel and any(isinstance(p, DTensor) for p in module.parameters()):
         raise TypeError(f"the model holds DTensor parameters (FSDP2 or tensor parallelism); {hint}")
     return bool(sharded_roots(module))
 
@@ -85,23 +86,24 @@ def shard_module(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, de
     matrix_shard(module, config=config, mesh=mesh, device=device)
 
 
-def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any]:
-    """(group, traffic stats) of the first sharded model inside ``module``: the global norm sums
-    the owners' pieces over the shard group (HSDP replicas hold equal gradients), or over the
-    world under ``replica_split`` (one replica holds each gradient)."""
+def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any, Optional[dist.ProcessGroup]]:
+    """(group, traffic stats, TP group) of the first sharded model inside ``module``: the global norm
+    sums the owners' pieces over the shard group (HSDP replicas hold equal gradients), or over the
+    world under ``replica_split`` (one replica holds each gradient), and over the TP group (None
+    without tensor parallelism)."""
     roots = sharded_roots(module)
     if not roots:
-        return None, None
+        return None, None, None
     state = state_of(roots[0])
-    return state.norm_group, state.stats
+    return state.norm_group, state.stats, state.mesh.tp_group
 
 
 def clip_gradients_norm(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: Union[float, int],
                         norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip ``parameters`` by the global norm of the owner-sharded gradients of ``module``."""
-    group, stats = clip_group(module)
+    group, stats, tp_group = clip_group(module)
     return clip_grad_norm_(list(parameters), float(max_norm), norm_type=float(norm_type), group=group,
-                           error_if_nonfinite=error_if_nonfinite, stats=stats)
+                           error_if_nonfinite=error_if_nonfinite, stats=stats, tp_group=tp_group)
 
 
 def build_replacement(factory: Callable[[Iterable[nn.Parameter]], Optimizer], params: Sequence[nn.Parameter],

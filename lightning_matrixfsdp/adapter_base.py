@@ -26,7 +26,7 @@ from lightning_matrixfsdp.runtime.mesh_comm import mesh_info
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 from lightning_matrixfsdp.runtime.waits import stop_waiter
 
-__all__ = ["MatrixFSDPAdapter", "adapter_signature"]
+__all__ = ["MatrixFSDPAdapter", "adapter_signature", "mesh_sizes"]
 
 #: Attribute names that differ from the option's (``optimizer`` is a factory, not an optimizer).
 _ATTRIBUTE = {"optimizer": "optimizer_factory"}
@@ -37,6 +37,20 @@ def adapter_signature(**defaults: Any) -> inspect.Signature:
     own ``defaults`` where they differ from the config's), ``config``."""
     me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return options_signature(ADAPTER, first=[me], defaults=defaults)
+
+
+def mesh_sizes(data_parallel: Any, tensor_parallel: Any, world: int, per_node: int) -> tuple[int, int]:
+    """(data-parallel size, tensor-parallel size) for the options' values (``"auto"`` TP: the
+    processes of a node; ``"auto"`` DP: the rest of the world), checked against the world."""
+    tp = per_node if tensor_parallel == "auto" else int(tensor_parallel)
+    if data_parallel == "auto":
+        if world % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the world size {world}")
+        return world // tp, tp
+    dp = int(data_parallel)
+    if dp * tp != world:
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the world size {world}")
+    return dp, tp
 
 
 class MatrixFSDPAdapter:
@@ -69,16 +83,32 @@ class MatrixFSDPAdapter:
         return self.default_accumulation_no_sync if value is None else value
 
     # ------------------------------------------------------------------ environment
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the mesh has a tensor-parallel dimension above 1 (known after ``setup_environment``)."""
+        return self.shard_mesh is not None and self.shard_mesh.tp_size > 1
+
+    def data_parallel_sampler(self) -> dict[str, Any]:
+        """The sampler's replicas and rank: the data-parallel rank, so the ranks of one TP group
+        read the same batches (every rank its own without TP)."""
+        tp = self.shard_mesh.tp_size if self.shard_mesh is not None else 1
+        world = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
+        return {"num_replicas": world // tp, "rank": self.global_rank // tp}  # type: ignore[attr-defined]
+
     @override
     def setup_environment(self) -> None:
-        """Every rank data parallel (Lightning's default would make it tensor parallel within a
-        node), then the shard mesh: Lightning's data-parallel dimension, or ``shard_size``'s HSDP."""
+        """The mesh sizes (``mesh_sizes``: all ranks data parallel by default, unlike Lightning's
+        "auto"), Lightning's ``(data_parallel, tensor_parallel)`` mesh, then the shard mesh: its
+        data-parallel dimension, or ``shard_size``'s HSDP inside it; the TP group beside."""
         world = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
-        self._data_parallel_size, self._tensor_parallel_size = world, 1
+        dp, tp = mesh_sizes(self.config.data_parallel_size, self.config.tensor_parallel_size, world,
+                            self.num_processes)  # type: ignore[attr-defined]
+        self._data_parallel_size, self._tensor_parallel_size = dp, tp
         super().setup_environment()  # type: ignore[misc]
-        size = self.config.shard_size or world
-        if world % size:
-            raise ValueError(f"shard_size={size} must divide the world size {world}")
+        size = self.config.shard_size or dp
+        if dp % size:
+            raise ValueError(f"shard_size={size} must divide the data-parallel size {dp}"
+                             + (f" (world {world} / tensor_parallel_size {tp})" if tp > 1 else ""))
         self.shard_mesh = mesh_info(self.device_mesh, self.config.shard_size, self.root_device,  # type: ignore[attr-defined]
                                    self.config.timeout)
 

@@ -143,7 +143,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         hint = ("matrix_fsdp shards the model itself: remove fully_shard/parallelize_module, or call "
                 "lightning_matrixfsdp.matrix_shard on the plain model")
-        if not is_sharded(module, hint):
+        if not is_sharded(module, hint, tensor_parallel=self.tensor_parallel):
             self.shard(module)
         module.to(self.root_device)  # buffers and anything outside the shard
         self._modules.append(module)

@@ -146,8 +146,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank: distinct batches per rank.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        # The data-parallel rank: distinct batches per data-parallel rank, the same inside a TP group.
+        return self.data_parallel_sampler()
 
     @contextmanager
     @override
@@ -192,8 +192,9 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
 
     def _is_sharded(self, module: nn.Module) -> bool:
         return is_sharded(module, "configure_model applied FSDP2/tensor parallelism; MatrixFSDPStrategy shards "
-                                  "the model itself: remove fully_shard/parallelize_module, or call "
-                                  "lightning_matrixfsdp.matrix_shard")
+                                  "the model itself: remove fully_shard (and parallelize_module, unless "
+                                  "tensor_parallel_size > 1), or call lightning_matrixfsdp.matrix_shard",
+                          tensor_parallel=self.tensor_parallel)
 
     def _install_summary(self, trainer: Any) -> None:
         from lightning.pytorch.callbacks import ModelSummary

@@ -79,7 +79,7 @@ def test_config_of_another_type_is_refused():
     ("wrap_policy", "Block", "wrap_policy='Block'"),
     ("optimizer", 5, "optimizer=5"),
     ("timeout", 60, "timeout=60"),
-    ("tensor_parallel_size", 2, "tensor_parallel_size=2"),
+    ("tensor_parallel_size", 0, "tensor_parallel_size=0"),
     ("ns_steps", 0, "ns_steps=0"),
 ])
 def test_a_bad_value_is_refused_at_construction_with_the_keyword_message(option, value, shown):

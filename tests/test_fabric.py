@@ -329,7 +329,7 @@ def test_options_are_validated_like_the_trainer_strategy() -> None:
     import lightning_matrixfsdp as mf
 
     for kw, word in [({"planner": "nope"}, "planner"), ({"collective": "x"}, "collective"),
-                     ({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"shard_size": 0}, "shard_size"),
+                     ({"tensor_parallel_size": 0}, "tensor_parallel_size"), ({"shard_size": 0}, "shard_size"),
                      ({"accumulation_no_sync": "yes"}, "accumulation_no_sync"),
                      ({"verify_checkpoints": "no"}, "verify_checkpoints"),
                      ({"reset_changed_roles": 1}, "reset_changed_roles")]:

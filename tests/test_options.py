@@ -92,7 +92,8 @@ STRATEGY_ONLY_BAD = [
     ("timeout", 60, "60", "timedelta"),
     ("timeout", timedelta(0), "datetime.timedelta(0)", "positive"),
     ("process_group_backend", 5, "5", "'gloo'"),
-    ("tensor_parallel_size", 2, "2", "tensor_parallel_size=1"),
+    ("tensor_parallel_size", "two", "'two'", "positive int or \"auto\""),
+    ("data_parallel_size", 0, "0", "positive int or \"auto\""),
 ]
 STRATEGY_BAD = [c for c in SHARD_BAD if c[0] not in ("ns_steps", "device", "mesh")] + STRATEGY_ONLY_BAD
 

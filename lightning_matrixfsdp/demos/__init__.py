@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_matrixfsdp.demos.data import ByteTextDataModule, TokenWindows, decode, encode
 from lightning_matrixfsdp.demos.finetune import LocalTokenDataModule
-from lightning_matrixfsdp.demos.gpt import GPT
+from lightning_matrixfsdp.demos.gpt import GPT, TensorParallelGPT
 from lightning_matrixfsdp.demos.hf import HFCausalLM
 
 REPORT_PREFIX = "[matrixfsdp-demo]"
@@ -25,6 +25,7 @@ __all__ = [
     "ByteTextDataModule",
     "LocalTokenDataModule",
     "OptimizerReport",
+    "TensorParallelGPT",
     "TokenWindows",
     "decode",
     "encode",

@@ -177,3 +177,31 @@ class GPT(LightningModule):
     def on_train_start(self) -> None:
         # A resumed run restored the saved schedule's length; a larger max_steps must extend it.
         fit_schedules_to_trainer(self.trainer)
+
+
+class TensorParallelGPT(GPT):
+    """The demo GPT with a Llama-style tensor-parallel plan applied in ``configure_model``.
+
+    Needs ``MatrixFSDPStrategy(tensor_parallel_size=T)`` (``self.device_mesh`` is Lightning's
+    ``(data_parallel, tensor_parallel)`` mesh). The MLP's first matrix is split colwise and its
+    second rowwise (the activation stays split between them). The fused ``qkv`` keeps q, k and v
+    one after another, so a colwise split would hand a TP rank parts of q and k instead of whole
+    heads: its output is gathered (``output_layouts=Replicate()``) before the heads are formed,
+    and the projection takes the full activation. Embeddings, norms and the head stay replicated.
+    """
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in tuple(mesh.mesh_dim_names or ()):
+            return  # no tensor parallelism: the strategy shards the plain model
+        plan = {
+            "mlp.fc": ColwiseParallel(),
+            "mlp.proj": RowwiseParallel(),
+            "attn.qkv": ColwiseParallel(output_layouts=Replicate()),
+            "attn.proj": RowwiseParallel(input_layouts=Replicate()),
+        }
+        for block in self.blocks:
+            parallelize_module(block, mesh["tensor_parallel"], plan)

@@ -44,6 +44,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lightning_matrixfsdp.runtime.tags import tp_of
+from lightning_matrixfsdp.runtime.tp_comm import gather_to_steppers, scatter_from_steppers
+
 from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, scalar_dtype
 
 __all__ = ["LIBRARY_REQUIREMENT", "MatrixLibraryOptimizer"]
@@ -265,28 +268,54 @@ class MatrixLibraryOptimizer(TailOptimizer):
                 del cache[p]
 
     def _matrix_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        """The library's step, for each matrix alone, on its flat state."""
+        """The library's step, for each matrix alone, on its flat state. Fragments of a
+        tensor-parallel matrix are stepped whole on the matrix's TP stepper (its state whole
+        there) and every TP rank takes its slice of the new weight."""
+        split = [p for p in params if tp_of(p) is not None]
+        whole = [p for p in params if tp_of(p) is None]
+        wholes: list[Any] = []
+        if split:
+            frags = [tp_of(p) for p in split]
+            gathered = gather_to_steppers(frags + frags, [p.detach() for p in split] + [p.grad for p in split])
+            weights, grads = gathered[:len(split)], gathered[len(split):]
+            for w, g in zip(weights, grads):
+                if w is not None:
+                    w.grad = g
+            wholes = weights
         inner = self._inner(self._library_kwargs(group))
         inner_group = inner.param_groups[0]
         placeholder = inner_group["params"]
         try:
-            for p in params:
-                flat = self.state[p]
-                inner_group["params"] = [p]
-                inner.state.clear()
-                if flat:
-                    inner_group["step"] = int(flat["step"].item())
-                    inner.state[p] = self._unpack(p, flat, inner)
-                else:  # first step: no "step" key, so every library version initializes p
-                    inner_group.pop("step", None)
-                if self._uses_rng:
-                    with _private_rng(p.device, seed=inner_group.get("step", 0)):
-                        inner.step()
-                else:
-                    inner.step()
-                self.state[p] = self._pack(p, inner.state.pop(p), inner_group["step"])
+            for p in whole:
+                self._step_one(inner, p, p)
+            for p, w in zip(split, wholes):
+                if w is not None:
+                    self._step_one(inner, p, w)
         finally:
             inner_group["params"] = placeholder
             inner_group.pop("step", None)
             inner.state.clear()
+        if split:
+            new = scatter_from_steppers(frags, wholes, [p.dtype for p in split], split[0].device)
+            for p, piece in zip(split, new):
+                p.copy_(piece)
+
+    def _step_one(self, inner: torch.optim.Optimizer, p: Tensor, target: Tensor) -> None:
+        """One library step of ``target`` (``p`` itself, or the whole matrix of fragment ``p``)
+        with the flat state kept under ``p``."""
+        inner_group = inner.param_groups[0]
+        flat = self.state[p]
+        inner_group["params"] = [target]
+        inner.state.clear()
+        if flat:
+            inner_group["step"] = int(flat["step"].item())
+            inner.state[target] = self._unpack(target, flat, inner)
+        else:  # first step: no "step" key, so every library version initializes it
+            inner_group.pop("step", None)
+        if self._uses_rng:
+            with _private_rng(target.device, seed=inner_group.get("step", 0)):
+                inner.step()
+        else:
+            inner.step()
+        self.state[p] = self._pack(target, inner.state.pop(target), inner_group["step"])
 

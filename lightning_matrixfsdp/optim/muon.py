@@ -30,6 +30,9 @@ from .orthogonalize import (
     newton_schulz_batched,
     polar_express,
 )
+from lightning_matrixfsdp.runtime.tags import tp_of
+from lightning_matrixfsdp.runtime.tp_comm import gather_to_steppers, scatter_from_steppers
+
 from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, is_matrix_role
 
 __all__ = ["Muon", "ORTHOGONALIZERS", "adjust_lr", "uses_muon"]
@@ -196,8 +199,48 @@ class Muon(TailOptimizer):
         buckets over two CUDA streams was measured on an H200 and gained nothing:
         docs/decisions.md.)
         """
+        split = [p for p in params if tp_of(p) is not None]
+        if split:  # fragments of tensor-parallel matrices: each orthogonalized whole, on one TP rank
+            self._muon_tp(group, split)
+            params = [p for p in params if tp_of(p) is None]
         for bucket in self._buckets(group, params):
             self._muon_bucket(group, bucket)
+
+    def _muon_tp(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """torch.optim.Muon's update of whole matrices held as TP fragments: the momentum (elementwise)
+        stays sliced on every TP rank; the blended fragments go to each matrix's TP stepper, which
+        orthogonalizes the whole matrix once; every TP rank gets its slice of the result back and
+        applies it with the whole matrix's learning-rate adjustment. Bitwise the whole-matrix step."""
+        lr = as_float(group["lr"])
+        frags = [tp_of(p) for p in params]
+        updates = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            updates.append(momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"],
+                                           FUSED_MOMENTUM))
+        wholes = gather_to_steppers(frags, updates)
+        results = [None if w is None else self.orthogonalize(group, [w])[0] for w in wholes]
+        dtypes = [self._ortho_dtype(group, u.dtype) for u in updates]
+        for r, dtype in zip(results, dtypes):
+            if r is not None and r.dtype != dtype:
+                raise RuntimeError(f"the orthogonalizer returned {r.dtype}, not {dtype} as for a probe matrix")
+        slices = scatter_from_steppers(frags, results, dtypes, params[0].device)
+        decay = 1 - lr * group["weight_decay"]
+        for p, f, piece in zip(params, frags, slices):
+            if decay != 1:
+                p.mul_(decay)
+            p.add_(piece.reshape(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], torch.Size(f.global_shape)))
+
+    def _ortho_dtype(self, group: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
+        """The dtype the group's orthogonalizer returns for updates of ``dtype`` (a 2 x 2 probe,
+        cached): what a TP rank receives its slice in, known before the stepper computes it."""
+        cache: dict[tuple, torch.dtype] = self.__dict__.setdefault("_ortho_dtypes", {})
+        key = (group["orthogonalizer"], dtype)
+        if key not in cache:
+            cache[key] = self.orthogonalize(group, [torch.eye(2, dtype=dtype)])[0].dtype
+        return cache[key]
 
     def _muon_bucket(self, group: dict[str, Any], bucket: list[Tensor]) -> None:
         """Momentum, orthogonalization and the update of one bucket (torch's op order)."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_matrixfsdp.optim.routing import held
 from lightning_matrixfsdp.runtime.comm import CommStats, comm_device
 from lightning_matrixfsdp.runtime.small_comm import all_reduce_norm
-from lightning_matrixfsdp.runtime.tags import find_state, shard_of
+from lightning_matrixfsdp.runtime.tags import find_state, shard_of, tp_shape_of
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -35,6 +35,7 @@ def clip_grad_norm_(
     group: Optional[dist.ProcessGroup] = None,
     error_if_nonfinite: bool = False,
     stats: Optional[CommStats] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Clip owner-sharded gradients by their *global* norm, as ``torch.nn.utils.clip_grad_norm_``
     over the full gradients (DDP's clipping) would.
@@ -64,9 +65,13 @@ def clip_grad_norm_(
             stats = state.stats if stats is None else stats
             if group is None:
                 group = state.norm_group  # the world under replica_split (one rank holds each gradient)
+            if tp_group is None:
+                tp_group = state.mesh.tp_group
         parameters = list(parameters.parameters())
     params = list(parameters)
     norm_type = float(norm_type)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        return _clip_tensor_parallel(params, float(max_norm), norm_type, group, tp_group, error_if_nonfinite, stats)
     if _alone(group):
         # One rank holds every gradient whole (one device, or HSDP's replicas of a one-rank shard
         # group, whose gradients are equal): this is torch's own clipping, its fused kernels included.
@@ -91,6 +96,30 @@ def clip_grad_norm_(
     return total
 
 
+def _clip_tensor_parallel(params: list[torch.Tensor], max_norm: float, norm_type: float,
+                          group: Optional[dist.ProcessGroup], tp_group: dist.ProcessGroup,
+                          error_if_nonfinite: bool, stats: Optional[CommStats]) -> torch.Tensor:
+    """The global norm of a tensor-parallel model: every TP rank adds its fragments of split
+    gradients, TP rank 0 alone the TP-replicated ones (each once); the owners' float64 pieces
+    are combined over the norm group and then over the TP group (once when the norm group is
+    the world already). The same norm as torch's over the whole gradients up to float32 rounding."""
+    first = dist.get_rank(tp_group) == 0
+    grads = _owned_grads(params)
+    mine = [p.grad for p in params if p.grad is not None and held(p) and (first or tp_shape_of(p) is not None)]
+    local, maximum = _partial_norm(mine, norm_type, grads[0].device if grads else comm_device(group))
+    combined = all_reduce_norm(local, maximum=maximum, group=group, stats=stats)
+    if dist.get_world_size(group) < dist.get_world_size():
+        combined = all_reduce_norm(combined, maximum=maximum, group=tp_group, stats=stats)
+    total = _total_norm(combined, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
+                           "it cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
 @torch.no_grad()
 def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_separator: str = "/",
               group: Optional[dist.ProcessGroup] = None) -> dict[str, torch.Tensor]:
@@ -108,6 +137,10 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
     state = find_state(module)
+    if state is not None and state.mesh.tp_size > 1:
+        raise NotImplementedError(
+            "lightning_matrixfsdp.grad_norm does not combine tensor-parallel fragments yet; log the total from "
+            "the value clip_gradients / clip_grad_norm_ returns, or train without tensor parallelism")
     if group is None and state is not None:
         group = state.norm_group
     named = list(module.named_parameters())

@@ -12,11 +12,13 @@ Nothing here communicates; the global norms of owner-sharded gradients are in ``
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
 
-from lightning_matrixfsdp.runtime.tags import is_owned
+from lightning_matrixfsdp.optim.tail import TailOptimizer
+from lightning_matrixfsdp.runtime.tags import is_owned, tp_of
 
 __all__ = ["full_param_groups", "full_params", "held", "is_owned", "route_optimizer"]
 
@@ -50,6 +52,7 @@ def route_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                 optimizer.state.pop(p, None)
         group["params"] = kept
         routed.append((full, kept))
+    _warn_if_fragments_stepped_alone(optimizer, routed)
     records[:] = routed  # in place: Lightning's optimizer wrappers copy the attribute once
     setattr(optimizer, _FULL, records)
     if not getattr(optimizer, _ADD, False):
@@ -73,6 +76,20 @@ def route_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
         setattr(optimizer, _ADD, True)
     return optimizer
+
+
+def _warn_if_fragments_stepped_alone(optimizer: torch.optim.Optimizer, routed: list) -> None:
+    """An optimizer of another package holding fragments of TP-split matrices steps each fragment as
+    a tensor of its own: exact for elementwise optimizers (AdamW, SGD), blockwise for matrix ones."""
+    if isinstance(optimizer, TailOptimizer) or getattr(optimizer, "_mfsdp_tp_warned", False):
+        return
+    if any(tp_of(p) is not None for _, kept in routed for p in kept):
+        setattr(optimizer, "_mfsdp_tp_warned", True)
+        warnings.warn(
+            f"{type(optimizer).__name__} holds fragments of tensor-parallel matrices and steps each fragment "
+            "alone: exact for elementwise optimizers (AdamW, SGD), but a matrix optimizer (torch.optim.Muon) would "
+            "orthogonalize each fragment separately. Use lightning_matrixfsdp.Muon, Shampoo or SOAP, which step "
+            "every split matrix whole", UserWarning, stacklevel=3)
 
 
 def full_param_groups(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:

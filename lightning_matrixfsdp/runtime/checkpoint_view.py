@@ -20,6 +20,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import is_owned, state_of, tag_view, view_key
@@ -84,6 +85,10 @@ def model_view_of(module: nn.Module) -> ModelView:
         st: Optional[MatrixFSDPState] = state_of(root)
         if st is None:
             continue
+        if st.mesh.tp_size > 1:  # every TP rank holds another fragment under the same key
+            raise MatrixShardError(
+                "checkpoints of a tensor-parallel model (tensor_parallel_size > 1) are not supported yet: their "
+                "keys would need each fragment's TP layout (docs/tensor-parallel.md, 'Not done yet')")
         st.settle_replicas()
         roots.append(RootView(prefix, st.plan, st.sg.size, st.replicate_size, tuple(st.sg.global_ranks)))
         replica = st.replica_rank

@@ -8,9 +8,10 @@ from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.tags import state_of
 
 
-def check_model(module: nn.Module) -> None:
+def check_model(module: nn.Module, tensor_parallel: bool = False) -> None:
     """Refuse a model ``matrix_shard`` cannot take: sharded already (by us or by FSDP),
-    holding DTensors, an embedding with sparse gradients, or spread over several devices."""
+    holding DTensors without a tensor-parallel mesh (``tp.read_layout`` checks them with one),
+    an embedding with sparse gradients, or spread over several devices."""
     for name, m in module.named_modules():
         if state_of(m) is not None:
             raise MatrixShardError(
@@ -27,11 +28,15 @@ def check_model(module: nn.Module) -> None:
     except ImportError:  # pragma: no cover
         DTensor = ()  # type: ignore[assignment]
     for name, p in module.named_parameters():
-        if DTensor and isinstance(p, DTensor):
+        if DTensor and isinstance(p, DTensor) and not tensor_parallel:
             raise MatrixShardError(
-                f"parameter {name!r} is a DTensor (tensor parallel or FSDP2). MatrixFSDP owns whole "
-                "matrices per rank and does not compose with tensor parallelism; use a plain model"
-            )
+                f"parameter {name!r} is a DTensor (tensor parallel or FSDP2), but the mesh has no tensor-parallel "
+                "dimension: for tensor parallelism pass Lightning's (data_parallel, tensor_parallel) mesh "
+                "(MatrixFSDPStrategy(tensor_parallel_size=T) gives configure_model one), else a plain model")
+        if DTensor and isinstance(p, DTensor) and p.is_meta:
+            raise MatrixShardError(
+                f"parameter {name!r} is a meta-device DTensor; with tensor parallelism build the model on a real "
+                "device (meta-device initialization is not supported with tensor parallelism yet)")
     for name, m in module.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             raise MatrixShardError(

@@ -59,12 +59,16 @@ def _policy_set(check: Callable[[Any], Any]) -> Callable[[Any, str], Any]:
     return run
 
 
-def _tensor_parallel(value: Any, name: str) -> int:
-    if isinstance(value, bool) or value != 1:
+def _parallel_size(value: Any, name: str) -> Union[int, str]:
+    """A mesh dimension's size: a positive int or ``"auto"`` (Lightning's meaning, resolved at setup)."""
+    if value == "auto" and isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MatrixShardError(
-            f"tensor_parallel_size={value!r}: MatrixFSDP keeps every matrix whole on one rank and "
-            "does not compose with tensor parallelism; use tensor_parallel_size=1 (data parallel over all ranks)")
-    return 1
+            f"{name}={value!r} is not accepted; pass a positive int or \"auto\" (tensor_parallel_size: the "
+            "ranks one parallelize_module plan splits a matrix over, inside a node; data_parallel_size: the "
+            "rest of the world)")
+    return int(value)
 
 
 def _adapter_default_bool(value: Any, name: str) -> Optional[bool]:
@@ -100,7 +104,11 @@ class MatrixFSDPConfig:
     save_distributed_checkpoint: bool = _opt(True, check_bool, ADAPTER)
     process_group_backend: Optional[str] = _opt(None, _named(check_backend), ADAPTER)
     timeout: Optional[timedelta] = _opt(default_pg_timeout, _named(check_timeout), ADAPTER)
-    tensor_parallel_size: int = _opt(1, _tensor_parallel, ADAPTER)
+    #: 1: no tensor parallelism (the default, unlike Lightning's "auto": a model without a
+    #: parallelize plan would be replicated over the TP ranks); "auto": the processes of a node
+    tensor_parallel_size: Union[int, str] = _opt(1, _parallel_size, ADAPTER)
+    #: "auto": the world divided by the tensor-parallel size
+    data_parallel_size: Union[int, str] = _opt("auto", _parallel_size, ADAPTER)
     log_plan: bool = _opt(True, check_bool, ADAPTER)
     verify_checkpoints: bool = _opt(True, check_bool, ADAPTER)
     reset_changed_roles: bool = _opt(False, check_bool, ADAPTER)
@@ -110,9 +118,7 @@ class MatrixFSDPConfig:
     ns_steps: int = _opt(5, check_positive_int, SHARD)
 
     def __post_init__(self) -> None:
-        # tensor parallelism first: it says what the strategy cannot be asked at all
-        order = sorted(fields(self), key=lambda f: f.name != "tensor_parallel_size")
-        for f in order:
+        for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), f.name))
 
     @classmethod

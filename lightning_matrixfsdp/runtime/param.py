@@ -10,13 +10,15 @@ tensors that autograd saved in forward see the data again in backward.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
 from lightning_matrixfsdp.runtime.tags import tag_param
+from lightning_matrixfsdp.runtime.tp import local_data
+from lightning_matrixfsdp.runtime.tp_comm import as_dtensor, local_fragment
 
 
 def placeholder_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -36,8 +38,15 @@ class ShardedParam:
         compute_dtype: Optional[torch.dtype],
         reduce_dtype: Optional[torch.dtype],
         alone: bool = False,
+        dtensor: Optional[tuple[Any, tuple, torch.Size, tuple[int, ...]]] = None,
     ) -> None:
         self.shard = shard
+        #: tensor parallelism: (TP mesh, placements, global shape, global stride) of the DTensor the
+        #: user's parameter was; the unsharded parameter is that DTensor again (over this rank's
+        #: fragment), so the parallel styles of ``parallelize_module`` see what they placed
+        self.dtensor = dtensor
+        if dtensor is not None:  # the resident is this rank's fragment, a plain tensor
+            resident = nn.Parameter(local_data(resident).detach(), requires_grad=resident.requires_grad)
         self.resident = resident
         self.registrations = registrations
         self.owned = shard.owner == rank
@@ -57,18 +66,24 @@ class ShardedParam:
         #: resident's storage, so materializing copies nothing and resharding frees nothing
         #: (the resident is whole here anyway). ``alloc`` re-points it if the resident's data
         #: was replaced since.
-        self.aliases = alone and self.owned and self.compute_dtype == resident.dtype
+        self.aliases = alone and self.owned and self.compute_dtype == resident.dtype and dtensor is None
         # Created trainable (where the dtype allows) so the unit can hook it once; frozen-ness follows the resident.
         buffer = self.resident.data if self.aliases else torch.empty(self.shape, dtype=self.compute_dtype,
                                                                      device=device)
-        self.unsharded = nn.Parameter(buffer, requires_grad=self.differentiable)
         # A plain alias of the same storage with its own version counter: writes
         # through it refill the buffer without tripping autograd's saved-tensor checks.
-        self.data = self.unsharded.data
+        self.data = buffer.data
+        self.unsharded = nn.Parameter(self._wrap(buffer), requires_grad=self.differentiable)
         self._nbytes = self.data.numel() * self.data.element_size()
         if not self.aliases:
-            self.unsharded.untyped_storage().resize_(0)
+            self.data.untyped_storage().resize_(0)
+        if dtensor is not None:
+            self.to_resident()  # the fragment replaces the DTensor where the parameter is registered
         self.materialized = False
+
+    def _wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """The unsharded tensor: ``local`` itself, or under TP the DTensor over it (same storage)."""
+        return local if self.dtensor is None else as_dtensor(local, self.dtensor)
 
     # ------------------------------------------------------------------ resident state
     def _make_resident(self) -> None:
@@ -114,11 +129,11 @@ class ShardedParam:
                 self.data = self.unsharded.data
             return
         if not self.materialized:
-            self.unsharded.untyped_storage().resize_(self._nbytes)
+            self.data.untyped_storage().resize_(self._nbytes)
 
     def free(self) -> None:
         if not self.aliases:  # an alias shares the resident's bytes: nothing to give back
-            self.unsharded.untyped_storage().resize_(0)
+            self.data.untyped_storage().resize_(0)
         self.materialized = False
 
     def to_unsharded(self) -> None:
@@ -137,6 +152,8 @@ class ShardedParam:
         g = self.unsharded.grad
         if g is None:
             return None
+        if self.dtensor is not None:
+            g = local_fragment(g, self.dtensor[1])
         if g.layout != torch.strided:
             raise RuntimeError(
                 f"parameter {self.shard.fqn!r} got a {g.layout} gradient (e.g. from nn.Embedding(sparse=True)); "

@@ -271,6 +271,8 @@ class Plan:
         if "collective" in self.options:  # matrix_shard's resolved choice ("auto" or explicit) and why
             lines.append(f"collective: {self.options['collective']} ({self.options.get('collective_reason', '')}); "
                          f"replica_split: {self.replica_split} ({self.options.get('replica_split_reason', '')})")
+        if "tensor_parallel" in self.options:  # matrix_shard under TP: the TP steppers' balance
+            lines.append(str(self.options["tensor_parallel"]))
         if self.steppers:
             per = ", ".join(f"replica {k}: " + " ".join(f"{f / 1e9:.3f}" for f in row)
                             for k, row in enumerate(self.replica_flops))

@@ -27,7 +27,7 @@ from lightning_matrixfsdp.runtime.consensus import (
 from lightning_matrixfsdp.runtime.copies import track_copies
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
-from lightning_matrixfsdp.runtime.mesh_comm import mesh_info
+from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_device, check_mesh
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
@@ -37,8 +37,11 @@ from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
-from lightning_matrixfsdp.runtime.tags import attach_state
+from lightning_matrixfsdp.runtime.tags import attach_state, tag_tp, tag_tp_shape
 from lightning_matrixfsdp.runtime.topology_comm import resolve
+from lightning_matrixfsdp.runtime.tp import local_data, read_layout
+from lightning_matrixfsdp.runtime.tp_comm import TPFragment
+from lightning_matrixfsdp.runtime.tp_plan import TPPlan, assign_tp_steppers, localize
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
@@ -132,7 +135,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
     # Every option first, before the model is touched (a config was checked when it was built).
     config = bind_options(_SIGNATURE, "matrix_shard", (), dict(options, config=config))
-    if mesh is not None and config.shard_size is not None and not isinstance(mesh, MeshInfo):
+    if mesh is not None and config.shard_size is not None and not isinstance(mesh, MeshInfo) and not is_tp_mesh(mesh):
         raise MatrixShardError(f"pass either mesh or shard_size, not both (got mesh={mesh!r}, "
                                f"shard_size={config.shard_size!r})")
     if not isinstance(mesh, MeshInfo):
@@ -140,7 +143,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     elif config.shard_size not in (None, mesh.shard_size):
         raise MatrixShardError(f"shard_size={config.shard_size!r} differs from the given MeshInfo's shard span "
                                f"{mesh.shard_size}")
-    check_model(module)
+    check_model(module, tensor_parallel=mesh.tp_size > 1 if isinstance(mesh, MeshInfo) else is_tp_mesh(mesh))
     if not isinstance(mesh, MeshInfo):
         mesh = mesh_info(mesh, config.shard_size, device)
     if device is None:
@@ -156,7 +159,10 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
                      replicate=mesh.replicate_size, replica_split=config.replica_split)
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
                         replica_split_reason=choice.replica_split_reason)  # printed; not in the digest
-    build_runtime(module, config, mesh, plan, collected, device)  # 3. the runtime
+    tp_plan = None
+    if mesh.tp_size > 1:  # the owners from global shapes (above); the TP steppers and this rank's fragments
+        tp_plan = tensor_parallel_plan(collected, plan, mesh, config.ns_steps)
+    build_runtime(module, config, mesh, plan, collected, device, tp_plan)  # 3. the runtime
     return module
 
 
@@ -221,6 +227,14 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
                      {first_fqn[pid]: r for pid, r in regs.items()})
 
 
+def tensor_parallel_plan(collected: Collected, plan: Plan, mesh: MeshInfo, ns_steps: int) -> TPPlan:
+    """Every parameter's TP layout (refusing what cannot be served) and the split matrices' TP steppers."""
+    matrix = {p.fqn: p.is_matrix for u in collected.specs for p in u.params}
+    layouts = {fqn: read_layout(fqn, p, mesh.tp_mesh, mesh.tp_size, matrix[fqn])
+               for fqn, p in collected.params.items()}
+    return assign_tp_steppers(plan, layouts, mesh.tp_size, ns_steps)
+
+
 # ---------------------------------------------------------------------- 3. the runtime
 def agreed_options(config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, module: nn.Module) -> dict[str, Any]:
     """What every rank of a group must have chosen alike, beside the plan (compared once, by digest)."""
@@ -240,10 +254,16 @@ def agreed_options(config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, module:
 
 
 def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, collected: Collected,
-                  device: torch.device) -> MatrixFSDPState:
-    """Agree on plan and options, take rank 0's values, and build the parameters, units and hooks."""
+                  device: torch.device, tp_plan: Optional[TPPlan] = None) -> MatrixFSDPState:
+    """Agree on plan and options, take rank 0's values, and build the parameters, units and hooks.
+    With tensor parallelism (``tp_plan``) the TP group agrees on the global plan and TP layouts
+    first, and this rank's data-parallel group then runs the plan at its fragments' shapes."""
     sg, replicate_pg = mesh.shard, mesh.replicate_group
     agreed = agreed_options(config, mesh, plan, module)
+    if tp_plan is not None:  # the same owners and TP steppers on every TP rank, before anything moves
+        validate_schedule(plan, {**agreed, "tensor_parallel": tp_plan.to_dict()}, mesh.tp)
+        plan = localize(plan, tp_plan.layouts, mesh.tp_rank)
+        plan.options["tensor_parallel"] = tp_plan.describe()
     validate_schedule(plan, agreed, sg)
     if replicate_pg is not None:  # HSDP: every replica must hold the same layout too
         validate_schedule(plan, agreed, ShardGroup(replicate_pg))
@@ -253,7 +273,8 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     params = collected.params
     layouts = [shard for layout in plan.units for shard in layout.shards]
     if not any(p.is_meta for p in params.values()):
-        agree_params([params[s.fqn].data for s in layouts], [s.owner for s in layouts], sg, replicate_pg, stats)
+        agree_params([local_data(params[s.fqn]).data for s in layouts], [s.owner for s in layouts], sg, replicate_pg,
+                     stats)
 
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     coll = make_collective(config.collective, sg, stats)
@@ -266,8 +287,16 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
     for index, (layout, (_, umod)) in enumerate(zip(plan.units, collected.units)):
         sparams = [ShardedParam(shard, params[shard.fqn], collected.registrations[shard.fqn], sg.rank, device,
-                                config.param_dtype, config.reduce_dtype, alone=sg.size == 1)
+                                config.param_dtype, config.reduce_dtype, alone=sg.size == 1,
+                                dtensor=dtensor_spec(params[shard.fqn]))
                    for shard in layout.shards]
+        if tp_plan is not None:
+            for sp in sparams:
+                if tp_plan.layouts[sp.shard.fqn].split:
+                    tag_tp_shape(sp.resident, tp_plan.layouts[sp.shard.fqn].global_shape)
+                if sp.shard.fqn in tp_plan.steppers:
+                    tag_tp(sp.resident, TPFragment(tp_plan.layouts[sp.shard.fqn], mesh.tp,
+                                                   tp_plan.steppers[sp.shard.fqn], stats))
         is_root = umod is module
         state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
                             config.reshard_after_forward and not is_root, zero_missing_grads=config.zero_missing_grads,
@@ -290,6 +319,13 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     for unit in state.units:  # a deepcopy of the model or of a unit: sharded like it (weight averaging)
         track_copies(unit.module, state)
     return state
+
+
+def dtensor_spec(p: nn.Parameter) -> Optional[tuple[Any, tuple, torch.Size, tuple[int, ...]]]:
+    """(mesh, placements, global shape, global stride) of a DTensor parameter, None for a plain one."""
+    from torch.distributed.tensor import DTensor
+
+    return (p.device_mesh, tuple(p.placements), p.shape, p.stride()) if isinstance(p, DTensor) else None
 
 
 def _materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: torch.device) -> None:

@@ -25,6 +25,8 @@ _ROLE = "_mfsdp_role"  # a string, so tests and scripts can tag a plain tensor b
 _OWNED = "_mfsdp_owned"
 _STATE = "_mfsdp_state"
 _VIEW = "_mfsdp_view"
+_TP = "_mfsdp_tp"
+_TP_SHAPE = "_mfsdp_tp_shape"
 
 
 # ---------------------------------------------------------------------- parameters
@@ -33,6 +35,27 @@ def tag_param(p: Any, shard: MatrixShard, owned: bool) -> None:
     setattr(p, _SHARD, shard)
     setattr(p, _ROLE, shard.role.value)
     setattr(p, _OWNED, bool(owned))
+
+
+def tag_tp(p: Any, fragment: Any) -> None:
+    """Mark a resident parameter as one TP rank's fragment of a split matrix (a
+    ``tp_comm.TPFragment``: its layout, the TP group, the rank that steps it whole)."""
+    setattr(p, _TP, fragment)
+
+
+def tag_tp_shape(p: Any, shape: tuple[int, ...]) -> None:
+    """Mark a resident TP fragment with the whole parameter's shape (summaries count it)."""
+    setattr(p, _TP_SHAPE, tuple(shape))
+
+
+def tp_shape_of(p: Any) -> Optional[tuple[int, ...]]:
+    """The whole shape of a TP-split parameter's fragment, or None (whole on this rank, or replicated)."""
+    return getattr(p, _TP_SHAPE, None)
+
+
+def tp_of(p: Any) -> Optional[Any]:
+    """The ``TPFragment`` of a TP-split parameter, or None (whole on this rank, or replicated)."""
+    return getattr(p, _TP, None)
 
 
 def untag_param(p: Any) -> None:
@@ -61,6 +84,12 @@ def is_owned(p: Any) -> bool:
 
 def global_numel(p: Any) -> int:
     """Elements of the whole parameter, not of this rank's (possibly empty) tensor."""
+    whole = getattr(p, _TP_SHAPE, None)
+    if whole is not None:  # a tensor-parallel fragment: the whole parameter over the TP group
+        n = 1
+        for s in whole:
+            n *= int(s)
+        return n
     shard = shard_of(p)
     return shard.numel if shard is not None else p.numel()
 
