@@ -55,6 +55,11 @@ class HostStaging:
         self._views: list[torch.Tensor] = []
 
     @property
+    def buffer(self) -> Optional[torch.Tensor]:
+        """The flat host buffer the copies live in (None before the first ``stage``)."""
+        return self._flat
+
+    @property
     def nbytes(self) -> int:
         """Host memory the buffer holds."""
         return 0 if self._flat is None else self._flat.numel()
