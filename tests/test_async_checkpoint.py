@@ -24,16 +24,19 @@ from models import TinyLM, batch_for, lm_loss
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def _slow_writes(delay: float, fail_rank: int = -1):
-    """Background (non-main-thread) DCP writes sleep ``delay`` first; on ``fail_rank`` they fail as a full disk."""
+def _slow_writes(delay: float, fail_rank: int = -1, fail_from: int = 0):
+    """Background (non-main-thread) DCP writes sleep ``delay`` first; on ``fail_rank`` they fail as a full
+    disk from the ``fail_from``-th write on."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     real = FileSystemWriter.write_data
+    calls = [0]
 
     def write_data(self, plan, planner):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(delay)
-            if dist.get_rank() == fail_rank:
+            calls[0] += 1
+            if dist.get_rank() == fail_rank and calls[0] > fail_from:
                 raise OSError(28, "No space left on device")
         return real(self, plan, planner)
 
@@ -222,7 +225,16 @@ def _worker(rank, world, root):
     saver.wait()
     dist.barrier()
     out["lib_left"] = sorted(os.listdir(root))
-    # 5. Fabric: fabric.save returns before the write; fabric.load waits and restores the saved step
+    # 5. the last save of a fit fails in the background: fit raises, on both ranks
+    undo = _slow_writes(0.0, fail_rank=1, fail_from=1)
+    try:
+        _fit(root, "fails", 2, True)
+        out["fit_error"] = None
+    except C.CheckpointError as e:
+        out["fit_error"] = str(e)
+    finally:
+        undo()
+    # 6. Fabric: fabric.save returns before the write; fabric.load waits and restores the saved step
     out["fabric"] = _fabric_round_trip(root / "fab")
     other, o2 = _hsdp(1)
     out["lib_n"] = C.load_sharded(other, root / "lib", [o2])
@@ -256,6 +268,8 @@ def test_async_saves_equal_sync_complete_in_order_and_report_failures_on_every_r
         assert str(tmp_path / "lib") in r["error"] and "No space left on device" in r["error"], (rank, r["error"])
         assert r["lib_left"] == ["async", "hsdp_async", "hsdp_sync", "lib", "resumed", "sync"], r["lib_left"]
         assert r["lib_n"] == {"n": 1}, "the previous checkpoint must be intact"
+        assert r["fit_error"] and str(tmp_path / "fails" / "step=2.ckpt") in r["fit_error"], (rank, r["fit_error"])
+        assert "No space left on device" in r["fit_error"]
         assert r["fabric"], "fabric.load must wait for the pending save and restore its state"
 
 
