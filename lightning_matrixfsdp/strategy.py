@@ -260,7 +260,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             release_unfinished(self.lightning_module)
             settle_replicas(self.lightning_module)
 
-    on_predict_start = on_train_end = on_test_start
+    on_predict_start = on_test_start
 
     @override
     def on_validation_start(self) -> None:
@@ -272,8 +272,9 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        """The end of ``fit`` sees completed checkpoints only (``async_save``); after the callbacks'."""
-        super().on_train_end()
+        """As ``on_test_start``; and the end of ``fit`` sees completed checkpoints only (``async_save``;
+        this hook runs after the callbacks')."""
+        self.on_test_start()
         self.wait_checkpoints()
 
     @override
