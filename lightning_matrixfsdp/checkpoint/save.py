@@ -12,6 +12,10 @@ of that target before it writes (they never were a checkpoint, and on a full dis
 their space is needed), and after it is published the copies a crash set aside.
 A communication failure (a peer died) leaves the partial to that next save: another
 rank may still be writing into it.
+
+A directory save is two halves: ``prepare_dir`` (the collective start: views, the agreed
+partial, the layout) and ``finish_dir`` (files, checksums, sidecar, publish). A synchronous
+save runs both in a row; ``async_save.py`` runs the second in a background thread.
 """
 from __future__ import annotations
 
