@@ -10,6 +10,7 @@ the plan log and the teardown. Each strategy file keeps only what differs.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, ClassVar, Optional
 
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
@@ -19,6 +20,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_matrixfsdp.adapter import shard_module
+from lightning_matrixfsdp.checkpoint.async_save import AsyncCheckpointer
 from lightning_matrixfsdp.runtime import get_plan
 from lightning_matrixfsdp.runtime.config import ADAPTER, MatrixFSDPConfig, bind_options, options_signature
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
@@ -68,6 +70,8 @@ class MatrixFSDPAdapter:
         sig = self.options_signature
         unbound = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
         self.config = bind_options(unbound, type(self).__name__, args, kwargs)
+        #: the background saver of ``async_save=True`` (None: saves are synchronous)
+        self.async_saver: Optional[AsyncCheckpointer] = AsyncCheckpointer() if self.config.async_save else None
         super().__init__(  # type: ignore[call-arg]
             data_parallel_size="auto", tensor_parallel_size="auto", **self.parent_options(),
             save_distributed_checkpoint=self.config.save_distributed_checkpoint,
@@ -124,11 +128,29 @@ class MatrixFSDPAdapter:
             for root in sharded_roots(module):
                 rank_zero_info(str(get_plan(root)))
 
+    # ------------------------------------------------------------------ asynchronous saves
+    def wait_checkpoints(self) -> None:
+        """Complete the pending asynchronous save (``async_save=True``) and raise its failure, on
+        every rank. Collective; nothing to do for synchronous saves."""
+        if self.async_saver is not None:
+            self.async_saver.wait()
+
     @override
     def teardown(self) -> None:
-        """Also end the helper thread of interruptible gloo waits: no thread of ours outlives the run."""
-        super().teardown()  # type: ignore[misc]
-        stop_waiter()
+        """Also complete a pending asynchronous save and end the helper thread of interruptible gloo
+        waits: no thread of ours outlives the run. A save's failure is raised unless the run is
+        already ending with an error (then it only goes to stderr, beside that error)."""
+        ending_with_error = sys.exc_info()[0] is not None  # teardown inside Lightning's exception handler
+        try:
+            if self.async_saver is not None:
+                self.async_saver.close()
+        except Exception as e:
+            if not ending_with_error:
+                raise
+            print(f"lightning_matrixfsdp: {e}", file=sys.stderr)
+        finally:
+            super().teardown()  # type: ignore[misc]
+            stop_waiter()
 
 
 def _option_attribute(name: str) -> property:

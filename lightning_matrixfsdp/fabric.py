@@ -228,6 +228,9 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         if clash:
             raise ValueError(f"fabric.save: the state keys {clash} are reserved by the checkpoint layout; rename them")
         extra = {k: (state[k].state_dict() if _is_stateful(state[k]) else state[k]) for k in others}
+        if self.async_saver is not None:  # returns once the state is in host memory
+            self.async_saver.save_sharded(module, path, optimizers, extra=extra, checksums=self.verify_checkpoints)
+            return
         save_sharded(module, path, optimizers, full=not self._save_distributed_checkpoint, extra=extra,
                      checksums=self.verify_checkpoints)
 
@@ -236,6 +239,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restore the model and optimizers in place (any world size, Trainer or Fabric
         checkpoint), then the other requested keys; returns what was not requested."""
+        self.wait_checkpoints()  # reads completed checkpoints only (async_save)
         if not state:
             raise ValueError(f"{type(self).__name__}.load_checkpoint needs the model in the state: "
                              "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")

@@ -32,6 +32,7 @@ from lightning_matrixfsdp.adapter import (
     sync_buffers,
 )
 from lightning_matrixfsdp.adapter_base import MatrixFSDPAdapter, adapter_signature
+from lightning_matrixfsdp.async_checkpoints import defer_links, refuse_async_checkpoint_io
 from lightning_matrixfsdp.checkpoint import (
     CheckpointError,
     KeyIndex,
@@ -98,6 +99,9 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         flatten_conv: make parameters of more than two dimensions (convolution kernels)
             matrix roles too, trained by ``Muon`` as their ``(shape[0], -1)`` matrix
             (``matrix_filter`` is then asked about them as well).
+        async_save: save checkpoint directories in the background: a save stalls training only
+            to copy this rank's share into reused host buffers; the files, checksums and the
+            atomic publish follow in a thread (docs/checkpointing.md, "Asynchronous saves").
         config: all of the above as one ``MatrixFSDPConfig`` instead of keywords (not both).
     """
 
@@ -169,6 +173,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         assert module is not None
         sharded = self._is_sharded(module)  # refuses FSDP1 / DTensor models before anything changes
         refuse_pruning(trainer.callbacks)
+        if self.async_saver is not None:
+            defer_links(trainer.callbacks, self.async_saver, self.is_global_zero)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.model = convert_sync_batchnorm(self.model, self._layer_sync if fitting else None, self.root_device)
         if sharded:  # sharded before (a second fit, a test after fit): rank 0's buffers, as DDP's setup
@@ -255,7 +261,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             release_unfinished(self.lightning_module)
             settle_replicas(self.lightning_module)
 
-    on_predict_start = on_train_end = on_test_start
+    on_predict_start = on_test_start
 
     @override
     def on_validation_start(self) -> None:
@@ -264,6 +270,13 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         self.on_test_start()
         if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             sync_buffers(self.lightning_module, only_if_due=True)
+
+    @override
+    def on_train_end(self) -> None:
+        """As ``on_test_start``; and the end of ``fit`` sees completed checkpoints only (``async_save``;
+        this hook runs after the callbacks')."""
+        self.on_test_start()
+        self.wait_checkpoints()
 
     @override
     def teardown(self) -> None:
@@ -350,6 +363,10 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         index, self._checkpoint_index = self._checkpoint_index, None
         module = self._checkpoint_module()
         full_finetuning_state(checkpoint, module.trainer.callbacks, module, self.optimizers)
+        if self.async_saver is not None:
+            self.async_saver.save(module, checkpoint, filepath, [optimizer_class(o) for o in self.optimizers],
+                                  index=index, checksums=self.verify_checkpoints)
+            return
         write_checkpoint(self._checkpoint_module(), checkpoint, filepath, full=not self._save_distributed_checkpoint,
                          optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index,
                          checksums=self.verify_checkpoints)
@@ -360,6 +377,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         and the ``state_dict`` as this rank's view, which callbacks' ``on_load_checkpoint`` read)
         as ``ModelParallelStrategy.load_checkpoint`` does. ``fit`` refuses a weights-only source,
         as Lightning does under DDP; validate/test/predict load its weights."""
+        self.wait_checkpoints()  # a resume reads completed checkpoints only
         module = self._checkpoint_module()
         fitting = getattr(module, "_trainer", None) is not None and module.trainer.state.fn == "fit"
         rest = load_sharded(module, checkpoint_path, self.optimizers,
@@ -376,6 +394,24 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         rest.setdefault("pytorch-lightning_version", pl.__version__)
         rest.setdefault("lr_schedulers", [])
         return rest
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """With ``async_save``, once the pending save is published (a crash in between keeps it)."""
+        if self.async_saver is None:
+            return super().remove_checkpoint(filepath)
+        remove = self.checkpoint_io.remove_checkpoint
+        self.async_saver.after_publish((lambda: remove(filepath)) if self.is_global_zero else None)
+
+    @property
+    @override
+    def checkpoint_io(self) -> Any:  # type: ignore[override]
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:  # type: ignore[override]
+        refuse_async_checkpoint_io(io, type(self).__name__)
+        self._checkpoint_io = io
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

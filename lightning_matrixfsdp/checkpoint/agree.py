@@ -5,12 +5,15 @@ collective would leave them waiting until the process-group timeout. Every step
 that can fail therefore runs through :func:`agree`: each rank runs it, the ranks
 exchange their outcome, and all of them raise (the failing rank its own error, the
 others the same class with the failing rank's message). Objects travel on the
-default group, through ``runtime/small_comm.py``.
+default group, through ``runtime/small_comm.py``, or, inside :func:`on_group`, on the
+group given there (an asynchronous save's background thread uses its own gloo group of
+all ranks, so it never interleaves with the training's collectives).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -21,8 +24,27 @@ from torch.distributed.checkpoint import CheckpointException
 import lightning_matrixfsdp.runtime.small_comm as small_comm
 from lightning_matrixfsdp.checkpoint.errors import ERROR_CLASSES, CheckpointError
 
-__all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "describe_failure",
-           "single_process_quiet", "warn", "world"]
+__all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "current_group",
+           "describe_failure", "on_group", "single_process_quiet", "warn", "world"]
+
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def on_group(group: Optional[dist.ProcessGroup]) -> Any:
+    """Within the block, this thread's object collectives (and the DCP save) run on ``group``,
+    a group of every rank in global rank order (ranks and rank 0 stay the default group's)."""
+    old = getattr(_THREAD, "group", None)
+    _THREAD.group = group
+    try:
+        yield
+    finally:
+        _THREAD.group = old
+
+
+def current_group() -> Optional[dist.ProcessGroup]:
+    """The group this thread's checkpoint collectives use (``None``: the default group)."""
+    return getattr(_THREAD, "group", None)
 
 
 def world() -> tuple[int, int]:
@@ -34,16 +56,21 @@ def world() -> tuple[int, int]:
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
-    return small_comm.gather_objects(obj)
+    return small_comm.gather_objects(obj, current_group())
 
 
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank."""
+    if current_group() is not None:  # small objects only: rank 0's entry of a gather
+        return all_gather_object(obj if world()[0] == 0 else None)[0]
     return small_comm.broadcast_object(obj, src=0)
 
 
 def barrier() -> None:
     """A barrier that is a plain all-reduce (works on every backend, on the collective device)."""
+    if current_group() is not None:
+        all_gather_object(None)
+        return
     small_comm.barrier()
 
 

@@ -12,6 +12,10 @@ of that target before it writes (they never were a checkpoint, and on a full dis
 their space is needed), and after it is published the copies a crash set aside.
 A communication failure (a peer died) leaves the partial to that next save: another
 rank may still be writing into it.
+
+A directory save is two halves: ``prepare_dir`` (the collective start: views, the agreed
+partial, the layout) and ``finish_dir`` (files, checksums, sidecar, publish). A synchronous
+save runs both in a row; ``async_save.py`` runs the second in a background thread.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import json
 import os
 import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -31,6 +36,7 @@ from lightning_matrixfsdp.checkpoint.agree import (
     agree,
     agreed_path,
     broadcast_object,
+    current_group,
     describe_failure,
     single_process_quiet,
     world,
@@ -43,8 +49,8 @@ from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, lay
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 from lightning_matrixfsdp.checkpoint.views import VIEWS, gather_views, split_views
 
-__all__ = ["OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "check_target", "new_partial", "publish", "remove_stale",
-           "save_sharded", "write_checkpoint", "write_file"]
+__all__ = ["DirSave", "OLD_PREFIX", "PARTIAL_PREFIX", "PathLike", "check_target", "finish_dir", "new_partial",
+           "prepare_dir", "publish", "remove_entry", "remove_stale", "save_sharded", "write_checkpoint", "write_file"]
 
 PARTIAL_PREFIX = ".mfsdp-partial-"
 OLD_PREFIX = ".mfsdp-old-"
@@ -81,7 +87,7 @@ def publish(tmp: Path, path: Path) -> None:
         old = path.parent / f"{OLD_PREFIX}{_tag(path)}-{secrets.token_hex(8)}"
         os.rename(path, old)
         os.rename(tmp, path)
-        _remove(old)
+        remove_entry(old)
     else:
         os.rename(tmp, path)
     try:  # persist the rename
@@ -94,7 +100,8 @@ def publish(tmp: Path, path: Path) -> None:
         pass
 
 
-def _remove(p: Path) -> None:
+def remove_entry(p: Path) -> None:
+    """Remove a file, link or directory tree (missing is fine)."""
     if p.is_dir() and not p.is_symlink():
         shutil.rmtree(p, ignore_errors=True)
     else:
@@ -114,7 +121,7 @@ def remove_stale(path: Path, published: bool = True) -> list[Path]:
     stale = [p for pre in ((PARTIAL_PREFIX, OLD_PREFIX) if published else (PARTIAL_PREFIX,))
              for p in path.parent.glob(f"{pre}{tag}-*")]
     for p in stale:
-        _remove(p)
+        remove_entry(p)
     return stale
 
 
@@ -131,14 +138,14 @@ def write_file(obj: Mapping[str, Any], path: Path) -> None:
             os.fsync(f.fileno())
         publish(tmp, path)
     except OSError:
-        _remove(tmp)
+        remove_entry(tmp)
         raise
     except Exception as e:  # torch.save reports a full disk as a RuntimeError
-        _remove(tmp)
+        remove_entry(tmp)
         raise CheckpointError(f"writing checkpoint {path} failed: {e}; the previous checkpoint at that path is "
                               "unchanged") from e
     except BaseException:
-        _remove(tmp)
+        remove_entry(tmp)
         raise
     remove_stale(path)
 
@@ -185,9 +192,31 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
 
         agree(_file)  # also the barrier: nobody returns before the file is in place
         return
+    finish_dir(prepare_dir(checkpoint, path, index, optimizer_classes, checksums))
+
+
+@dataclass
+class DirSave:
+    """A directory save between its agreed start (the partial exists) and its publish: what
+    DCP writes (``state``), what goes to ``meta.pt`` (``meta``: a dict, or its ``torch.save``
+    bytes), the sidecar without its ``files`` (``layout``)."""
+
+    path: Path
+    tmp: Path
+    state: dict[str, Any]
+    meta: Union[dict[str, Any], bytes]
+    layout: dict[str, Any]
+    checksums: bool = True
+
+
+def prepare_dir(checkpoint: Mapping[str, Any], path: Path, index: KeyIndex, optimizer_classes: Sequence[str] = (),
+                checksums: bool = True) -> DirSave:
+    """Everything of a directory save before its files: the views split off (collective), the
+    partial created (agreed), the sidecar's layout. ``path``: already agreed."""
+    rank = world()[0]
     checkpoint, views = split_views(checkpoint, index)
     if views:
-        checkpoint[VIEWS] = views  # _write_dir hands it to DCP beside the model and optimizer entries
+        checkpoint[VIEWS] = views  # DCP writes it beside the model and optimizer entries
     tmp = new_partial(path, broadcast_object(secrets.token_hex(8)))
 
     def _mkdir() -> None:
@@ -197,34 +226,41 @@ def write_checkpoint(module: nn.Module, checkpoint: Mapping[str, Any], path: Pat
             tmp.mkdir(parents=True)
 
     agree(_mkdir)
+    state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict", {})}
+    if VIEWS in checkpoint:
+        state[VIEWS] = checkpoint.pop(VIEWS)
+    opt_states = checkpoint.pop("optimizer_states", [])
+    for i, s in enumerate(opt_states):
+        state[f"optimizer_{i}"] = s
+    return DirSave(path, tmp, state, checkpoint, layout_dict(index, opt_states, optimizer_classes), checksums)
+
+
+def finish_dir(job: DirSave) -> None:
+    """Write the files of ``job``, record them, publish; on an agreed failure remove the partial.
+    Collective on the current checkpoint group (``agree.on_group``): any thread may run it."""
+    rank = world()[0]
     try:
-        _write_dir(index, checkpoint, path, tmp, optimizer_classes, checksums)
+        _write_dir(job)
     except (CheckpointError, OSError):  # agreed: every rank is past its writes
         if rank == 0:
-            _remove(tmp)
+            remove_entry(job.tmp)
         raise
     if rank == 0:
-        remove_stale(path)
+        remove_stale(job.path)
 
 
-def _write_dir(index: KeyIndex, checkpoint: dict[str, Any], path: Path, tmp: Path,
-               optimizer_classes: Sequence[str], checksums: bool) -> None:
+def _write_dir(job: DirSave) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     rank = world()[0]
-    converted: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict", {})}
-    if VIEWS in checkpoint:
-        converted[VIEWS] = checkpoint.pop(VIEWS)
-    opt_states = checkpoint.pop("optimizer_states", [])
-    for i, s in enumerate(opt_states):
-        converted[f"optimizer_{i}"] = s
+    path, tmp = job.path, job.tmp
 
     def _dcp() -> None:
         try:
             with single_process_quiet():
-                dcp.save(converted, storage_writer=FileSystemWriter(str(tmp)),
-                         planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+                dcp.save(job.state, storage_writer=FileSystemWriter(str(tmp)),
+                         planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True), process_group=current_group())
         except CheckpointException as e:
             raise CheckpointError(f"writing checkpoint {path} failed: {describe_failure(e)}; the previous "
                                   "checkpoint at that path is unchanged") from None
@@ -235,17 +271,20 @@ def _write_dir(index: KeyIndex, checkpoint: dict[str, Any], path: Path, tmp: Pat
         if rank != 0:
             return []
         with open(tmp / META_NAME, "wb") as f:
-            torch.save(checkpoint, f)
+            if isinstance(job.meta, bytes):
+                f.write(job.meta)
+            else:
+                torch.save(job.meta, f)
             f.flush()
             os.fsync(f.fileno())
         return sorted(p.name for p in tmp.iterdir() if p.name != SIDECAR_NAME)
 
     names = broadcast_object(agree(_meta))  # every rank's dcp.save has returned: all files are there
-    files = file_records(tmp, names, checksums)
+    files = file_records(tmp, names, job.checksums)
 
     def _sidecar() -> None:
         if rank == 0:
-            text = json.dumps(layout_dict(index, opt_states, optimizer_classes, files), indent=1, default=str)
+            text = json.dumps({**job.layout, "files": dict(files)}, indent=1, default=str)
             with open(tmp / SIDECAR_NAME, "w") as f:
                 f.write(text)
                 f.flush()

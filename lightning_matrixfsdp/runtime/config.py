@@ -116,10 +116,15 @@ class MatrixFSDPConfig:
     flatten_conv: bool = _opt(False, check_bool)
     broadcast_buffers: bool = _opt(True, check_bool)
     ns_steps: int = _opt(5, check_positive_int, SHARD)
+    async_save: bool = _opt(False, check_bool, ADAPTER)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), f.name))
+        if self.async_save and not self.save_distributed_checkpoint:
+            raise MatrixShardError("async_save=True writes checkpoint directories in the background; it does not "
+                                   "apply to save_distributed_checkpoint=False (one file gathered on rank 0): set "
+                                   "save_distributed_checkpoint=True or async_save=False")
 
     @classmethod
     def names(cls, where: str) -> tuple[str, ...]:
