@@ -165,8 +165,11 @@ class DistPool:
                 t.put(None)
             except Exception:  # noqa: BLE001
                 pass
+        import time
+
+        deadline = time.monotonic() + 2  # the workers leave together: one wait for all of them
         for p in self.procs:
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
         self.procs = []
