@@ -5,6 +5,7 @@ Failures come back as the worker's traceback; a worker that hangs is killed afte
 """
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import tempfile
@@ -82,18 +83,33 @@ def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        while True:
+        environ = dict(os.environ)
+        for task_no in itertools.count(1):
             task = tasks.get()
             if task is None:
                 break
             fn, args = task
             # Each task starts from the defaults: a task that set float64 (tests/equiv.py does for
-            # some runs) must not hand it to the next test that happens to run in this process.
+            # some runs), an environment variable or another thread count must not hand it to the
+            # next test that happens to run in this process.
             torch.set_default_dtype(torch.float32)
+            torch.set_num_threads(1)
+            torch.set_grad_enabled(True)
+            os.environ.clear()
+            os.environ.update(environ)
             try:
-                results.put((rank, "ok", fn(rank, world, *args)))
+                result = fn(rank, world, *args)
             except BaseException:  # noqa: BLE001
                 results.put((rank, "error", traceback.format_exc()))
+                continue
+            # Every rank must leave the task at the same point of the group's collective stream,
+            # or the next test would start out of step: check it here so this task fails instead.
+            count = torch.tensor([task_no])
+            dist.all_reduce(count)
+            if count.item() != task_no * world:
+                results.put((rank, "error", f"ranks left task {task_no} out of step (sum {count.item()})"))
+                continue
+            results.put((rank, "ok", result))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -149,8 +165,11 @@ class DistPool:
                 t.put(None)
             except Exception:  # noqa: BLE001
                 pass
+        import time
+
+        deadline = time.monotonic() + 2  # the workers leave together: one wait for all of them
         for p in self.procs:
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
         self.procs = []

@@ -33,3 +33,15 @@ def dist_pools():
     yield get
     for p in pools.values():
         p.close()
+
+
+@pytest.fixture(scope="session")
+def hf_pool():
+    """Two gloo workers shared by the Hugging Face files (test_hf, test_pretrained,
+    test_export_safetensors): transformers is imported once per worker for all three, and
+    it stays out of the shared ``dist_pools``."""
+    from _dist import DistPool
+
+    workers = DistPool(2)
+    yield workers
+    workers.close()

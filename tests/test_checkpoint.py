@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import _free_port, run_distributed
+from _dist import _free_port
 from models import TinyLM, batch_for, lm_loss
 
 MUON = dict(lr=0.02, weight_decay=0.1)
@@ -57,10 +57,10 @@ def _ret(obj) -> bytes:
     return pickle.dumps(obj)
 
 
-def _run(fn, world, *args, **kw):
+def _run(dist_pools, fn, world, *args, **kw):
     import pickle
 
-    return [pickle.loads(r) for r in run_distributed(fn, world, *args, **kw)]
+    return [pickle.loads(r) for r in dist_pools(world).run(fn, *args, **kw)]
 
 
 def _gather(obj):
@@ -151,8 +151,8 @@ def _load_w2_other_planner(rank, world, root):
     return _ret(out if rank == 0 else None)
 
 
-def test_reshard_2_to_3_3_to_2_2_to_1_and_other_planner(tmp_path):
-    saved = _run(_save_w2, 2, str(tmp_path))[0]
+def test_reshard_2_to_3_3_to_2_2_to_1_and_other_planner(tmp_path, dist_pools):
+    saved = _run(dist_pools, _save_w2, 2, str(tmp_path))[0]
     ref = saved["ref"]
     assert ref["state"] and all("momentum_buffer" in s or "exp_avg" in s for s in ref["state"].values())
     side = json.loads((tmp_path / "d2" / "matrix_fsdp_layout.json").read_text())
@@ -163,13 +163,13 @@ def test_reshard_2_to_3_3_to_2_2_to_1_and_other_planner(tmp_path):
     assert_same_state(saved["hsdp"], ref)  # 2 -> HSDP 2 x 1
     assert json.loads((tmp_path / "d_hsdp" / "matrix_fsdp_layout.json").read_text())["replicate"] == 2
 
-    w3 = _run(_load_w3, 3, str(tmp_path))[0]
+    w3 = _run(dist_pools, _load_w3, 3, str(tmp_path))[0]
     assert_same_state(w3["dir"], ref)    # 2 -> 3
     assert_same_state(w3["file"], ref)   # consolidated file -> 3
     assert w3["rest"] == {"note": "w2"}
     assert json.loads((tmp_path / "d3" / "matrix_fsdp_layout.json").read_text())["world_size"] == 3
 
-    w2 = _run(_load_w2_other_planner, 2, str(tmp_path))[0]
+    w2 = _run(dist_pools, _load_w2_other_planner, 2, str(tmp_path))[0]
     assert w2["owners"] != saved["owners"], "the other planner should place some roles elsewhere"
     assert_same_state(w2["d2"], ref)     # 2 -> 2 with another planner
     assert_same_state(w2["d3"], ref)     # 3 -> 2
@@ -318,8 +318,8 @@ def _lit_worker(rank, world, root):
     return _ret(result)
 
 
-def test_lightning_exact_resume_callbacks_ckpt_path_and_consolidated_export(tmp_path):
-    r = _run(_lit_worker, 2, str(tmp_path), timeout=300)[0]
+def test_lightning_exact_resume_callbacks_ckpt_path_and_consolidated_export(tmp_path, dist_pools):
+    r = _run(dist_pools, _lit_worker, 2, str(tmp_path), timeout=300)[0]
     # ModelCheckpoint: top-1 by train_loss plus last, every-3-steps kept; all are complete directories
     assert r["every"] == ["step=3.ckpt", "step=6.ckpt"]
     assert len(r["best"]) == 2 and "last.ckpt" in r["best"], r["best"]
@@ -382,8 +382,8 @@ def _fsdp2_worker(rank, world, root):
                 if rank == 0 else None)
 
 
-def test_import_model_parallel_fsdp2_checkpoint(tmp_path):
-    r = _run(_fsdp2_worker, 2, str(tmp_path), timeout=300)[0]
+def test_import_model_parallel_fsdp2_checkpoint(tmp_path, dist_pools):
+    r = _run(dist_pools, _fsdp2_worker, 2, str(tmp_path), timeout=300)[0]
     assert not (tmp_path / "fsdp2" / "step=2.ckpt" / "matrix_fsdp_layout.json").exists()  # a foreign checkpoint
     # the step-2 loss is computed from the imported weights: same as FSDP2's
     assert sorted(r["losses_h"]) == [2]
@@ -649,13 +649,13 @@ def _soap_save_w2(rank, world, root):
 
 
 @pytest.mark.parametrize("name", ["SOAP"])
-def test_matrix_optimizer_state_reshards_2_to_1(name, tmp_path):
+def test_matrix_optimizer_state_reshards_2_to_1(name, tmp_path, dist_pools):
     """SOAP's preconditioner state written by 2 owners loads whole into 1 rank."""
     pytest.importorskip("pytorch_optimizer")
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp import checkpoint as C
 
-    ref = _run(_soap_save_w2, 2, str(tmp_path))[0]
+    ref = _run(dist_pools, _soap_save_w2, 2, str(tmp_path))[0]
     assert ref["state"] and any("." in k for s in ref["state"].values() for k in s)
     torch.manual_seed(5)
     model = mf.matrix_shard(TinyLM(layers=1))

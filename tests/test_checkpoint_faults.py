@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
 from models import TinyLM, batch_for, lm_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -241,10 +240,10 @@ def _unchanged(a, b, loaded: bool = False) -> bool:
         return False
 
 
-def test_damaged_files_raise_on_every_rank_and_leave_model_and_optimizer_untouched(tmp_path):
+def test_damaged_files_raise_on_every_rank_and_leave_model_and_optimizer_untouched(tmp_path, dist_pools):
     import pickle
 
-    results = [pickle.loads(r) for r in run_distributed(_damaged_worker, 2, str(tmp_path))]
+    results = [pickle.loads(r) for r in dist_pools(2).run(_damaged_worker, str(tmp_path))]
     names = results[0]["names"]
     for rank, r in enumerate(results):
         intact = r["cases"].pop("intact")
@@ -272,6 +271,7 @@ def _failed_save_worker(rank, world, root):
     C.save_sharded(model, root / "ck", [opt], extra={"global_step": 1})
     saved = snapshot(model, opt)
     _train(model, opt, 1, start=1)
+    real = FileSystemWriter.write_data
     if rank == 1:  # this rank's disk fills up while it writes its shard
         def full_disk(self, plan, planner):
             raise OSError(28, "No space left on device")
@@ -282,6 +282,8 @@ def _failed_save_worker(rank, world, root):
         err = None
     except BaseException as e:  # noqa: BLE001 - the test checks the class
         err = e
+    finally:  # the worker process is reused by later tests
+        FileSystemWriter.write_data = real
     dist.barrier()
     left = sorted(p.name for p in root.iterdir())
     other, o2 = _sharded(1)
@@ -290,10 +292,10 @@ def _failed_save_worker(rank, world, root):
                          "left": left, "rest": rest, "intact": _unchanged(snapshot(other, o2), saved, loaded=True)})
 
 
-def test_failed_save_raises_everywhere_cleans_up_and_keeps_the_previous_checkpoint(tmp_path):
+def test_failed_save_raises_everywhere_cleans_up_and_keeps_the_previous_checkpoint(tmp_path, dist_pools):
     import pickle
 
-    results = [pickle.loads(r) for r in run_distributed(_failed_save_worker, 2, str(tmp_path))]
+    results = [pickle.loads(r) for r in dist_pools(2).run(_failed_save_worker, str(tmp_path))]
     for rank, r in enumerate(results):
         assert r["type"] == "CheckpointError" and r["is_exception"], (rank, r["type"], r["msg"])
         assert str(tmp_path / "ck") in r["msg"] and "No space left on device" in r["msg"], r["msg"]
@@ -456,8 +458,8 @@ def _mixed_arguments_worker(rank, world, root):
     return out
 
 
-def test_a_bad_argument_on_one_rank_raises_on_every_rank(tmp_path):
-    results = run_distributed(_mixed_arguments_worker, 2, str(tmp_path), timeout=120)
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(tmp_path, dist_pools):
+    results = dist_pools(2).run(_mixed_arguments_worker, str(tmp_path), timeout=120)
     for rank, got in enumerate(results):
         assert got[0] is not None and got[0].startswith("TypeError") and "None" in got[0], (rank, got[0])
         for i, what in ((1, "full"), (2, "optimizers"), (4, "strict"), (5, "reset_changed_roles")):

@@ -11,7 +11,6 @@ import pickle
 
 import torch
 
-from _dist import run_distributed
 from models import TinyLM, batch_for, lm_loss
 from test_checkpoint import assert_same_state, full_state
 
@@ -71,8 +70,8 @@ def _same(a, b) -> bool:
         return False
 
 
-def test_role_change_raises_on_every_rank_or_resets_when_asked(tmp_path):
-    results = [pickle.loads(r) for r in run_distributed(_worker, 2, str(tmp_path))]
+def test_role_change_raises_on_every_rank_or_resets_when_asked(tmp_path, dist_pools):
+    results = [pickle.loads(r) for r in dist_pools(2).run(_worker, str(tmp_path))]
     ref = results[0]["ref"]
     for rank, r in enumerate(results):
         for src in ("d", "f.ckpt"):
@@ -122,10 +121,10 @@ def _trainer_worker(rank, world, root):
     return pickle.dumps(out)
 
 
-def test_strategy_options_reset_changed_roles_and_verify_checkpoints(tmp_path):
+def test_strategy_options_reset_changed_roles_and_verify_checkpoints(tmp_path, dist_pools):
     from lightning_matrixfsdp import checkpoint as C
 
-    results = [pickle.loads(r) for r in run_distributed(_trainer_worker, 2, str(tmp_path), timeout=300)]
+    results = [pickle.loads(r) for r in dist_pools(2).run(_trainer_worker, str(tmp_path), timeout=300)]
     for rank, r in enumerate(results):
         assert r["error"] and r["error"].startswith("CheckpointMismatchError"), (rank, r["error"])
         assert "model.blocks.0.qkv.weight: matrix -> tail" in r["error"] and "reset_changed_roles=True" in r["error"]

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import run_distributed
 from equiv import full_params, make_sharded_optimizer
 from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads
 
@@ -81,8 +80,8 @@ def _worker(rank: int, world: int, steps: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_flattened_kernels_equal_ddp_muon_on_their_views(world):
-    results = run_distributed(_worker, world, 3, timeout=240)
+def test_flattened_kernels_equal_ddp_muon_on_their_views(world, dist_pools):
+    results = dist_pools(world).run(_worker, 3, timeout=240)
     kinds = results[0]["kinds"]
     kernels = [n for n, k in kinds.items() if n.endswith("weight") and n.split(".")[0] in ("0", "3", "6")]
     assert len(kernels) == 3 and all(kinds[n] == "matrix" for n in kernels), kinds
@@ -104,8 +103,8 @@ def _kinds_worker(rank: int, world: int) -> dict:
     return {s.fqn: s.role.value for s in state_of(model).plan.shards()}
 
 
-def test_without_the_option_kernels_stay_on_adamw():
-    kinds = run_distributed(_kinds_worker, 2, timeout=120)[0]
+def test_without_the_option_kernels_stay_on_adamw(dist_pools):
+    kinds = dist_pools(2).run(_kinds_worker, timeout=120)[0]
     assert kinds["0.weight"] != "matrix" and kinds["10.weight"] == "matrix"
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from _dist import run_distributed
 
 N = 4
 LR, WARMUP, MIN_RATIO = 0.02, 2, 0.1
@@ -62,8 +61,8 @@ def resume_worker(rank: int, world: int, root: str) -> dict:
             "total": resumed.lr_scheduler_configs[0].scheduler.lr_lambdas[0].total_steps}
 
 
-def test_resume_with_larger_max_steps_follows_the_longer_schedule(tmp_path: Path) -> None:
-    res = run_distributed(resume_worker, 2, str(tmp_path), timeout=300)
+def test_resume_with_larger_max_steps_follows_the_longer_schedule(tmp_path: Path, dist_pools) -> None:
+    res = dist_pools(2).run(resume_worker, str(tmp_path), timeout=300)
     for r in res:
         assert sorted(r["first"]) == list(range(N))
         assert sorted(r["resumed"]) == list(range(N, 2 * N)), r["resumed"]  # it resumed, not restarted

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from _dist import run_distributed
 
 
 def test_finetune_demo_data_gives_no_validation_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,7 +48,7 @@ def _bench_ddp_worker(rank: int, world: int) -> dict:
     return {"warnings": [str(w.message) for w in caught], "sync": ddp.broadcast_buffers if sync is None else sync}
 
 
-def test_bench_ddp_baseline_builds_without_deprecation_warning() -> None:
-    for r in run_distributed(_bench_ddp_worker, 2, timeout=120):
+def test_bench_ddp_baseline_builds_without_deprecation_warning(dist_pools) -> None:
+    for r in dist_pools(2).run(_bench_ddp_worker, timeout=120):
         assert not [m for m in r["warnings"] if "broadcast_buffers" in m], r["warnings"]
         assert r["sync"] is False  # still no buffer broadcast before each forward

@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from _dist import run_distributed
 from models import TinyLM
 
 
@@ -67,8 +66,8 @@ def _fsdp2_and_dtensor_worker(rank, world):
     return msgs
 
 
-def test_fsdp2_wrapped_and_tensor_parallel_models_are_refused():
-    msgs = run_distributed(_fsdp2_and_dtensor_worker, 2)[0]
+def test_fsdp2_wrapped_and_tensor_parallel_models_are_refused(dist_pools):
+    msgs = dist_pools(2).run(_fsdp2_and_dtensor_worker)[0]
     assert "already wrapped by FSDP" in msgs.get("fsdp2", ""), msgs
     assert "tensor parallel" in msgs.get("dtensor", ""), msgs
 
@@ -88,7 +87,7 @@ def _mismatch_worker(rank, world, kind):
     ("model", "unit #2: '' vs 'blocks.2'"),
     ("collective", "collective: 'p2p' vs 'broadcast'"),
 ])
-def test_plan_mismatch_between_ranks_raises_on_every_rank(kind, expect):
-    msgs = run_distributed(_mismatch_worker, 3, kind, timeout=120)
+def test_plan_mismatch_between_ranks_raises_on_every_rank(kind, expect, dist_pools):
+    msgs = dist_pools(3).run(_mismatch_worker, kind, timeout=120)
     for m in msgs:
         assert "plan mismatch" in m and expect in m, m

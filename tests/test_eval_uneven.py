@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from _dist import run_distributed
 from lit import LitTiny
 from models import lm_loss
 
@@ -106,8 +105,8 @@ def _eval_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_uneven_evaluation_completes_and_matches_unsharded(world):
-    res = run_distributed(_eval_worker, world, timeout=300)
+def test_uneven_evaluation_completes_and_matches_unsharded(world, dist_pools):
+    res = dist_pools(world).run(_eval_worker, timeout=300)
     for r in res:
         assert len(r["test"]) == r["n"] and len(r["preds"]) == r["n"]
         torch.testing.assert_close(torch.tensor(r["test"]), torch.tensor(r["want"]), rtol=1e-5, atol=1e-6)
@@ -130,8 +129,8 @@ def _validate_worker(rank: int, world: int) -> list[float]:
     return [lit.val_losses, want]
 
 
-def test_uneven_validate_matches_unsharded():
-    for got, want in run_distributed(_validate_worker, 3, timeout=240):
+def test_uneven_validate_matches_unsharded(dist_pools):
+    for got, want in dist_pools(3).run(_validate_worker, timeout=240):
         assert len(got) == len(want)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
 
@@ -150,7 +149,7 @@ def _uneven_train_worker(rank: int, world: int, counts: list[int]) -> str:
 
 
 @pytest.mark.parametrize("counts", [[3, 1], [2, 0], [1, 2, 4]])
-def test_uneven_training_raises_on_every_rank(counts):
-    msgs = run_distributed(_uneven_train_worker, len(counts), counts, timeout=180)
+def test_uneven_training_raises_on_every_rank(counts, dist_pools):
+    msgs = dist_pools(len(counts)).run(_uneven_train_worker, counts, timeout=180)
     assert len(set(msgs)) == 1  # the same error on every rank
     assert "different numbers of training batches" in msgs[0] and "use_distributed_sampler" in msgs[0]

@@ -76,20 +76,15 @@ def train_and_save(rank: int, world: int, name: str, root: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
-    """Each model trained once on 2 processes: {name: (root, rank 0's result)}."""
+def trained(tmp_path_factory, hf_pool) -> dict[str, tuple[Path, dict]]:
+    """Each model trained once on 2 processes (the Hugging Face files' pool, tests/conftest.py):
+    {name: (root, rank 0's result)}."""
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from _dist import DistPool
-
-    pool = DistPool(2)
     out = {}
-    try:
-        for name in ("llama", "gpt2"):
-            root = tmp_path_factory.mktemp(name)
-            out[name] = (root, pool.run(train_and_save, name, str(root), timeout=300)[0])
-    finally:
-        pool.close()
+    for name in ("llama", "gpt2"):
+        root = tmp_path_factory.mktemp(name)
+        out[name] = (root, hf_pool.run(train_and_save, name, str(root), timeout=300)[0])
     return out
 
 

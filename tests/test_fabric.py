@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import run_distributed
 from equiv import full_params
 from models import TinyLM, batch_for, lm_loss
 from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
@@ -146,28 +145,28 @@ def _exact(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_fabric_loop_equals_ddp_oracle_with_clip_and_accumulation(world: int) -> None:
-    res = run_distributed(fabric_worker, world, {"steps": 3, "accumulate": 2, "clip": 0.05}, timeout=TIMEOUT)
+def test_fabric_loop_equals_ddp_oracle_with_clip_and_accumulation(world: int, dist_pools) -> None:
+    res = dist_pools(world).run(fabric_worker, {"steps": 3, "accumulate": 2, "clip": 0.05}, timeout=TIMEOUT)
     _exact(res)
     assert all(n > 0.05 for r in res for n in r["norms"]), "the clip must have scaled the gradients"
     assert res[0]["norms"] == res[1]["norms"], "every rank sees the same global norm"
 
 
-def test_fabric_joint_setup_and_reduce_every_micro_batch() -> None:
+def test_fabric_joint_setup_and_reduce_every_micro_batch(dist_pools) -> None:
     """fabric.setup(model, optimizer) with the optimizer built first; accumulation_no_sync=False
     makes no_backward_sync a no-op (the oracle then reduces every micro-batch too)."""
     cfg = {"steps": 2, "accumulate": 2, "joint": True, "strategy": {"accumulation_no_sync": False}}
-    _exact(run_distributed(fabric_worker, 2, cfg, timeout=TIMEOUT))
+    _exact(dist_pools(2).run(fabric_worker, cfg, timeout=TIMEOUT))
 
 
-def test_fabric_save_at_2_load_at_3_continues_like_the_oracle(tmp_path) -> None:
+def test_fabric_save_at_2_load_at_3_continues_like_the_oracle(tmp_path, dist_pools) -> None:
     ckpt, o1 = str(tmp_path / "fabric.ckpt"), str(tmp_path / "oracle1.pt")
-    first = run_distributed(fabric_worker, 2, {"steps": 2, "clip": 0.05, "save": ckpt, "oracle_out": o1},
-                            timeout=TIMEOUT)
+    first = dist_pools(2).run(fabric_worker, {"steps": 2, "clip": 0.05, "save": ckpt, "oracle_out": o1},
+                              timeout=TIMEOUT)
     _exact(first)
     assert os.path.isdir(ckpt) and os.path.isfile(os.path.join(ckpt, "matrix_fsdp_layout.json"))
-    second = run_distributed(fabric_worker, 3, {"steps": 2, "clip": 0.05, "load": ckpt, "oracle_in": o1,
-                                                "load_step": True, "offset": 100}, timeout=TIMEOUT)
+    second = dist_pools(3).run(fabric_worker, {"steps": 2, "clip": 0.05, "load": ckpt, "oracle_in": o1,
+                                               "load_step": True, "offset": 100}, timeout=TIMEOUT)
     _exact(second)
     assert [r["start"] for r in second] == [2, 2, 2]
 
@@ -240,8 +239,8 @@ class _Prefixed(nn.Module):
         self.model = wrapper.model
 
 
-def test_trainer_checkpoint_to_fabric_and_back(tmp_path) -> None:
-    res = run_distributed(interchange_worker, 2, str(tmp_path), timeout=TIMEOUT)
+def test_trainer_checkpoint_to_fabric_and_back(tmp_path, dist_pools) -> None:
+    res = dist_pools(2).run(interchange_worker, str(tmp_path), timeout=TIMEOUT)
     for r in res:
         assert r["after_fabric"][0] == 0.0, r["after_fabric"]
     _exact(res)
@@ -273,8 +272,8 @@ def wrong_order_worker(rank: int, world: int) -> str:
     return msg + "\n" + msg2
 
 
-def test_wrong_setup_order_raises_with_the_order_to_use() -> None:
-    msgs = run_distributed(wrong_order_worker, 2, timeout=TIMEOUT)
+def test_wrong_setup_order_raises_with_the_order_to_use(dist_pools) -> None:
+    msgs = dist_pools(2).run(wrong_order_worker, timeout=TIMEOUT)
     assert msgs[0] == msgs[1], "every rank raises the same error"
     for part in msgs[0].split("\n"):
         assert "fabric.setup_module(model)" in part and "fabric.setup_optimizers(optimizer)" in part, part
@@ -303,8 +302,8 @@ def precision_worker(rank: int, world: int, precision: str) -> dict:
 
 
 @pytest.mark.parametrize("precision,param_dtype", [("bf16-mixed", "torch.float32"), ("bf16-true", "torch.bfloat16")])
-def test_bf16_precisions_train(precision: str, param_dtype: str) -> None:
-    res = run_distributed(precision_worker, 2, precision, timeout=TIMEOUT)
+def test_bf16_precisions_train(precision: str, param_dtype: str, dist_pools) -> None:
+    res = dist_pools(2).run(precision_worker, precision, timeout=TIMEOUT)
     for r in res:
         assert r["param_dtype"] == param_dtype
         assert all(torch.isfinite(torch.tensor(r["losses"])))

@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
 
 LAYER = {  # each library's decoder layer, by import path (what a YAML config would say)
     "llama": "transformers.models.llama.modeling_llama.LlamaDecoderLayer",
@@ -82,14 +81,10 @@ def _skip_without(name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    """Two gloo workers for this file only: the library imports and the Trainer runs stay out of
-    the session's shared pools."""
-    from _dist import DistPool
-
-    workers = DistPool(2)
-    yield workers
-    workers.close()
+def pool(hf_pool):
+    """The Hugging Face files' two gloo workers (tests/conftest.py): the library imports and the
+    Trainer runs stay out of the session's shared pools."""
+    return hf_pool
 
 
 # ---------------------------------------------------------------------- matrix_shard
@@ -316,18 +311,18 @@ def kv_cache_worker(rank: int, world: int, use_cache: bool) -> dict:
     return result
 
 
-def test_hf_kv_cache_grows_under_checkpointing_and_use_cache_false_avoids_it() -> None:
+def test_hf_kv_cache_grows_under_checkpointing_and_use_cache_false_avoids_it(pool) -> None:
     """With the cache on, recomputing a layer appends its keys and values a second time. transformers
     4.51-5.3 then fail in torch's checkpoint ("Recomputed values ... have different metadata");
     later releases were seen to pass with the cache doubled. With use_cache=False: no cache, no error."""
     pytest.importorskip("transformers")
-    for r in run_distributed(kv_cache_worker, 2, True, timeout=240):
+    for r in pool.run(kv_cache_worker, True, timeout=240):
         assert r["cache_after_forward"] == SEQ, r
         if r["error"] is not None:
             assert "Recomputed values" in r["error"] and "different metadata" in r["error"], r["error"]
         else:
             assert r["cache_after_backward"] == 2 * SEQ, r  # the recomputation wrote to the cache again
-    for r in run_distributed(kv_cache_worker, 2, False, timeout=240):
+    for r in pool.run(kv_cache_worker, False, timeout=240):
         assert r == {"error": None, "cache_after_forward": None, "cache_after_backward": None}, r
 
 

@@ -15,7 +15,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from _dist import run_distributed
 from lit import gather_full
 from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
@@ -198,10 +197,10 @@ def _finetune_worker(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_backbone_finetuning_and_its_resume_equal_ddp(tmp_path):
+def test_backbone_finetuning_and_its_resume_equal_ddp(tmp_path, dist_pools):
     """The resume failed: the checkpoint's optimizer had 2 param groups, the run's 1 (the
     callback puts them back in on_fit_start, which DDP runs before the optimizer state loads)."""
-    for r in run_distributed(_finetune_worker, 2, str(tmp_path), timeout=240):
+    for r in dist_pools(2).run(_finetune_worker, str(tmp_path), timeout=240):
         ref = r[("ddp", False)]
         backbone = [n for n in ref["weights"] if n.startswith("backbone")]
         assert all((ref["weights"][n] != ref["initial"][n]).any() for n in backbone), "the backbone never trained"
@@ -225,10 +224,10 @@ def _gan_worker(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_gan_manual_optimization_equals_ddp(tmp_path):
+def test_gan_manual_optimization_equals_ddp(tmp_path, dist_pools):
     """toggle_optimizer died with a gloo abort: over routed param groups each rank froze only the
     parameters it owns. Two optimizers, manual_backward, clip_gradients, accumulation by hand."""
-    for r in run_distributed(_gan_worker, 2, str(tmp_path), timeout=240):
+    for r in dist_pools(2).run(_gan_worker, str(tmp_path), timeout=240):
         ddp, ours, synced = r["ddp"], r["mfsdp"], r["mfsdp_sync"]
         assert max(ddp["norms"]) > CLIP, "the clip never acted"
         # accumulation under no-sync, as DDP's toggle_model(sync_grad=False): bitwise
@@ -257,10 +256,10 @@ def _clip_worker(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_trainer_clipping_equals_ddp_with_and_without_replicas(tmp_path):
+def test_trainer_clipping_equals_ddp_with_and_without_replicas(tmp_path, dist_pools):
     """The clip summed float64 partial squares; DDP's (torch's) norm stacks float32 per-tensor
     norms: at shard_size=1 the weights came out 1.5e-8 from DDP's."""
-    for r in run_distributed(_clip_worker, 2, str(tmp_path), timeout=240):
+    for r in dist_pools(2).run(_clip_worker, str(tmp_path), timeout=240):
         for name in ("hsdp", "mfsdp"):
             assert r[name]["losses"] == r["ddp"]["losses"], name
             _same_weights(r[name]["weights"], r["ddp"]["weights"])

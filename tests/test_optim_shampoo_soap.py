@@ -23,7 +23,6 @@ from torch import nn
 pytest.importorskip("pytorch_optimizer")
 import pytorch_optimizer  # noqa: E402
 
-from _dist import run_distributed  # noqa: E402
 from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo  # noqa: E402
 from lightning_matrixfsdp.optim.routing import route_optimizer  # noqa: E402
 
@@ -391,10 +390,10 @@ def _merge_snapshots(results: list[dict]) -> dict[str, Any]:
     return snap
 
 
-def test_sharded_matches_full_replica_and_resumes_across_world_sizes():
+def test_sharded_matches_full_replica_and_resumes_across_world_sizes(dist_pools):
     """World 2 and 3 match the full-replica oracle step by step; world 3 also resumes world 2's state."""
-    res2 = [_loads(b) for b in run_distributed(_dist_worker, 2, None)]
-    res3 = [_loads(b) for b in run_distributed(_dist_worker, 3, _dumps(_merge_snapshots(res2)))]
+    res2 = [_loads(b) for b in dist_pools(2).run(_dist_worker, None)]
+    res3 = [_loads(b) for b in dist_pools(3).run(_dist_worker, _dumps(_merge_snapshots(res2)))]
     for case in DIST_CASES:
         for res in (res2, res3):
             losses = res[0][case]["losses"]

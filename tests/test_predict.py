@@ -246,11 +246,9 @@ def _stock_muon_collectives(rank: int, world: int, shapes: list[tuple[int, int]]
     return out
 
 
-def test_stock_muon_model_matches_what_dtensor_issues():
-    from _dist import run_distributed
-
+def test_stock_muon_model_matches_what_dtensor_issues(dist_pools):
     shapes, steps, world = [(8, 8), (8, 32), (32, 8)], 2, 2
-    seen = run_distributed(_stock_muon_collectives, world, shapes, steps, timeout=120)[0]
+    seen = dist_pools(world).run(_stock_muon_collectives, shapes, steps, timeout=120)[0]
     for shape, observed in zip(shapes, seen):
         _, model = stock_matrix_work(shape, steps, world)
         # the model counts an all-gather by its output (the whole matrix), DTensor passes each rank's input

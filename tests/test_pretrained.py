@@ -16,8 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import DistPool
-
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
@@ -27,11 +25,10 @@ VOCAB, SEQ = 64, 16
 
 
 @pytest.fixture(scope="module")
-def pool():
-    """Two gloo workers for this file: transformers is imported once per process, not per test."""
-    workers = DistPool(2)
-    yield workers
-    workers.close()
+def pool(hf_pool):
+    """The Hugging Face files' two gloo workers (tests/conftest.py): transformers is imported
+    once per process, not per test or per file."""
+    return hf_pool
 
 
 def save(tmp: Path, model: str, shards: bool, **kw: Any) -> str:

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from _dist import run_distributed
 from lit import LitTiny
 from models import lm_loss
 from oracle import allreduce_mean_grads, clip_global_norm, oracle_optimizers
@@ -62,8 +61,8 @@ def _fit(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "stats": mf.get_comm_stats(lit)}
 
 
-def test_trainer_split_matches_ddp_on_every_replica(tmp_path):
-    res = run_distributed(_fit, 2, {"steps": 3, "accumulate": 2, "clip": 0.3, "root": str(tmp_path)}, timeout=300)
+def test_trainer_split_matches_ddp_on_every_replica(tmp_path, dist_pools):
+    res = dist_pools(2).run(_fit, {"steps": 3, "accumulate": 2, "clip": 0.3, "root": str(tmp_path)}, timeout=300)
     for r in res:
         assert r["steps"] == 3
         assert not r["differ"], r["differ"]
@@ -108,6 +107,6 @@ def _fabric_loop(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"stale": stale}
 
 
-def test_fabric_split_starts_the_transfer_after_each_step(tmp_path):
-    for r in run_distributed(_fabric_loop, 2, {"path": str(tmp_path / "ck")}, timeout=300):
+def test_fabric_split_starts_the_transfer_after_each_step(tmp_path, dist_pools):
+    for r in dist_pools(2).run(_fabric_loop, {"path": str(tmp_path / "ck")}, timeout=300):
         assert not r["stale"], r["stale"]

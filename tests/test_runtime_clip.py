@@ -4,7 +4,6 @@ import csv
 import torch
 
 import lightning_matrixfsdp as mf
-from _dist import run_distributed
 from lit import trainer_worker
 from models import TinyLM, batch_for, lm_loss
 
@@ -27,10 +26,10 @@ def test_clip_all_reduce_counts_under_clip(dist_pools):
         assert r["after"] == {"sent": b, "recv": b, "calls": 2}, r
 
 
-def test_strategy_logs_clip_traffic(tmp_path):
-    run_distributed(trainer_worker, 2, {"steps": 2, "csv_logger": True, "root": str(tmp_path),
-                                         "trainer": {"gradient_clip_val": 0.3, "log_every_n_steps": 1}},
-                    timeout=240)
+def test_strategy_logs_clip_traffic(tmp_path, dist_pools):
+    dist_pools(2).run(trainer_worker, {"steps": 2, "csv_logger": True, "root": str(tmp_path),
+                                        "trainer": {"gradient_clip_val": 0.3, "log_every_n_steps": 1}},
+                      timeout=240)
     rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv"))
             if r.get("matrix_fsdp/clip_MB")]
     assert len(rows) == 2, rows

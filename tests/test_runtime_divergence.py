@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import lightning_matrixfsdp as mf
-from _dist import run_distributed
 from conftest import clean_env
 from models import TinyLM, batch_for, lm_loss
 
@@ -54,20 +53,20 @@ def _divergence_worker(rank: int, world: int, case: str, env: dict) -> str:
     return "no error"
 
 
-def _same_error_everywhere(case: str, env: dict | None = None) -> str:
-    msgs = run_distributed(_divergence_worker, 2, case, env or {}, timeout=120)
+def _same_error_everywhere(dist_pools, case: str, env: dict | None = None) -> str:
+    msgs = dist_pools(2).run(_divergence_worker, case, env or {}, timeout=120)
     assert msgs[0] == msgs[1] != "no error", msgs
     return msgs[0]
 
 
-def test_unit_skipped_on_one_rank_names_both_units():
-    msg = _same_error_everywhere("unit_skipped")
+def test_unit_skipped_on_one_rank_names_both_units(dist_pools):
+    msg = _same_error_everywhere(dist_pools, "unit_skipped")
     assert "rank 0 is about to materialize unit 'blocks.0'" in msg, msg
     assert "rank 1 is about to materialize unit 'blocks.1'" in msg, msg
 
 
-def test_unit_called_directly_on_one_rank_names_it():
-    msg = _same_error_everywhere("unit_called_directly")
+def test_unit_called_directly_on_one_rank_names_it(dist_pools):
+    msg = _same_error_everywhere(dist_pools, "unit_called_directly")
     assert "rank 0 is about to materialize unit '<root>'" in msg, msg
     assert "rank 1 is about to materialize unit 'blocks.0'" in msg, msg
 
@@ -85,21 +84,21 @@ def _submodule_worker(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_submodule_called_outside_its_unit_names_it_on_that_rank():
-    msgs = run_distributed(_submodule_worker, 2, timeout=120)
+def test_submodule_called_outside_its_unit_names_it_on_that_rank(dist_pools):
+    msgs = dist_pools(2).run(_submodule_worker, timeout=120)
     assert msgs[0] == "no error", msgs
     assert "'blocks.0.fc.weight' ran on rank 1 while its unit 'blocks.0' was not materialized" in msgs[1], msgs
 
 
-def test_expert_used_on_some_ranks_names_its_parameters_and_the_option():
-    msg = _same_error_everywhere("expert_on_some_ranks")
+def test_expert_used_on_some_ranks_names_its_parameters_and_the_option(dist_pools):
+    msg = _same_error_everywhere(dist_pools, "expert_on_some_ranks")
     assert "blocks.1.experts.1.weight" in msg and "zero_missing_grads=True" in msg, msg
 
 
 @pytest.mark.parametrize("sequence_check", ["auto", "0"])
-def test_used_flags_that_differ_in_the_flush_raise(sequence_check):
+def test_used_flags_that_differ_in_the_flush_raise(sequence_check, dist_pools):
     env = {} if sequence_check == "auto" else {"MATRIX_FSDP_CHECK_SEQUENCE": sequence_check}
-    msg = _same_error_everywhere("flush_flags_differ", env)
+    msg = _same_error_everywhere(dist_pools, "flush_flags_differ", env)
     assert "unit '<root>' got a gradient on some ranks but not on others: branch.weight, branch.bias" in msg, msg
     assert "zero_missing_grads=True" in msg, msg
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import lightning_matrixfsdp as mf
-from _dist import run_distributed
 from lit import trainer_worker
 from models import Block
 from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
@@ -17,8 +16,8 @@ def _exact(res):
         assert r["distinct_batches"], "ranks saw the same batches: data-parallel size is wrong"
 
 
-def test_registered_name_matches_ddp_muon_two_processes():
-    res = run_distributed(trainer_worker, 2, {"steps": 5, "summary": True})
+def test_registered_name_matches_ddp_muon_two_processes(dist_pools):
+    res = dist_pools(2).run(trainer_worker, {"steps": 5, "summary": True})
     _exact(res)
     assert res[0]["steps"] == 5 and res[0]["optimizer"] == "Muon"
     # Lightning's DistributedSampler gives every rank the same count: no per-step uneven check.
@@ -30,54 +29,54 @@ def test_registered_name_matches_ddp_muon_two_processes():
         assert "matrix-fsdp-wait" not in r["threads"], r["threads"]
 
 
-def test_instance_with_options_three_processes():
+def test_instance_with_options_three_processes(dist_pools):
     strategy = {"planner": "cost_aware", "collective": "p2p", "activation_checkpointing_policy": {Block},
                 "wrap_policy": {Block}}
-    _exact(run_distributed(trainer_worker, 3, {"steps": 5, "strategy": strategy}))
+    _exact(dist_pools(3).run(trainer_worker, {"steps": 5, "strategy": strategy}))
 
 
-def test_zero_missing_grads_with_experts_routed_per_rank():
+def test_zero_missing_grads_with_experts_routed_per_rank(dist_pools):
     """MoE-style routing that differs between ranks trains under the strategy (it hangs
     without the option) and equals DDP with zeros for missing gradients."""
     import equiv
 
-    res = run_distributed(trainer_worker, 2, {"steps": 4, "model": {"experts": 2}, "route": equiv.route_by_rank,
-                                              "strategy": {"zero_missing_grads": True}})
+    res = dist_pools(2).run(trainer_worker, {"steps": 4, "model": {"experts": 2}, "route": equiv.route_by_rank,
+                                             "strategy": {"zero_missing_grads": True}})
     _exact(res)
 
 
-def test_gradient_clipping_by_global_norm():
-    _exact(run_distributed(trainer_worker, 2, {"steps": 5, "trainer": {"gradient_clip_val": 0.3}}))
+def test_gradient_clipping_by_global_norm(dist_pools):
+    _exact(dist_pools(2).run(trainer_worker, {"steps": 5, "trainer": {"gradient_clip_val": 0.3}}))
 
 
-def test_gradient_clipping_by_value():
-    _exact(run_distributed(trainer_worker, 2, {"steps": 4, "trainer": {"gradient_clip_val": 1e-3,
-                                                                      "gradient_clip_algorithm": "value"}}))
+def test_gradient_clipping_by_value(dist_pools):
+    _exact(dist_pools(2).run(trainer_worker, {"steps": 4, "trainer": {"gradient_clip_val": 1e-3,
+                                                                     "gradient_clip_algorithm": "value"}}))
 
 
 @pytest.mark.parametrize("no_sync", [False, True])
-def test_gradient_accumulation(no_sync):
-    res = run_distributed(trainer_worker, 2, {"steps": 3, "strategy": {"accumulation_no_sync": no_sync},
-                                              "trainer": {"accumulate_grad_batches": 2}})
+def test_gradient_accumulation(no_sync, dist_pools):
+    res = dist_pools(2).run(trainer_worker, {"steps": 3, "strategy": {"accumulation_no_sync": no_sync},
+                                             "trainer": {"accumulate_grad_batches": 2}})
     _exact(res)
     assert len(res[0]["losses"]) == 6
 
 
-def test_optimizer_option_replaces_an_existing_modules_sgd_with_muon():
+def test_optimizer_option_replaces_an_existing_modules_sgd_with_muon(dist_pools):
     a = ADAMW_DEFAULTS
     opt = dict(adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
-    res = run_distributed(trainer_worker, 2, {"steps": 4, "module_optimizer": "sgd", "strategy": {"optimizer": opt}})
+    res = dist_pools(2).run(trainer_worker, {"steps": 4, "module_optimizer": "sgd", "strategy": {"optimizer": opt}})
     _exact(res)
     assert res[0]["optimizer"] == "Muon"
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true", "64-true"])
-def test_other_precisions_train(precision):
+def test_other_precisions_train(precision, dist_pools):
     cfg = {"steps": 4, "trainer": {"precision": precision}}  # strategy="matrix_fsdp"
     if precision == "16-true":  # AdamW's default eps 1e-8 is 0 in float16 (see the warning test)
         a = ADAMW_DEFAULTS
         cfg["strategy"] = {"optimizer": dict(adamw_betas=a["betas"], adamw_eps=1e-4, **MUON_DEFAULTS)}
-    res = run_distributed(trainer_worker, 2, cfg)
+    res = dist_pools(2).run(trainer_worker, cfg)
     for r in res:
         assert all(torch.isfinite(torch.tensor(r["losses"])))
         # not bitwise (other dtypes), but the oracle in float32 stays close
@@ -106,18 +105,18 @@ def test_bad_options_are_refused_clearly():
         Trainer(strategy=mf.MatrixFSDPStrategy(), precision="64-true", accelerator="cpu", devices=2, logger=False)
 
 
-def test_configure_model_calling_matrix_shard_is_respected():
-    res = run_distributed(trainer_worker, 2, {"steps": 3, "self_shard": True})
+def test_configure_model_calling_matrix_shard_is_respected(dist_pools):
+    res = dist_pools(2).run(trainer_worker, {"steps": 3, "self_shard": True})
     _exact(res)
     assert res[0]["planner"] == "scope_greedy"  # the module's own choice, not the strategy default
 
 
 @pytest.mark.parametrize("scheduler", [True, "warmup"], ids=["decay", "warmup"])
-def test_optimizer_replacement_keeps_the_modules_lr_schedule(scheduler):
+def test_optimizer_replacement_keeps_the_modules_lr_schedule(scheduler, dist_pools):
     a = ADAMW_DEFAULTS
     opt = dict(adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
-    res = run_distributed(trainer_worker, 2, {"steps": 4, "module_optimizer": "sgd", "scheduler": scheduler,
-                                              "strategy": {"optimizer": opt}})
+    res = dist_pools(2).run(trainer_worker, {"steps": 4, "module_optimizer": "sgd", "scheduler": scheduler,
+                                             "strategy": {"optimizer": opt}})
     _exact(res)  # the oracle runs the same LambdaLR on Muon's own lr (0.02), not on SGD's 0.1
     factor = (lambda s: 0.5 ** s) if scheduler is True else (lambda s: (s + 1) / 4)
     assert res[0]["lrs"] == pytest.approx([MUON_DEFAULTS["lr"] * factor(s) for s in range(4)], rel=1e-12)
@@ -125,9 +124,9 @@ def test_optimizer_replacement_keeps_the_modules_lr_schedule(scheduler):
     assert not [w for r in res for w in r["warnings"] if "overridden" in w], res[0]["warnings"]
 
 
-def test_plan_and_traffic_are_logged(tmp_path):
-    res = run_distributed(trainer_worker, 2, {"steps": 4, "csv_logger": True, "root": str(tmp_path),
-                                              "trainer": {"log_every_n_steps": 2}})
+def test_plan_and_traffic_are_logged(tmp_path, dist_pools):
+    res = dist_pools(2).run(trainer_worker, {"steps": 4, "csv_logger": True, "root": str(tmp_path),
+                                             "trainer": {"log_every_n_steps": 2}})
     _exact(res)
     import csv
 
@@ -158,16 +157,16 @@ def _fsdp2_module_worker(rank, world):
     return "no error"
 
 
-def test_fsdp2_wrapped_module_is_refused():
-    for msg in run_distributed(_fsdp2_module_worker, 2):
+def test_fsdp2_wrapped_module_is_refused(dist_pools):
+    for msg in dist_pools(2).run(_fsdp2_module_worker):
         assert "FSDP2" in msg and "matrix_shard" in msg, msg
 
 
 @pytest.mark.parametrize("cls", ["SOAP", "Shampoo"])
-def test_matrix_optimizers_through_the_strategy_option(cls):
+def test_matrix_optimizers_through_the_strategy_option(cls, dist_pools):
     pytest.importorskip("pytorch_optimizer")
-    res = run_distributed(trainer_worker, 2, {"steps": 3, "module_optimizer": "sgd",
-                                              "strategy": {"optimizer": {"class": cls, "lr": 1e-3}}})
+    res = dist_pools(2).run(trainer_worker, {"steps": 3, "module_optimizer": "sgd",
+                                             "strategy": {"optimizer": {"class": cls, "lr": 1e-3}}})
     for r in res:
         assert r["optimizer"] == cls
         assert all(torch.isfinite(torch.tensor(r["losses"])))
