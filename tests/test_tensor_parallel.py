@@ -9,6 +9,7 @@ float32): every scenario in one 4-process launch (``_results``), each test reads
 * bytes: ``step()`` talks only inside the TP group (every send/recv peer is a TP peer, no
   collective), and the TP bytes equal the formula of docs/tensor-parallel.md;
 * HSDP with TP: (replicate 2 x shard 1) x TP 2 equals the same reference;
+* checkpoints: save at (D, T), resume bitwise at (D, T); another mesh is refused naming both;
 * accumulation with activation checkpointing, the clip's norm over both groups, bf16 compute,
   the refusals, the Trainer and Fabric paths.
 
@@ -99,8 +100,17 @@ def test_partial_and_two_dimensional_placements_are_refused():
         msgs = r["refusals"]
         assert "Partial" in msgs["partial"] and "Shard(0), Shard(1) and Replicate()" in msgs["partial"], msgs
         assert "tensor-parallel mesh only" in msgs["2d"], msgs
-        assert "checkpoints of a tensor-parallel model" in msgs["checkpoint"], msgs
         assert "steps each fragment alone" in msgs["torch_muon"], msgs
+
+
+def test_checkpoint_at_the_same_mesh_resumes_bitwise_and_another_mesh_is_refused():
+    for rank, r in enumerate(_results()):
+        c = r["checkpoint"]
+        assert c["weights"] > 0 and c["states"] > 0 and not c["bad"], (rank, c["bad"][:5])
+        assert c["mesh"] == {"data_parallel": 2, "tensor_parallel": 2}, c["mesh"]
+        assert c["tp"] and all(v["dim"] in (0, 1) and len(v["sizes"]) == 2 for v in c["tp"].values()), c["tp"]
+        msg = c["other_mesh"]
+        assert "data_parallel=4, tensor_parallel=1" in msg and "data_parallel=2, tensor_parallel=2" in msg, msg
 
 
 def test_mesh_sizes_must_multiply_to_the_world():

@@ -35,6 +35,7 @@ class Entry:
     role: Optional[str] = None      # "matrix" / "tail" for sharded parameters
     stepper: Optional[int] = None   # replica_split: the replica that steps it and holds its optimizer state
     steps: bool = True              # this rank holds its optimizer state (owner, and its stepping replica)
+    tp: Optional[Any] = None        # tensor parallelism: the key's TP split (``shape`` global, ``local`` a fragment)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class KeyIndex:
     key_of: dict[int, str]                      # id(parameter) -> primary key
     in_group0: bool                             # this rank belongs to global rank 0's shard group
     roots: list[RootView] = field(default_factory=list)  # every sharded root, as the sidecar records it
+    tp_size: int = 1                            # tensor-parallel size of the sharded roots (1: none)
+    tp_mesh: Any = None                         # their 1-D TP DeviceMesh (None without TP)
     _aliases: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
     def key(self, p: torch.Tensor) -> str:
@@ -66,6 +69,54 @@ class KeyIndex:
         and, under ``replica_split``, is in the replica that steps it."""
         e = self.entries[self.entries[key].primary]
         return e.local is not None and e.steps
+
+    def mesh(self) -> dict[str, int]:
+        """The (data-parallel, tensor-parallel) mesh the sidecar records and a load compares."""
+        size = world()[1]
+        return {"data_parallel": size // self.tp_size, "tensor_parallel": self.tp_size}
+
+    def fragment_shape(self, key: str) -> Optional[tuple[int, ...]]:
+        """This TP rank's fragment shape of a TP-split ``key`` (None: not split)."""
+        e = self.entries[self.entries[key].primary]
+        return tuple(e.tp.local_shape(self.tp_rank)) if e.tp is not None else None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_mesh.get_local_rank() if self.tp_mesh is not None else 0
+
+    def as_saved(self, key: str, t: Any) -> Any:
+        """``t`` as DCP gets it: a fragment of a TP-split ``key`` (the parameter or a state tensor of
+        its fragment's shape) becomes a DTensor, so DCP records the global tensor with each TP
+        rank's fragment as a chunk; anything else as it is."""
+        shape = self.fragment_shape(key)
+        if shape is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            return t
+        return self._dtensor(key, t)
+
+    def _dtensor(self, key: str, local: torch.Tensor) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        e = self.entries[self.entries[key].primary]
+        glob = tuple(e.tp.global_shape)
+        stride = torch.empty(glob, device="meta").stride()  # contiguous, as a whole tensor of that shape
+        return DTensor.from_local(local, self.tp_mesh, [Shard(e.tp.dim)], run_check=False, shape=glob,
+                                  stride=stride)
+
+    def read_buffer(self, key: str, m: Any) -> Any:
+        """What DCP loads saved entry ``m`` (storage metadata) of ``key`` into: this TP rank's
+        fragment (a DTensor) where the data was written as the TP fragments of ``key``'s split,
+        else a whole CPU tensor of the saved size (None for objects)."""
+        size = getattr(m, "size", None)
+        if size is None:
+            return None
+        e = self.entries[self.entries[key].primary]
+        chunks = getattr(m, "chunks", None) or []
+        if e.tp is not None and tuple(size) == tuple(e.tp.global_shape) and len(chunks) == len(e.tp.sizes) and sorted(
+                int(c.offsets[e.tp.dim]) for c in chunks) == [e.tp.offset(r) for r in range(len(e.tp.sizes))]:
+            device = e.local.device if e.local is not None else torch.device("cpu")
+            return self._dtensor(key, torch.empty(self.fragment_shape(key), dtype=m.properties.dtype,
+                                                  device=device))
+        return torch.empty(tuple(size), dtype=m.properties.dtype)
 
     def aliases(self, primary: str) -> list[str]:
         """Every key of the tensor whose first key is ``primary`` (tied weights)."""
@@ -94,7 +145,7 @@ def build_index(module: nn.Module) -> KeyIndex:
             primary = first.setdefault(p.ident, key)
             key_of[p.ident] = primary
             entries[key] = Entry(key, p.shape, p.dtype, p.owner, p.owner_global, p.local, primary, p.role,
-                                 p.stepper, p.steps)
+                                 p.stepper, p.steps, p.tp)
         elif isinstance(v, torch.Tensor):
             primary = first.setdefault(id(v), key)
             key_of[id(v)] = primary
@@ -102,4 +153,6 @@ def build_index(module: nn.Module) -> KeyIndex:
         else:
             extra[key] = v
     order = {k: i for i, k in enumerate(list(entries) + list(extra))}
-    return KeyIndex(entries, extra, order, key_of, in_group0, list(view.roots))
+    tp = [r for r in view.roots if r.tp_size > 1]
+    return KeyIndex(entries, extra, order, key_of, in_group0, list(view.roots), tp[0].tp_size if tp else 1,
+                    tp[0].tp_mesh if tp else None)

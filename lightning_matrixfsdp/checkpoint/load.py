@@ -45,7 +45,7 @@ from lightning_matrixfsdp.checkpoint.formats import (
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.integrity import verify_files, verify_zip
 from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
-from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, read_sidecar, roles_of
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_mesh, check_sidecar, read_sidecar, roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
 from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
@@ -218,6 +218,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         ck = parse_dcp(md, list(index.entries))
         if side is not None:
             check_sidecar(side, ck, what)
+            check_mesh(side, index, what)  # before any data moves: another (D, T) is refused
         if not (path / META_NAME).is_file() and meta_required(side, ck):
             raise CheckpointCorruptError(
                 f"{what}: {path / META_NAME} is missing; it holds the epoch, global step, loops, LR schedulers "
@@ -279,7 +280,7 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         e = index.entries[key]
         if e.local is not None:
             flat = ck.model[c][0]
-            req2[flat] = placeholder(ck.meta[flat])
+            req2[flat] = index.read_buffer(key, ck.meta[flat])  # a TP fragment: its chunk of the global tensor
             targets.append((e.local, flat))
     for key, c in match.objects:
         req2[ck.model[c][0]] = None
@@ -292,9 +293,10 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
                 if key in dropped or not index.steps(key):  # replica_split: the stepping replica's alone
                     continue
                 for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
-                    req2[flat] = placeholder(m)
+                    req2[flat] = index.read_buffer(key, m)
                     wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat))
     agree(read_dcp, req2, path)
+    req2 = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in req2.items()}  # TP fragments: plain
 
     # phase 3: in place (extra state first: user code that may still raise)
     if match.objects:
@@ -343,6 +345,9 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
                before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None,
                with_state_dict: bool = False) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
+    if index.tp_size > 1:  # the same on every rank: whole tensors into TP fragments is resharding
+        raise CheckpointMismatchError(f"{what}: loading a single-file checkpoint into a tensor-parallel model is "
+                                      "not supported yet; load a distributed checkpoint saved at the same mesh")
     if verify:
         verify_zip(path)
 

@@ -16,11 +16,11 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from lightning_matrixfsdp.checkpoint.agree import world
-from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
+from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from lightning_matrixfsdp.checkpoint.formats import DcpEntries, dtype_name
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_sidecar", "layout_dict", "read_sidecar",
+__all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_mesh", "check_sidecar", "layout_dict", "read_sidecar",
            "roles_of", "single_writer_layout", "versions"]
 
 SIDECAR_NAME = "matrix_fsdp_layout.json"
@@ -64,8 +64,11 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
         "planner": first.plan.planner if first else None,
         "plans": [{"prefix": r.prefix, "digest": r.plan.digest(), "plan": r.plan.to_dict()} for r in index.roots],
         # "stepper" (replica_split): the replica whose rank wrote the parameter's optimizer state
+        # "mesh": the (data-parallel, tensor-parallel) sizes; "tp": a TP-split key's layout (shape is global)
+        "mesh": index.mesh(),
         "params": {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "owner": e.owner, "role": e.role,
                        **({"stepper": e.stepper} if e.stepper is not None else {}),
+                       **({"tp": e.tp.to_dict()} if e.tp is not None else {}),
                        **({"alias_of": e.primary} if e.primary != k else {})}
                    for k, e in index.entries.items()},
         "optimizers": _optimizers(optimizers, classes),
@@ -147,6 +150,24 @@ def check_sidecar(side: Mapping[str, Any], ck: DcpEntries, what: str) -> None:
                 f"{what}: the layout sidecar does not match the saved data at {key!r} (sidecar "
                 f"{p.get('shape')}/{p.get('dtype')}, data {s[1:] if s else 'absent'}); the directory was modified "
                 "or mixed with another save")
+
+
+def check_mesh(side: Optional[Mapping[str, Any]], index: KeyIndex, what: str) -> None:
+    """Tensor parallelism: a checkpoint loads only at the (data-parallel, tensor-parallel) mesh it
+    was saved at, while resharding across TP sizes is not built. A sidecar without a mesh was
+    written without TP (tensor_parallel 1)."""
+    if not isinstance(side, Mapping) or side.get("converted_from") == "file":
+        return
+    saved = side.get("mesh") if isinstance(side.get("mesh"), Mapping) else {
+        "data_parallel": side.get("world_size"), "tensor_parallel": 1}
+    now = index.mesh()
+    tp_saved = saved.get("tensor_parallel", 1)
+    if (tp_saved > 1 or now["tensor_parallel"] > 1) and dict(saved) != now:
+        raise CheckpointMismatchError(
+            f"{what} was saved at the mesh (data_parallel={saved.get('data_parallel')}, tensor_parallel={tp_saved}) "
+            f"and this run's mesh is (data_parallel={now['data_parallel']}, tensor_parallel="
+            f"{now['tensor_parallel']}); loading a tensor-parallel checkpoint at another mesh (resharding) is not "
+            "supported yet: resume with the same data_parallel_size and tensor_parallel_size")
 
 
 def roles_of(layout: Optional[Mapping[str, Any]]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 
-__all__ = ["full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict", "to_rank0"]
+__all__ = ["full_groups", "refuse_full_tp", "sharded_model_state_dict", "sharded_optimizer_state_dict", "to_rank0"]
 
 
 def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optional[KeyIndex] = None
@@ -27,8 +27,10 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     state on rank 0 (CPU), streamed from the owners one tensor at a time; ``{}`` elsewhere.
     Collective when ``full=True``: call it on every rank. ``index``: the save's key index."""
     index = index if index is not None else build_index(module)
+    refuse_full_tp(index, full)
     if not full:
-        out: dict[str, Any] = {k: e.local for k, e in index.entries.items() if e.primary == k and e.local is not None}
+        out: dict[str, Any] = {k: index.as_saved(k, e.local) for k, e in index.entries.items()
+                               if e.primary == k and e.local is not None}
         out.update(index.extra)
         return out
     rank = world()[0]
@@ -46,6 +48,15 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     if rank != 0:
         return {}
     return {k: (got[index.entries[k].primary] if k in index.entries else index.extra[k]) for k in index.order}
+
+
+def refuse_full_tp(index: KeyIndex, full: bool) -> None:
+    """The consolidated (one-file) save of a tensor-parallel model is not built yet: refuse it
+    alike on every rank (the TP size is the same everywhere)."""
+    if full and index.tp_size > 1:
+        raise CheckpointError(
+            f"a consolidated (single-file) checkpoint of a tensor-parallel model (tensor_parallel_size="
+            f"{index.tp_size}) is not supported yet; save a distributed checkpoint (a directory) instead")
 
 
 def to_rank0(local: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, src: Optional[int],
@@ -84,14 +95,15 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     ``index``: the save's key index."""
     optimizer = unwrap_optimizer(optimizer)
     index = index if index is not None else build_index(module)
+    refuse_full_tp(index, full)
     groups = full_groups(index, optimizer)
     if not full:
         state = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
                 key = index.key(p)
-                if p in optimizer.state and index.steps(key):
-                    state[key] = {n: (v.detach() if isinstance(v, torch.Tensor) else v)
+                if p in optimizer.state and index.steps(key):  # TP fragments of the state: chunks of the whole
+                    state[key] = {n: (index.as_saved(key, v.detach()) if isinstance(v, torch.Tensor) else v)
                                   for n, v in optimizer.state[p].items()}
         return {"state": state,
                 "param_groups": [{**hparams(g), "params": list(f)} for g, f in zip(optimizer.param_groups, groups)]}

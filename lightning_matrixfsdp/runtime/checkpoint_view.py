@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import is_owned, state_of, tag_view, view_key
@@ -43,6 +42,9 @@ class ParamView:
     stepper: Optional[int]          # replica_split: the replica that steps it and holds its optimizer state
     steps: bool                     # this rank's replica steps it (always, without replica_split)
     ident: int                      # id() of the parameter object optimizers hold
+    #: tensor parallelism: the TP split of a parameter TP ranks hold different fragments of
+    #: (``runtime.tp.TPLayout``; ``shape`` is then the global shape, ``local`` this TP rank's fragment)
+    tp: Optional[Any] = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class RootView:
     span: int                       # shard-group size
     replicate: int                  # number of replicas (HSDP)
     global_ranks: tuple[int, ...]   # this rank's shard group, as global ranks
+    tp_size: int = 1                # tensor-parallel size (1: none)
+    tp_rank: int = 0                # this rank's place in its TP group
+    tp_mesh: Any = None             # the 1-D TP DeviceMesh (None without tensor parallelism)
 
 
 @dataclass(frozen=True)
@@ -85,19 +90,21 @@ def model_view_of(module: nn.Module) -> ModelView:
         st: Optional[MatrixFSDPState] = state_of(root)
         if st is None:
             continue
-        if st.mesh.tp_size > 1:  # every TP rank holds another fragment under the same key
-            raise MatrixShardError(
-                "checkpoints of a tensor-parallel model (tensor_parallel_size > 1) are not supported yet: their "
-                "keys would need each fragment's TP layout (docs/tensor-parallel.md, 'Not done yet')")
         st.settle_replicas()
-        roots.append(RootView(prefix, st.plan, st.sg.size, st.replicate_size, tuple(st.sg.global_ranks)))
+        m = st.mesh
+        roots.append(RootView(prefix, st.plan, st.sg.size, st.replicate_size, tuple(st.sg.global_ranks), m.tp_size,
+                              m.tp_rank, m.tp_mesh if m.tp_size > 1 else None))
+        layouts = st.tp_plan.layouts if st.tp_plan is not None else {}
         replica = st.replica_rank
         for sp in st.params:
             names = tuple(_join(mname, pname) for m, pname in sp.registrations for mname in paths.get(id(m), []))
             shard, resident = sp.shard, sp.resident
             stepper = st.plan.stepper(shard.fqn)
-            view = ParamView(shard.fqn, names, tuple(shard.shape), resident.dtype, shard.owner, st.sg.g(shard.owner),
+            tp = layouts.get(shard.fqn)
+            tp = tp if tp is not None and tp.split else None  # the plan holds this TP rank's fragment shapes
+            shape = tuple(tp.global_shape) if tp is not None else tuple(shard.shape)
+            view = ParamView(shard.fqn, names, shape, resident.dtype, shard.owner, st.sg.g(shard.owner),
                              shard.role.value, resident.detach() if is_owned(resident) else None, stepper,
-                             stepper is None or stepper == replica, id(resident))
+                             stepper is None or stepper == replica, id(resident), tp)
             params.update(dict.fromkeys(names, view))
     return ModelView(tuple(roots), MappingProxyType(params))

@@ -281,6 +281,7 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     exchange = ReplicaExchange(replicate_pg, stats) if plan.replica_split else None
     reducer = GradientReducer(coll, replicate_pg, mesh.replicate_size, split=exchange, steppers=plan.steppers)
     state = MatrixFSDPState(module, plan, reducer, mesh, config.prefetch)
+    state.tp_plan = tp_plan
     check = make_sequence_check(sg, [u.fqn for u in plan.units]) if agreed["sequence_check"] else None
     if check is not None:
         check.describe = state.describe_waiting

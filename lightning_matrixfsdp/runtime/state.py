@@ -32,6 +32,8 @@ class MatrixFSDPState(RefusePickle):
         self.schedule: Schedule[Unit] = Schedule(prefetch, self._end_of_backward, self.abandon_iteration)
         #: ``replica_split`` under HSDP: the weight transfers from each role's stepping replica
         self.replicas: Optional[ReplicaSync] = None
+        #: tensor parallelism: every parameter's TP layout and stepper (``tp_plan.TPPlan``; None without TP)
+        self.tp_plan: Optional[Any] = None
         self._root_handles: list[Any] = []
         #: rank 0's buffers for every rank (``sync.BufferSync``; ``matrix_shard`` sets it)
         self.buffers: Optional[BufferSync] = None
