@@ -17,6 +17,7 @@ from torch import nn
 from lightning_matrixfsdp.checkpoint.agree import world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.runtime.checkpoint_view import RootView, model_view_of
+from lightning_matrixfsdp.runtime.tp_comm import fragment_dtensor
 
 __all__ = ["Entry", "KeyIndex", "build_index"]
 
@@ -94,13 +95,8 @@ class KeyIndex:
         return self._dtensor(key, t)
 
     def _dtensor(self, key: str, local: torch.Tensor) -> Any:
-        from torch.distributed.tensor import DTensor, Shard
-
         e = self.entries[self.entries[key].primary]
-        glob = tuple(e.tp.global_shape)
-        stride = torch.empty(glob, device="meta").stride()  # contiguous, as a whole tensor of that shape
-        return DTensor.from_local(local, self.tp_mesh, [Shard(e.tp.dim)], run_check=False, shape=glob,
-                                  stride=stride)
+        return fragment_dtensor(local, self.tp_mesh, e.tp.dim, e.tp.global_shape)
 
     def read_buffer(self, key: str, m: Any) -> Any:
         """What DCP loads saved entry ``m`` (storage metadata) of ``key`` into: this TP rank's

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup, nbytes, wait_all
 from lightning_matrixfsdp.runtime.tp import TPLayout
 
-__all__ = ["TP_PHASE", "TPFragment", "as_dtensor", "gather_to_steppers", "local_fragment", "scatter_from_steppers"]
+__all__ = ["TP_PHASE", "TPFragment", "as_dtensor", "fragment_dtensor", "gather_to_steppers", "local_fragment", "scatter_from_steppers"]
 
 TP_PHASE = "tp"
 
@@ -130,6 +130,15 @@ def as_dtensor(local: torch.Tensor, spec: tuple[Any, tuple, torch.Size, tuple[in
     mesh, placements, shape, stride = spec
     with torch.no_grad():
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def fragment_dtensor(local: torch.Tensor, mesh: Any, dim: int, shape: Sequence[int]) -> torch.Tensor:
+    """``local`` (same storage) as TP fragment ``Shard(dim)`` of a contiguous tensor of global
+    ``shape``: how checkpoints hand a fragment to DCP (one chunk of the global tensor)."""
+    from torch.distributed.tensor import Shard
+
+    shape = torch.Size(shape)
+    return as_dtensor(local, (mesh, (Shard(dim),), shape, torch.empty(shape, device="meta").stride()))
 
 
 def local_fragment(g: Any, placements: tuple) -> torch.Tensor:
