@@ -113,6 +113,12 @@ def test_checkpoint_at_the_same_mesh_resumes_bitwise_and_another_mesh_is_refused
         assert "data_parallel=4, tensor_parallel=1" in msg and "data_parallel=2, tensor_parallel=2" in msg, msg
 
 
+def test_checkpoint_resumes_shampoo_whole_matrix_state_on_the_tp_stepper_alone():
+    for rank, r in enumerate(_results()):
+        c = r["checkpoint_shampoo"]
+        assert c["weights"] > 0 and c["states"] > 0 and not c["bad"], (rank, c["bad"][:5])
+
+
 def test_mesh_sizes_must_multiply_to_the_world():
     from lightning_matrixfsdp.adapter_base import mesh_sizes
 

@@ -95,10 +95,12 @@ def _train(model, opt, steps, dp_rank, first: int = 0) -> None:
         opt.zero_grad()
 
 
-def _checkpoint(mesh) -> dict:
+def _checkpoint(mesh, kind: str = "muon", other_mesh: bool = True) -> dict:
     """Save at (D, T) = (2, 2) after 2 steps, 2 more steps; a fresh model loads the save and runs the
-    same 2 steps: weights and optimizer state bitwise the uninterrupted run's. The sidecar records
-    the mesh and the TP layouts; the same directory with the sidecar's mesh changed is refused."""
+    same 2 steps: weights and optimizer state bitwise the uninterrupted run's (``kind``: Muon's
+    momentum as TP fragments; Shampoo's whole-matrix state on the TP stepper alone). The sidecar
+    records the mesh and the TP layouts; the same directory with the sidecar's mesh changed is
+    refused (``other_mesh``)."""
     import json
     import shutil
     import tempfile
@@ -111,12 +113,12 @@ def _checkpoint(mesh) -> dict:
     dist.broadcast_object_list(holder, src=0)
     root = Path(holder[0])
     model = _sharded(mesh)
-    opt = _ours("muon", list(model.parameters()))
+    opt = _ours(kind, list(model.parameters()))
     _train(model, opt, 2, dp_rank)
     save_sharded(model, root / "ck", [opt])
     _train(model, opt, 2, dp_rank, first=2)
     fresh = _sharded(mesh)
-    fresh_opt = _ours("muon", list(fresh.parameters()))
+    fresh_opt = _ours(kind, list(fresh.parameters()))
     load_sharded(fresh, root / "ck", [fresh_opt])
     _train(fresh, fresh_opt, 2, dp_rank, first=2)
     out = {"weights": 0, "states": 0, "bad": []}
@@ -137,6 +139,11 @@ def _checkpoint(mesh) -> dict:
     side = json.loads((root / "ck" / "matrix_fsdp_layout.json").read_text())
     out["mesh"] = side.get("mesh")
     out["tp"] = {k: v["tp"] for k, v in side["params"].items() if "tp" in v}
+    if not other_mesh:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        return out
     if dist.get_rank() == 0:  # the same data, recorded as saved at another mesh
         shutil.copytree(root / "ck", root / "other")
         side["mesh"] = {"data_parallel": 4, "tensor_parallel": 1}
@@ -429,7 +436,7 @@ def worker(rank, world):
     mesh = _mesh()
     if os.environ.get("TP_ONLY_NEW"):
         if os.environ.get("TP_ONLY_NEW") == "checkpoint":
-            return {"checkpoint": _checkpoint(mesh)}
+            return {"checkpoint": _checkpoint(mesh), "checkpoint_shampoo": _checkpoint(mesh, "shampoo", other_mesh=False)}
         return {"accumulation_checkpointing": _trajectory(mesh, 2, check_bytes=False, micro=2, checkpointing=True),
                 "clip": _clip(mesh), "refusals": _refusals(mesh), "bf16": _bf16(mesh), "fabric": _fabric(mesh)}
     res = {kind: _step_oracle(kind, mesh) for kind in ("muon", "shampoo", "soap")}
@@ -439,6 +446,7 @@ def worker(rank, world):
     res["clip"] = _clip(mesh)
     res["refusals"] = _refusals(mesh)
     res["checkpoint"] = _checkpoint(mesh)
+    res["checkpoint_shampoo"] = _checkpoint(mesh, "shampoo", other_mesh=False)
     res["bf16"] = _bf16(mesh)
     res["fabric"] = _fabric(mesh)
     res["trainer"] = _trainer(mesh)

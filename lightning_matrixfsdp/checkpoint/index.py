@@ -37,6 +37,7 @@ class Entry:
     stepper: Optional[int] = None   # replica_split: the replica that steps it and holds its optimizer state
     steps: bool = True              # this rank holds its optimizer state (owner, and its stepping replica)
     tp: Optional[Any] = None        # tensor parallelism: the key's TP split (``shape`` global, ``local`` a fragment)
+    tp_stepper: Optional[int] = None  # the TP rank that steps the split matrix whole (holds whole-matrix state)
 
 
 @dataclass
@@ -98,6 +99,15 @@ class KeyIndex:
         e = self.entries[self.entries[key].primary]
         return fragment_dtensor(local, self.tp_mesh, e.tp.dim, e.tp.global_shape)
 
+    def saved_as_fragments(self, key: str, m: Any) -> bool:
+        """Whether saved entry ``m`` (DCP storage metadata) holds ``key``'s TP fragments as chunks."""
+        e = self.entries[self.entries[key].primary]
+        size, chunks = getattr(m, "size", None), getattr(m, "chunks", None) or []
+        offsets = [e.tp.offset(r) for r in range(len(e.tp.sizes))] if e.tp is not None else None
+        return (offsets is not None and size is not None and tuple(size) == tuple(e.tp.global_shape)
+                and sorted(int(c.offsets[e.tp.dim]) for c in chunks) == offsets
+                and len(chunks) == len(e.tp.sizes))
+
     def read_buffer(self, key: str, m: Any) -> Any:
         """What DCP loads saved entry ``m`` (storage metadata) of ``key`` into: this TP rank's
         fragment (a DTensor) where the data was written as the TP fragments of ``key``'s split,
@@ -105,14 +115,21 @@ class KeyIndex:
         size = getattr(m, "size", None)
         if size is None:
             return None
-        e = self.entries[self.entries[key].primary]
-        chunks = getattr(m, "chunks", None) or []
-        if e.tp is not None and tuple(size) == tuple(e.tp.global_shape) and len(chunks) == len(e.tp.sizes) and sorted(
-                int(c.offsets[e.tp.dim]) for c in chunks) == [e.tp.offset(r) for r in range(len(e.tp.sizes))]:
+        if self.saved_as_fragments(key, m):
+            e = self.entries[self.entries[key].primary]
             device = e.local.device if e.local is not None else torch.device("cpu")
             return self._dtensor(key, torch.empty(self.fragment_shape(key), dtype=m.properties.dtype,
                                                   device=device))
         return torch.empty(tuple(size), dtype=m.properties.dtype)
+
+    def reads_state(self, key: str, metas: list[Any]) -> bool:
+        """Whether this rank reads the saved optimizer state ``metas`` of ``key``: a split matrix's
+        whole-matrix state (Shampoo, SOAP: any tensor not saved as the TP fragments) belongs to its
+        TP stepper alone, as before the save; fragment state (Muon's momentum) to every TP rank."""
+        e = self.entries[self.entries[key].primary]
+        if e.tp is None or e.tp_stepper is None or e.tp_stepper == self.tp_rank:
+            return True
+        return all(getattr(m, "size", None) is None or self.saved_as_fragments(key, m) for m in metas)
 
     def aliases(self, primary: str) -> list[str]:
         """Every key of the tensor whose first key is ``primary`` (tied weights)."""
@@ -141,7 +158,7 @@ def build_index(module: nn.Module) -> KeyIndex:
             primary = first.setdefault(p.ident, key)
             key_of[p.ident] = primary
             entries[key] = Entry(key, p.shape, p.dtype, p.owner, p.owner_global, p.local, primary, p.role,
-                                 p.stepper, p.steps, p.tp)
+                                 p.stepper, p.steps, p.tp, p.tp_stepper)
         elif isinstance(v, torch.Tensor):
             primary = first.setdefault(id(v), key)
             key_of[id(v)] = primary

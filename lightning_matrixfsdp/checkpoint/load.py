@@ -45,7 +45,8 @@ from lightning_matrixfsdp.checkpoint.formats import (
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.integrity import verify_files, verify_zip
 from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
-from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_mesh, check_sidecar, read_sidecar, roles_of
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_mesh, check_sidecar, read_sidecar
+from lightning_matrixfsdp.checkpoint.sidecar import roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
 from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
@@ -292,7 +293,10 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
                 key = index.key(p)
                 if key in dropped or not index.steps(key):  # replica_split: the stepping replica's alone
                     continue
-                for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
+                items = ck.state.get(i, {}).get(match.to_ck.get(key, key), [])
+                if not index.reads_state(key, [m for _, _, m in items]):  # TP: whole-matrix state, another rank's
+                    continue
+                for tail, flat, m in items:
                     req2[flat] = index.read_buffer(key, m)
                     wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat))
     agree(read_dcp, req2, path)

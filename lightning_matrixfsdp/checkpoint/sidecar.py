@@ -20,8 +20,8 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, Check
 from lightning_matrixfsdp.checkpoint.formats import DcpEntries, dtype_name
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_mesh", "check_sidecar", "layout_dict", "read_sidecar",
-           "roles_of", "single_writer_layout", "versions"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_mesh", "check_sidecar", "layout_dict",
+           "read_sidecar", "roles_of", "single_writer_layout", "versions"]
 
 SIDECAR_NAME = "matrix_fsdp_layout.json"
 META_NAME = "meta.pt"  # Lightning's marker of a sharded checkpoint directory (fabric.utilities.load._METADATA_FILENAME)

@@ -45,6 +45,7 @@ class ParamView:
     #: tensor parallelism: the TP split of a parameter TP ranks hold different fragments of
     #: (``runtime.tp.TPLayout``; ``shape`` is then the global shape, ``local`` this TP rank's fragment)
     tp: Optional[Any] = None
+    tp_stepper: Optional[int] = None  # the TP rank that steps a split matrix whole (None: every TP rank its fragment)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ def model_view_of(module: nn.Module) -> ModelView:
         roots.append(RootView(prefix, st.plan, st.sg.size, st.replicate_size, tuple(st.sg.global_ranks), m.tp_size,
                               m.tp_rank, m.tp_mesh if m.tp_size > 1 else None))
         layouts = st.tp_plan.layouts if st.tp_plan is not None else {}
+        tp_steppers = st.tp_plan.steppers if st.tp_plan is not None else {}
         replica = st.replica_rank
         for sp in st.params:
             names = tuple(_join(mname, pname) for m, pname in sp.registrations for mname in paths.get(id(m), []))
@@ -105,6 +107,6 @@ def model_view_of(module: nn.Module) -> ModelView:
             shape = tuple(tp.global_shape) if tp is not None else tuple(shard.shape)
             view = ParamView(shard.fqn, names, shape, resident.dtype, shard.owner, st.sg.g(shard.owner),
                              shard.role.value, resident.detach() if is_owned(resident) else None, stepper,
-                             stepper is None or stepper == replica, id(resident), tp)
+                             stepper is None or stepper == replica, id(resident), tp, tp_steppers.get(shard.fqn))
             params.update(dict.fromkeys(names, view))
     return ModelView(tuple(roots), MappingProxyType(params))

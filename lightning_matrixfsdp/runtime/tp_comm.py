@@ -21,7 +21,8 @@ import torch.distributed as dist
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup, nbytes, wait_all
 from lightning_matrixfsdp.runtime.tp import TPLayout
 
-__all__ = ["TP_PHASE", "TPFragment", "as_dtensor", "fragment_dtensor", "gather_to_steppers", "local_fragment", "scatter_from_steppers"]
+__all__ = ["TP_PHASE", "TPFragment", "as_dtensor", "fragment_dtensor", "gather_to_steppers", "local_fragment",
+           "scatter_from_steppers"]
 
 TP_PHASE = "tp"
 
