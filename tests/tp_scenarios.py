@@ -154,6 +154,17 @@ def _checkpoint(mesh, kind: str = "muon", other_mesh: bool = True) -> dict:
         out["other_mesh"] = "no error"
     except CheckpointMismatchError as e:
         out["other_mesh"] = str(e)
+    from lightning_matrixfsdp.checkpoint import CheckpointError, build_index, model_view
+
+    for case, call in (("file_save", lambda: save_sharded(model, root / "one.ckpt", [opt], full=True)),
+                       ("lightning_save", lambda: model_view(build_index(model))),
+                       ("lightning_load", lambda: load_sharded(fresh, root / "ck", [fresh_opt],
+                                                               with_state_dict=True))):
+        try:  # not built yet: a clear error on every rank
+            call()
+            out[case] = "no error"
+        except CheckpointError as e:
+            out[case] = str(e)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -50,6 +50,11 @@ def _placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 def model_view(index: KeyIndex) -> dict[str, Any]:
     """The module's ``state_dict`` as this rank holds it: every key, every tensor a view."""
+    if index.tp_size > 1:  # the views would hold TP fragments, which the view checks do not know yet
+        raise CheckpointError(
+            f"Lightning's checkpoint path (Trainer / strategy.save_checkpoint) does not support tensor-parallel "
+            f"models (tensor_parallel_size={index.tp_size}) yet; save and load them with "
+            "lightning_matrixfsdp.checkpoint.save_sharded / load_sharded (docs/tensor-parallel.md, 'Checkpoints')")
     out: dict[str, Any] = {}
     for key in index.order:
         e = index.entries.get(key)
