@@ -133,6 +133,8 @@ class MatrixLibraryOptimizer(TailOptimizer):
     _group_level_keys: ClassVar[dict[str, frozenset[str]]] = {}
     #: the library draws random numbers in step(): give it a private, per-matrix seeded stream
     _uses_rng: ClassVar[bool] = False
+    #: a split matrix is stepped whole on its TP stepper, which alone holds its state
+    whole_tp_state: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ groups
 
