@@ -8,7 +8,7 @@
 * after (2, 2) -> (4, 1), one more Muon step equals DDP Muon written plainly from the oracle;
 * (2, 2) -> (1, 1): this process alone (no process group) loads the directory, and logs the
   mesh change;
-* SOAP resumes bitwise at the same mesh;
+* Muon, Shampoo and SOAP resume bitwise at the same mesh;
 * wrong inputs: a split of another global shape, fragment state of the wrong shape.
 """
 from __future__ import annotations
@@ -52,17 +52,15 @@ def _ok(got, where):
     assert got["checked"] > 0 and not got["bad"], (where, got["bad"][:5])
 
 
-def _one_holder_per_split_matrix(res, kind, case):
-    """Whole-matrix state: exactly one of the TP ranks holding a split matrix holds its state."""
-    if kind == "muon":
-        return
+def _holders_per_split_matrix(res, kind, case):
+    """Whole-matrix state on exactly one of the two TP ranks holding a split matrix; Muon's
+    momentum (fragment state) on both."""
     counts: dict = {}
     for r in res:
         for n, held in r[kind][case]["holders"].items():
             counts.setdefault(n, []).append(held)
-    split = [n for n in counts if n.startswith("blocks.") and n.endswith("weight") and "norm" not in n
-             and "gate" not in n] + ["head.weight"]
-    assert split and all(sum(counts[n]) == 1 and len(counts[n]) == 2 for n in split), counts
+    want = 2 if kind == "muon" else 1
+    assert len(counts) == 11 and all(sum(c) == want and len(c) == 2 for c in counts.values()), counts
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -77,7 +75,7 @@ def test_checkpoint_without_tp_loads_into_tp_fragments_and_whole_state_on_the_st
     res = _results(launch)
     for rank, r in enumerate(res):
         _ok(r[kind][source], (rank, kind, source))
-    _one_holder_per_split_matrix(res, kind, source)
+    _holders_per_split_matrix(res, kind, source)
 
 
 def test_a_step_after_the_mesh_change_equals_ddp_muon(launch):
@@ -96,10 +94,12 @@ def test_tp_checkpoint_loads_at_one_process(launch, kind, caplog):
                "to mesh (data_parallel=1, tensor_parallel=1)" in m for m in caplog.messages), caplog.messages
 
 
-def test_soap_resumes_bitwise_at_the_same_mesh(launch):
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_at_the_same_mesh_is_bitwise(launch, kind):
+    """SOAP's resume with TP (Muon's and Shampoo's are in test_tensor_parallel.py too), on the model
+    whose head fragment has the shape of a whole-matrix state tensor."""
     for rank, r in enumerate(_results(launch)):
-        c = r["soap_resume"]
-        assert c["weights"] > 0 and c["states"] > 0 and not c["bad"], (rank, c["bad"][:5])
+        _ok(r[kind]["resume"], (rank, kind))
 
 
 def test_wrong_shapes_are_refused_naming_the_key_and_both_shapes(launch):
