@@ -1,10 +1,10 @@
 """Tensor-parallel checkpoints loaded at another (data-parallel, tensor-parallel) mesh: one
 4-process launch (``tp_reshard_scenarios.worker``, gloo, float32) and one load in this process.
 
-* (2, 2) -> (4, 1) and (4, 1) -> (2, 2), from the directory and from a consolidated file, for
-  Muon (fragment state), Shampoo and SOAP (whole-matrix state on the TP stepper alone): every
-  weight and state tensor a rank holds equals the saving run's whole tensor (or its slice),
-  assembled with plain torch.distributed calls;
+* (2, 2) -> (4, 1), (2, 2) -> (1, 4), and (4, 1) -> (2, 2) from the directory and from a
+  consolidated file, for Muon (fragment state), Shampoo and SOAP (whole-matrix state on the TP
+  stepper alone): every weight and state tensor a rank holds equals the saving run's whole
+  tensor (or its slice), assembled with plain torch.distributed calls;
 * after (2, 2) -> (4, 1), one more Muon step equals DDP Muon written plainly from the oracle;
 * (2, 2) -> (1, 1): this process alone (no process group) loads the directory, and logs the
   mesh change;
@@ -67,6 +67,20 @@ def _holders_per_split_matrix(res, kind, case):
 def test_tp_checkpoint_loads_without_tp_every_tensor_the_whole_one(launch, kind):
     for rank, r in enumerate(_results(launch)):
         _ok(r[kind]["22_to_41"], (rank, kind))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp_checkpoint_loads_at_another_tp_size(launch, kind):
+    """(2, 2) -> (1, 4): every rank one TP rank of the one owner; whole state on one of the four."""
+    res = _results(launch)
+    for rank, r in enumerate(res):
+        _ok(r[kind]["22_to_14"], (rank, kind))
+    counts: dict = {}
+    for r in res:
+        for n, held in r[kind]["22_to_14"]["holders"].items():
+            counts.setdefault(n, []).append(held)
+    want = 4 if kind == "muon" else 1
+    assert len(counts) == 11 and all(sum(c) == want and len(c) == 4 for c in counts.values()), counts
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -160,7 +160,8 @@ def _resume(net, opt, path, mesh, kind) -> dict:
         if not torch.equal(p.detach(), q.detach()) or set(a) != set(b):
             bad.append((n, "weight or state keys"))
             continue
-        bad += [(n, k) for k, v in a.items() if not (torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k])]
+        bad += [(n, k) for k, v in a.items()
+                if not (torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k])]
     return {"bad": bad, "checked": checked}
 
 
@@ -173,8 +174,9 @@ def _load(path, mesh, kind):
     return net, opt, dims
 
 
-def _reshard(kind: str, mesh, root: Path) -> dict:
-    """(2, 2) -> (4, 1), then (4, 1) -> (2, 2) from the directory and from a consolidated file."""
+def _reshard(kind: str, mesh, mesh14, root: Path) -> dict:
+    """(2, 2) -> (4, 1) and (1, 4) (``mesh14``), then (4, 1) -> (2, 2) from the directory and
+    from a consolidated file."""
     from lightning_matrixfsdp.checkpoint import save_sharded
 
     tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
@@ -188,6 +190,8 @@ def _reshard(kind: str, mesh, root: Path) -> dict:
     out = {"resume": _resume(net, opt, root / f"{kind}22", mesh, kind)}
     net41, opt41, _ = _load(root / f"{kind}22", None, kind)
     out["22_to_41"] = compare(net41, opt41, full22, {}, None, kind)
+    net14, opt14, dims14 = _load(root / f"{kind}22", mesh14, kind)
+    out["22_to_14"] = compare(net14, opt14, full22, dims14, mesh14["tensor_parallel"].get_group(), kind)
     if kind == "muon":
         out["continued_step"] = _continued_step(net41, opt41, full22)
     else:
@@ -231,9 +235,12 @@ def _errors(mesh, root: Path) -> dict:
 
 def worker(rank: int, world: int, root: str) -> dict:
     """Every scenario on one rank, in an order every rank follows; ``root``: a directory all share."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     mesh = _mesh()
+    mesh14 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("data_parallel", "tensor_parallel"))
     root = Path(root)
-    res = {kind: _reshard(kind, mesh, root) for kind in KINDS}
+    res = {kind: _reshard(kind, mesh, mesh14, root) for kind in KINDS}
     res["errors"] = _errors(mesh, root)
     return res
 
