@@ -122,3 +122,5 @@ def test_wrong_shapes_are_refused_naming_the_key_and_both_shapes(launch):
         assert "head.weight" in msg and "(4, 8)" in msg and "(6, 8)" in msg, msg
         msg = r["errors"]["fragment_state"]
         assert "'momentum_buffer' of 'blocks.0.qkv.weight'" in msg and "(12, 8)" in msg and "(24, 8)" in msg, msg
+        msg = r["errors"]["saved_split"]
+        assert "'momentum_buffer' of 'blocks.0.qkv.weight'" in msg and "split over tensor parallelism at the save" in msg

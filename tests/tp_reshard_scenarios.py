@@ -206,7 +206,8 @@ def _reshard(kind: str, mesh, mesh14, root: Path) -> dict:
 
 
 def _errors(mesh, root: Path) -> dict:
-    """Wrong inputs: a split of another global shape; fragment state of the wrong shape in a file."""
+    """Wrong inputs: a split of another global shape; fragment state of the wrong shape in a file,
+    loaded into (2, 2), and loaded into (4, 1) when the file records the key as split at the save."""
     from lightning_matrixfsdp.checkpoint import CheckpointMismatchError, load_sharded
 
     out = {}
@@ -224,12 +225,17 @@ def _errors(mesh, root: Path) -> dict:
         buf = opt_state["state"][pid]["momentum_buffer"]
         opt_state["state"][pid]["momentum_buffer"] = buf[: buf.shape[0] // 2].clone()
         torch.save(ck, root / "bad.ckpt")
+        # the same, recorded as split at the save (a state written per fragment), loaded without TP
+        ck["matrix_fsdp_layout"]["params"]["blocks.0.qkv.weight"]["tp"] = {"dim": 0, "global_shape": [24, 8],
+                                                                           "sizes": [12, 12]}
+        torch.save(ck, root / "bad_saved_split.ckpt")
     dist.barrier()
-    try:
-        _load(root / "bad.ckpt", mesh, "muon")
-        out["fragment_state"] = "no error"
-    except CheckpointMismatchError as e:
-        out["fragment_state"] = str(e)
+    for name, target in (("fragment_state", mesh), ("saved_split", None)):
+        try:
+            _load(root / ("bad.ckpt" if target is not None else "bad_saved_split.ckpt"), target, "muon")
+            out[name] = "no error"
+        except CheckpointMismatchError as e:
+            out[name] = str(e)
     return out
 
 
