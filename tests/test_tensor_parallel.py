@@ -9,7 +9,8 @@ float32): every scenario in one 4-process launch (``_results``), each test reads
 * bytes: ``step()`` talks only inside the TP group (every send/recv peer is a TP peer, no
   collective), and the TP bytes equal the formula of docs/tensor-parallel.md;
 * HSDP with TP: (replicate 2 x shard 1) x TP 2 equals the same reference;
-* checkpoints: save at (D, T), resume bitwise at (D, T); another mesh is refused naming both;
+* checkpoints: save at (D, T), resume bitwise at (D, T); a sidecar recording another mesh loads
+  (resharding: test_tp_reshard.py);
 * accumulation with activation checkpointing, the clip's norm over both groups, bf16 compute,
   the refusals, the Trainer and Fabric paths.
 
@@ -103,14 +104,13 @@ def test_partial_and_two_dimensional_placements_are_refused():
         assert "steps each fragment alone" in msgs["torch_muon"], msgs
 
 
-def test_checkpoint_at_the_same_mesh_resumes_bitwise_and_another_mesh_is_refused():
+def test_checkpoint_at_the_same_mesh_resumes_bitwise_and_another_recorded_mesh_loads():
     for rank, r in enumerate(_results()):
         c = r["checkpoint"]
         assert c["weights"] > 0 and c["states"] > 0 and not c["bad"], (rank, c["bad"][:5])
         assert c["mesh"] == {"data_parallel": 2, "tensor_parallel": 2}, c["mesh"]
         assert c["tp"] and all(v["dim"] in (0, 1) and len(v["sizes"]) == 2 for v in c["tp"].values()), c["tp"]
-        msg = c["other_mesh"]
-        assert "data_parallel=4, tensor_parallel=1" in msg and "data_parallel=2, tensor_parallel=2" in msg, msg
+        assert c["other_mesh"] == "loaded", c["other_mesh"]
         assert "single-file) checkpoint of a tensor-parallel model" in c["file_save"], c["file_save"]
         assert "does not support tensor-parallel models" in c["lightning_save"], c["lightning_save"]
         assert "does not support tensor-parallel models" in c["lightning_load"], c["lightning_load"]

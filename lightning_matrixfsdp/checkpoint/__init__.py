@@ -28,6 +28,7 @@ Files, one concern each, dependencies one way (top to bottom)::
     state_dict   sharded and full model/optimizer state dicts
     views        sharded tensors anywhere in a checkpoint (the model's view, averaged copies)
     validate     checks of a checkpoint against the run (keys, shapes, optimizers, roles)
+    optimizer_state  fragment or whole optimizer state at any mesh; what a rank restores of it
     save         write and publish atomically; stale partials
     load         validate and read everything, then write in place
     pretrained   Hugging Face safetensors (or a checkpoint) read by the owners into a meta-built model

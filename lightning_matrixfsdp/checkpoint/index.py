@@ -99,37 +99,26 @@ class KeyIndex:
         e = self.entries[self.entries[key].primary]
         return fragment_dtensor(local, self.tp_mesh, e.tp.dim, e.tp.global_shape)
 
-    def saved_as_fragments(self, key: str, m: Any) -> bool:
-        """Whether saved entry ``m`` (DCP storage metadata) holds ``key``'s TP fragments as chunks."""
+    def fragment_request(self, key: str, dtype: torch.dtype) -> Any:
+        """An empty DTensor of this TP rank's fragment of TP-split ``key``: DCP reads into it this
+        rank's slice of the global tensor on disk, whatever chunks the save wrote (any mesh)."""
         e = self.entries[self.entries[key].primary]
-        size, chunks = getattr(m, "size", None), getattr(m, "chunks", None) or []
-        offsets = [e.tp.offset(r) for r in range(len(e.tp.sizes))] if e.tp is not None else None
-        return (offsets is not None and size is not None and tuple(size) == tuple(e.tp.global_shape)
-                and sorted(int(c.offsets[e.tp.dim]) for c in chunks) == offsets
-                and len(chunks) == len(e.tp.sizes))
+        device = e.local.device if e.local is not None else torch.device("cpu")
+        return self._dtensor(key, torch.empty(self.fragment_shape(key), dtype=dtype, device=device))
 
-    def read_buffer(self, key: str, m: Any) -> Any:
-        """What DCP loads saved entry ``m`` (storage metadata) of ``key`` into: this TP rank's
-        fragment (a DTensor) where the data was written as the TP fragments of ``key``'s split,
-        else a whole CPU tensor of the saved size (None for objects)."""
-        size = getattr(m, "size", None)
-        if size is None:
-            return None
-        if self.saved_as_fragments(key, m):
-            e = self.entries[self.entries[key].primary]
-            device = e.local.device if e.local is not None else torch.device("cpu")
-            return self._dtensor(key, torch.empty(self.fragment_shape(key), dtype=m.properties.dtype,
-                                                  device=device))
-        return torch.empty(tuple(size), dtype=m.properties.dtype)
+    def narrow(self, key: str, whole: torch.Tensor) -> torch.Tensor:
+        """This TP rank's fragment of ``whole``, a global tensor of TP-split ``key`` (a view; ``whole``
+        itself for a key that is not split)."""
+        tp = self.entries[self.entries[key].primary].tp
+        if tp is None:
+            return whole
+        return whole.narrow(tp.dim, tp.offset(self.tp_rank), tp.sizes[self.tp_rank])
 
-    def reads_state(self, key: str, metas: list[Any]) -> bool:
-        """Whether this rank reads the saved optimizer state ``metas`` of ``key``: a split matrix's
-        whole-matrix state (Shampoo, SOAP: any tensor not saved as the TP fragments) belongs to its
-        TP stepper alone, as before the save; fragment state (Muon's momentum) to every TP rank."""
+    def holds_whole_state(self, key: str) -> bool:
+        """Whether this rank holds the whole-matrix optimizer state (Shampoo's, SOAP's) of ``key``:
+        the TP stepper of a split matrix; any rank for a key that is not split or has no stepper."""
         e = self.entries[self.entries[key].primary]
-        if e.tp is None or e.tp_stepper is None or e.tp_stepper == self.tp_rank:
-            return True
-        return all(getattr(m, "size", None) is None or self.saved_as_fragments(key, m) for m in metas)
+        return e.tp is None or e.tp_stepper is None or e.tp_stepper == self.tp_rank
 
     def aliases(self, primary: str) -> list[str]:
         """Every key of the tensor whose first key is ``primary`` (tied weights)."""

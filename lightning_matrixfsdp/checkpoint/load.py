@@ -45,7 +45,8 @@ from lightning_matrixfsdp.checkpoint.formats import (
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.integrity import verify_files, verify_zip
 from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
-from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_mesh, check_sidecar, read_sidecar
+from lightning_matrixfsdp.checkpoint.optimizer_state import StateRule, apply_optimizer, saved_splits
+from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, layout_change, read_sidecar
 from lightning_matrixfsdp.checkpoint.sidecar import roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
@@ -222,7 +223,6 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         ck = parse_dcp(md, list(index.entries))
         if side is not None:
             check_sidecar(side, ck, what)
-            check_mesh(side, index, what)  # before any data moves: another (D, T) is refused
         if not (path / META_NAME).is_file() and meta_required(side, ck):
             raise CheckpointCorruptError(
                 f"{what}: {path / META_NAME} is missing; it holds the epoch, global step, loops, LR schedulers "
@@ -240,8 +240,8 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         agree(before_optimizers, meta)
     match = agree(match_model, index, ck.specs(), strict, what)
     view_req = agree(read_refs, meta, ck.meta, index, what) if meta is not None else {}
-    if side is not None:
-        _log_layout(side, index)
+    if side is not None and world()[0] == 0:
+        log.info("matrix_fsdp checkpoint: %s", layout_change(side, index))
     n_saved = ck.n_optimizers()
     if optimizers and n_saved and n_saved != len(optimizers):
         msg = f"{what} holds {n_saved} optimizer state(s), the run has {len(optimizers)}"
@@ -277,31 +277,38 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
 
     apply, dropped = agree(check)
 
-    # phase 2: read everything this rank will hold into fresh CPU buffers; nothing is written yet
+    # phase 2: read everything this rank will hold into fresh buffers; nothing is written yet. A
+    # TP-split tensor is the global tensor on disk (any saving mesh): a TP rank asks for its fragment.
     req2: dict[str, Any] = {}
     targets: list[tuple[torch.Tensor, str]] = []
     for key, c in match.tensors:
         e = index.entries[key]
         if e.local is not None:
             flat = ck.model[c][0]
-            req2[flat] = index.read_buffer(key, ck.meta[flat])  # a TP fragment: its chunk of the global tensor
+            m = ck.meta[flat]
+            req2[flat] = index.fragment_request(key, m.properties.dtype) if e.tp is not None else placeholder(m)
             targets.append((e.local, flat))
     for key, c in match.objects:
         req2[ck.model[c][0]] = None
     req2.update(view_req)
-    wanted: dict[int, dict[str, list[tuple[tuple, str]]]] = {}
-    for i in apply:
-        for g in optimizers[i].param_groups:
-            for p in g["params"]:
-                key = index.key(p)
-                if key in dropped or not index.steps(key):  # replica_split: the stepping replica's alone
-                    continue
-                items = ck.state.get(i, {}).get(match.to_ck.get(key, key), [])
-                if not index.reads_state(key, [m for _, _, m in items]):  # TP: whole-matrix state, another rank's
-                    continue
-                for tail, flat, m in items:
-                    req2[flat] = index.read_buffer(key, m)
-                    wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat))
+    splits = saved_splits(side, match.from_ck)
+
+    def state_requests() -> dict[int, dict[str, list[tuple[tuple, str, Any]]]]:
+        wanted: dict[int, dict[str, list[tuple[tuple, str, Any]]]] = {}
+        for i in apply:
+            rule = StateRule(index, optimizers[i], splits, what)  # the target optimizer says whole or fragment
+            for g in optimizers[i].param_groups:
+                for p in g["params"]:
+                    key = index.key(p)
+                    if key in dropped or not index.steps(key) or not rule.reads(key):  # replica_split, whole state
+                        continue
+                    for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
+                        buf = rule.dcp_buffer(key, ".".join(map(str, tail)), m)
+                        wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat, buf))
+        return wanted
+
+    wanted = agree(state_requests)
+    req2.update({flat: buf for per in wanted.values() for items in per.values() for _, flat, buf in items})
     agree(read_dcp, req2, path)
     req2 = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in req2.items()}  # TP fragments: plain
 
@@ -312,8 +319,8 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         for local, flat in targets:
             local.copy_(req2[flat])
     for i in apply:
-        state = {key: nest((tail, req2[flat]) for tail, flat in items) for key, items in wanted.get(i, {}).items()}
-        agree(_apply_optimizer, index, optimizers[i], saved_groups[i], state)
+        state = {key: nest((tail, req2[flat]) for tail, flat, _ in items) for key, items in wanted.get(i, {}).items()}
+        agree(apply_optimizer, index, optimizers[i], saved_groups[i], state)
     if meta is None:
         return None
     meta = localize_views(meta, index, what, read=req2)
@@ -321,20 +328,6 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
         read = {c: req2.get(f) for c, (f, _) in ck.model.items()}
         meta = {**meta, "state_dict": state_view(read, match.from_ck, index)}
     return meta
-
-
-def _log_layout(side: Mapping[str, Any], index: KeyIndex) -> None:
-    if world()[0] != 0:
-        return
-    digests = [p.get("digest") for p in side.get("plans", [])]
-    now = [r.plan.digest() for r in index.roots]
-    first = index.roots[0] if index.roots else None
-    if digests == now:
-        log.info("matrix_fsdp checkpoint: same layout, loading owned tensors")
-    else:
-        log.info("matrix_fsdp checkpoint: resharding from world %s span %s (%s) to world %s span %s (%s)",
-                 side.get("world_size"), side.get("shard_span"), side.get("planner"), world()[1],
-                 first.span if first else 1, first.plan.planner if first else None)
 
 
 def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
@@ -352,9 +345,6 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
                before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None,
                with_state_dict: bool = False) -> Optional[dict[str, Any]]:
     what = f"checkpoint {path}"
-    if index.tp_size > 1:  # the same on every rank: whole tensors into TP fragments is resharding
-        raise CheckpointMismatchError(f"{what}: loading a single-file checkpoint into a tensor-parallel model is "
-                                      "not supported yet; load a distributed checkpoint saved at the same mesh")
     if verify:
         verify_zip(path)
 
@@ -387,6 +377,7 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
         layout = ckpt.get("matrix_fsdp_layout") if isinstance(ckpt.get("matrix_fsdp_layout"), Mapping) else {}
         sclasses = [o.get("class") for o in layout.get("optimizers", [])]
         saved_roles = {match.from_ck.get(k, k): r for k, r in roles_of(layout).items()}
+        splits = saved_splits(layout, match.from_ck)
         for i, o in enumerate(optimizers[: len(saved)]):
             current = full_groups(index, o)
 
@@ -400,7 +391,11 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
                 if not ok:
                     return None
                 dropped = changed_roles(index, saved_roles, state, reset, what)
-                return groups, {k: v for k, v in state.items() if k not in dropped}
+                # this rank's part, checked before anything is written (TP: fragments, or whole state on the stepper)
+                rule = StateRule(index, o, splits, what)
+                held = {k for g in o.param_groups for p in g["params"] if index.steps(k := index.key(p))}
+                return groups, {k: rule.from_file(k, v) for k, v in state.items()
+                                if k in held and k not in dropped and rule.reads(k)}
 
             got = agree(prep)
             if got is not None:
@@ -420,30 +415,7 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
         for key, c in match.tensors:
             e = index.entries[key]
             if e.local is not None:
-                e.local.copy_(sd[c])
+                e.local.copy_(index.narrow(key, sd[c]))  # a TP rank: its fragment of the whole tensor
     for o, groups, state in restore:
-        held = {k for g in o.param_groups for p in g["params"] if index.steps(k := index.key(p))}
-        mine = {k: {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in s.items()}
-                for k, s in state.items() if k in held}
-        agree(_apply_optimizer, index, o, groups, mine)
+        agree(apply_optimizer, index, o, groups, state)
     return rest
-
-
-def _apply_optimizer(index: KeyIndex, optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]],
-                     state: Mapping[str, Mapping[str, Any]]) -> None:
-    """Give this rank's routed optimizer its parameters' state and the saved hyper-parameters."""
-    native_state: dict[int, Any] = {}
-    groups = []
-    i = 0
-    for g, sg in zip(optimizer.param_groups, saved_groups):
-        ids = []
-        for p in g["params"]:
-            key = index.key(p)
-            if key in state:
-                native_state[i] = dict(state[key])
-            ids.append(i)
-            i += 1
-        hp = {k: v for k, v in g.items() if k != "params"}
-        hp.update({k: v for k, v in sg.items() if k not in ("params", "param_names")})
-        groups.append({**hp, "params": ids})
-    optimizer.load_state_dict({"state": native_state, "param_groups": groups})

@@ -16,12 +16,12 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from lightning_matrixfsdp.checkpoint.agree import world
-from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError
 from lightning_matrixfsdp.checkpoint.formats import DcpEntries, dtype_name
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_mesh", "check_sidecar", "layout_dict",
-           "read_sidecar", "roles_of", "single_writer_layout", "versions"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "META_NAME", "SIDECAR_NAME", "check_sidecar", "layout_change", "layout_dict",
+           "read_sidecar", "roles_of", "saved_mesh", "single_writer_layout", "versions"]
 
 SIDECAR_NAME = "matrix_fsdp_layout.json"
 META_NAME = "meta.pt"  # Lightning's marker of a sharded checkpoint directory (fabric.utilities.load._METADATA_FILENAME)
@@ -152,22 +152,32 @@ def check_sidecar(side: Mapping[str, Any], ck: DcpEntries, what: str) -> None:
                 "or mixed with another save")
 
 
-def check_mesh(side: Optional[Mapping[str, Any]], index: KeyIndex, what: str) -> None:
-    """Tensor parallelism: a checkpoint loads only at the (data-parallel, tensor-parallel) mesh it
-    was saved at, while resharding across TP sizes is not built. A sidecar without a mesh was
-    written without TP (tensor_parallel 1)."""
-    if not isinstance(side, Mapping) or side.get("converted_from") == "file":
-        return
-    saved = side.get("mesh") if isinstance(side.get("mesh"), Mapping) else {
-        "data_parallel": side.get("world_size"), "tensor_parallel": 1}
-    now = index.mesh()
-    tp_saved = saved.get("tensor_parallel", 1)
-    if (tp_saved > 1 or now["tensor_parallel"] > 1) and dict(saved) != now:
-        raise CheckpointMismatchError(
-            f"{what} was saved at the mesh (data_parallel={saved.get('data_parallel')}, tensor_parallel={tp_saved}) "
-            f"and this run's mesh is (data_parallel={now['data_parallel']}, tensor_parallel="
-            f"{now['tensor_parallel']}); loading a tensor-parallel checkpoint at another mesh (resharding) is not "
-            "supported yet: resume with the same data_parallel_size and tensor_parallel_size")
+def saved_mesh(side: Mapping[str, Any]) -> dict[str, Any]:
+    """The (data-parallel, tensor-parallel) mesh a sidecar records; one without a mesh was written
+    without tensor parallelism."""
+    mesh = side.get("mesh")
+    if isinstance(mesh, Mapping):
+        return {"data_parallel": mesh.get("data_parallel"), "tensor_parallel": mesh.get("tensor_parallel", 1)}
+    return {"data_parallel": side.get("world_size"), "tensor_parallel": 1}
+
+
+def layout_change(side: Mapping[str, Any], index: KeyIndex) -> str:
+    """What a load logs: the same layout, or what it reshards from and to (world, shard span,
+    planner and, when they differ, the (data-parallel, tensor-parallel) meshes). Any change loads:
+    each rank reads what it holds now, TP fragments as slices of the global tensors."""
+    saved, now = saved_mesh(side), index.mesh()
+    digests = [p.get("digest") for p in side.get("plans", []) if isinstance(p, Mapping)]
+    if digests == [r.plan.digest() for r in index.roots] and saved == now:
+        return "same layout, loading owned tensors"
+    first = index.roots[0] if index.roots else None
+
+    def mesh(m: Mapping[str, Any]) -> str:
+        return (f"mesh (data_parallel={m['data_parallel']}, tensor_parallel={m['tensor_parallel']}) "
+                if saved != now else "")
+
+    return (f"resharding from {mesh(saved)}world {side.get('world_size')} span {side.get('shard_span')} "
+            f"({side.get('planner')}) to {mesh(now)}world {world()[1]} span {first.span if first else 1} "
+            f"({first.plan.planner if first else None})")
 
 
 def roles_of(layout: Optional[Mapping[str, Any]]) -> dict[str, str]:

@@ -15,6 +15,7 @@ from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, worl
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
+from lightning_matrixfsdp.checkpoint.optimizer_state import whole_state
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 
@@ -103,8 +104,9 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
             for p in g["params"]:
                 key = index.key(p)
                 if p in optimizer.state and index.steps(key):  # TP fragments of the state: chunks of the whole
-                    state[key] = {n: (index.as_saved(key, v.detach()) if isinstance(v, torch.Tensor) else v)
-                                  for n, v in optimizer.state[p].items()}
+                    whole = whole_state(index, optimizer, key)  # Shampoo's, SOAP's on the TP stepper: written whole
+                    state[key] = {n: ((v.detach() if whole else index.as_saved(key, v.detach()))
+                                      if isinstance(v, torch.Tensor) else v) for n, v in optimizer.state[p].items()}
         return {"state": state,
                 "param_groups": [{**hparams(g), "params": list(f)} for g, f in zip(optimizer.param_groups, groups)]}
     rank = world()[0]

@@ -133,6 +133,12 @@ class MatrixLibraryOptimizer(TailOptimizer):
     _group_level_keys: ClassVar[dict[str, frozenset[str]]] = {}
     #: the library draws random numbers in step(): give it a private, per-matrix seeded stream
     _uses_rng: ClassVar[bool] = False
+    #: a split matrix is stepped whole on its TP stepper, which alone holds its state
+    whole_tp_state: ClassVar[bool] = True
+    #: flat state lists the library keeps column-major (LAPACK's ``qr``/``eigh`` outputs); a
+    #: checkpoint keeps values, not strides, so a load lays them out so again: CPU matmuls round
+    #: by layout, and the resumed run must continue bit for bit
+    _column_major_state: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ groups
 
@@ -256,6 +262,9 @@ class MatrixLibraryOptimizer(TailOptimizer):
             for key, value in saved.items():
                 if key != "step" and isinstance(value, Tensor) and state[key].dtype != value.dtype:
                     state[key] = value.to(device=p.device)
+                t = state.get(key)
+                if key.partition(".")[0] in self._column_major_state and isinstance(t, Tensor) and t.ndim == 2:
+                    state[key] = t.t().contiguous().t()
 
     # -------------------------------------------------------------------- step
 

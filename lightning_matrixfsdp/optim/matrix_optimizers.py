@@ -63,6 +63,7 @@ class SOAP(MatrixLibraryOptimizer):
     """
 
     _library_name = "SOAP"
+    _column_major_state = ("Q",)  # the eigenbases, from torch.linalg.qr / eigh
     _matrix_keys = ("lr", "betas", "shampoo_beta", "weight_decay", "precondition_frequency",
                     "max_precondition_dim", "correct_bias", "normalize_gradient", "eps")
 

@@ -45,6 +45,7 @@ __all__ = [
     "check_adamw_group",
     "check_nonneg",
     "is_matrix_role",
+    "keeps_whole_tp_state",
     "scalar_dtype",
     "split_by_role",
 ]
@@ -233,6 +234,10 @@ class TailOptimizer(torch.optim.Optimizer):
     #: whether ``_matrix_group`` takes matrix roles of more than two dimensions (as their
     #: ``(shape[0], -1)`` matrix); the others refuse them with a message naming the parameter
     flattens_matrices: ClassVar[bool] = False
+    #: where the state of a tensor-parallel split matrix role lives: whole on the matrix's TP
+    #: stepper (True: Shampoo, SOAP, whose state is not elementwise) or sliced like the matrix on
+    #: every TP rank (False: Muon's momentum). Checkpoints read it to restore state at any mesh.
+    whole_tp_state: ClassVar[bool] = False
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
         # Validate the defaults even if every group overrides them: a bad default is a
@@ -297,3 +302,10 @@ class TailOptimizer(torch.optim.Optimizer):
     def _adamw_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """torch.optim.AdamW's single-tensor update (amsgrad=False, maximize=False)."""
         adamw_update(self.state, group, params, adamw_lr(group))
+
+
+def keeps_whole_tp_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps a TP-split matrix role's state whole on the matrix's TP stepper
+    (:attr:`TailOptimizer.whole_tp_state`). An optimizer of another package steps each fragment
+    as a tensor of its own, so its state is sliced like the parameter."""
+    return isinstance(optimizer, TailOptimizer) and type(optimizer).whole_tp_state
