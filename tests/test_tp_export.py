@@ -1,0 +1,58 @@
+"""A tensor-parallel model's whole tensors outside its mesh, at world 4 = D 2 x T 2 (gloo,
+float32), every scenario in one 4-process launch (``tp_export_scenarios.worker``):
+
+* the consolidated file of the live TP model (``save_sharded(full=True)``) holds the whole
+  weights, Muon's momentum and AdamW's moments of split tails assembled from the TP fragments,
+  and Shampoo's whole-matrix state from the TP stepper, equal (``torch.equal``) to an oracle
+  assembled in the test with plain ``torch.distributed``; it is the file a model without TP
+  writes (loaded into one at D 4 x T 1 and saved back, it is the same);
+* ``python -m lightning_matrixfsdp.consolidate`` of the TP checkpoint directory gives the same
+  whole tensors and state, and keeps the sidecar's mesh record;
+* the safetensors export of the directory and of the file holds the whole weights;
+* ``full_model`` gives plain whole tensors, and the model runs there as the unsplit model.
+"""
+from __future__ import annotations
+
+import functools
+
+from _dist import run_distributed
+from tp_export_scenarios import worker
+
+
+@functools.lru_cache(maxsize=1)
+def _launch():
+    try:
+        return run_distributed(worker, 4, timeout=600), None
+    except AssertionError as e:
+        return None, e
+
+
+def _results():
+    res, err = _launch()
+    if err is not None:
+        raise err
+    return res
+
+
+def _check(kind: str) -> None:
+    for rank, r in enumerate(_results()):
+        c = r[kind]
+        assert c["weights"] > 0 and c["states"] > 0, (rank, c)
+        assert not c["bad"], (rank, c["bad"][:5])
+    first = _results()[0][kind]
+    assert not first["format_diff"], first["format_diff"][:5]
+    assert first["file_mesh"] == first["conv_mesh"] == {"data_parallel": 2, "tensor_parallel": 2}, first
+
+
+def test_consolidated_file_consolidate_command_and_safetensors_hold_whole_muon_tensors_and_momentum():
+    _check("muon")
+
+
+def test_consolidated_file_and_consolidate_command_hold_shampoo_whole_matrix_state():
+    _check("shampoo")
+
+
+def test_full_model_gives_plain_whole_tensors_and_runs_as_the_unsplit_model():
+    for rank, r in enumerate(_results()):
+        f = r["full_model"]
+        assert f["checked"] > 0 and not f["bad"], (rank, f["bad"][:5])
