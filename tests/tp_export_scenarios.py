@@ -15,8 +15,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tp_reference import SPLIT_BIAS, Net, batch, split_dim
+from tp_reference import SPLIT_BIAS, Net, batch, parallelize, split_dim
 from tp_scenarios import _mesh, _ours, _sharded, _train
+
+
+def _net(wide: bool) -> Net:
+    """The test model; ``wide``: its MLP 8 -> 16 -> 8, so a TP fragment of ``up`` / ``down`` (8 x 8)
+    has the shape of one of Shampoo's preconditioners of the whole matrix (whole-matrix state that
+    must not be taken for a fragment)."""
+    torch.manual_seed(0)
+    net = Net()
+    if wide:
+        for b in net.blocks:
+            b.up, b.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    return net
+
+
+def _tp_model(mesh, wide: bool):
+    import lightning_matrixfsdp as mf
+
+    if not wide:
+        return _sharded(mesh)
+    return mf.matrix_shard(parallelize(_net(True), mesh["tensor_parallel"]), mesh=mesh)
 
 
 def _dim(name: str):
@@ -86,7 +106,7 @@ def _check_file(ck: dict, weights: dict, states: dict, what: str) -> list:
     return bad
 
 
-def _checkpoints(mesh, kind: str, root: Path) -> dict:
+def _checkpoints(mesh, kind: str, root: Path, wide: bool = False) -> dict:
     """2 steps of ``kind``; the consolidated file of the live TP model, the consolidate command's file
     of its directory and the safetensors exports of both, against the oracle; the file loads into a
     model without TP (D 4 x T 1) and saves back the same."""
@@ -96,13 +116,21 @@ def _checkpoints(mesh, kind: str, root: Path) -> dict:
     from lightning_matrixfsdp.consolidate import main as consolidate
 
     tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
-    model = _sharded(mesh)
+    model = _tp_model(mesh, wide)
     opt = _ours(kind, list(model.parameters()))
     _train(model, opt, 2, dp_rank)
     weights, states = _oracle(model, opt, tp)
     save_sharded(model, root / f"{kind}.ckpt", [opt], full=True)
     save_sharded(model, root / f"{kind}-dir", [opt])
     out = {"bad": [], "weights": len(weights), "states": sum(len(s) for s in states.values())}
+    if wide:  # the directory resumes at the same mesh: whole-matrix state of a fragment's shape stays whole
+        fresh = _tp_model(mesh, wide)
+        fresh_opt = _ours(kind, list(fresh.parameters()))
+        load_sharded(fresh, root / f"{kind}-dir", [fresh_opt])
+        for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
+            a, b = opt.state.get(p, {}), fresh_opt.state.get(q, {})
+            if not torch.equal(p.detach(), q.detach()) or set(a) != set(b) or not all(_same(v, b[k]) for k, v in a.items()):
+                out["bad"].append(("resume", n))
     if dist.get_rank() == 0:
         ck = torch.load(root / f"{kind}.ckpt", weights_only=True)
         out["bad"] += _check_file(ck, weights, states, "file")
@@ -122,8 +150,7 @@ def _checkpoints(mesh, kind: str, root: Path) -> dict:
             if set(st) != set(Net().state_dict()):
                 out["bad"].append((f"safetensors of {src}", "names", sorted(st)))
     # the file into a model without TP (owner sharding over all 4 ranks), then saved back
-    torch.manual_seed(0)
-    plain = mf.matrix_shard(Net())
+    plain = mf.matrix_shard(_net(wide))
     plain_opt = _ours(kind, list(plain.parameters()))
     load_sharded(plain, root / f"{kind}.ckpt", [plain_opt])
     for n, p in plain.named_parameters():
@@ -197,7 +224,7 @@ def worker(rank, world):
     holder = [tempfile.mkdtemp(prefix="tp-export-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     root = Path(holder[0])
-    res = {"muon": _checkpoints(mesh, "muon", root), "shampoo": _checkpoints(mesh, "shampoo", root),
+    res = {"muon": _checkpoints(mesh, "muon", root), "shampoo": _checkpoints(mesh, "shampoo", root, wide=True),
            "full_model": _full_model(mesh)}
     dist.barrier()
     if dist.get_rank() == 0:

@@ -122,12 +122,14 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     index = index if index is not None else build_index(module)
     groups = full_groups(index, optimizer)
     if not full:
+        whole = _whole_state_keys(index, optimizer)
         state = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
                 key = index.key(p)
                 if p in optimizer.state and index.steps(key):  # TP fragments of the state: chunks of the whole
-                    state[key] = {n: (index.as_saved(key, v.detach()) if isinstance(v, torch.Tensor) else v)
+                    state[key] = {n: (index.as_saved(key, v.detach()) if isinstance(v, torch.Tensor)
+                                      and key not in whole else v)
                                   for n, v in optimizer.state[p].items()}
         return {"state": state,
                 "param_groups": [{**hparams(g), "params": list(f)} for g, f in zip(optimizer.param_groups, groups)]}
@@ -169,6 +171,22 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     if rank != 0:
         return {}
     return to_native(state, [hparams(g) for g in optimizer.param_groups], groups)
+
+
+def _whole_state_keys(index: KeyIndex, optimizer: torch.optim.Optimizer) -> set[str]:
+    """The TP-split keys whose optimizer state is whole-matrix state, held by their TP stepper
+    alone (Shampoo, SOAP): written as it is, never as TP fragments, even where a tensor of it has
+    a fragment's shape (a preconditioner of a matrix one of whose sides is T times the other).
+    Collective under TP (the same answer on every rank)."""
+    if index.tp_size == 1:
+        return set()
+    held = {k: index.tp_rank for g in optimizer.param_groups for p in g["params"]
+            if p in optimizer.state and index.steps(k := index.key(p)) and index.entries[k].tp is not None}
+    by_key: dict[str, set[int]] = {}
+    for h in all_gather_object(held):
+        for k, t in h.items():
+            by_key.setdefault(k, set()).add(t)
+    return {k for k, ts in by_key.items() if ts == {index.entries[k].tp_stepper}}
 
 
 def _state_plan(index: KeyIndex, key: str, holders: dict[Optional[int], tuple[int, dict[str, Any]]]
