@@ -69,6 +69,10 @@ def test_tp_directory_with_whole_matrix_state_of_a_fragments_shape_saves_and_res
     assert not _bad("shampoo", "resume")
 
 
+def test_load_pretrained_of_the_safetensors_export_into_a_tp_model_gives_each_rank_its_slice():
+    assert not _bad("muon", "pretrained into TP") and not _bad("shampoo", "pretrained into TP")
+
+
 def test_full_model_gives_plain_whole_tensors_and_runs_as_the_unsplit_model():
     for rank, r in enumerate(_results()):
         f = r["full_model"]

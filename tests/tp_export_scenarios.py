@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tp_reference import SPLIT_BIAS, Net, batch, parallelize, split_dim
+from tp_reference import SPLIT_BIAS, Net, batch, parallelize, slice_of, split_dim
 from tp_scenarios import _mesh, _ours, _sharded, _train
 
 
@@ -149,6 +149,13 @@ def _checkpoints(mesh, kind: str, root: Path, wide: bool = False) -> dict:
                                       f"safetensors of {src}")
             if set(st) != set(Net().state_dict()):
                 out["bad"].append((f"safetensors of {src}", "names", sorted(st)))
+    # the safetensors export back into a fresh TP model (each owner takes its fragment's slice)
+    fresh = _tp_model(mesh, wide)
+    mf.load_pretrained(fresh, root / f"{kind}-dir-st")
+    for n, p in fresh.named_parameters():
+        want = weights[n] if _dim(n) is None else slice_of(weights[n], _dim(n), tp)
+        if p.numel() and not torch.equal(p.detach(), want):
+            out["bad"].append(("pretrained into TP", n))
     # the file into a model without TP (owner sharding over all 4 ranks), then saved back
     plain = mf.matrix_shard(_net(wide))
     plain_opt = _ours(kind, list(plain.parameters()))
