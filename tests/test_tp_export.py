@@ -77,3 +77,7 @@ def test_full_model_gives_plain_whole_tensors_and_runs_as_the_unsplit_model():
     for rank, r in enumerate(_results()):
         f = r["full_model"]
         assert f["checked"] > 0 and not f["bad"], (rank, f["bad"][:5])
+
+
+def test_hsdp_with_tp_consolidated_file_and_full_model_hold_the_whole_tensors():
+    assert not _bad("hsdp", "file", "full_model")

@@ -226,13 +226,33 @@ def _full_model(mesh) -> dict:
     return out
 
 
+def _hsdp(mesh, root: Path) -> dict:
+    """HSDP with TP ((replicate 2 x shard 1) x TP 2): the consolidated file and ``full_model``."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.checkpoint import save_sharded
+
+    tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
+    model = _sharded(mesh, shard_size=1)
+    opt = _ours("muon", list(model.parameters()))
+    _train(model, opt, 2, dp_rank)
+    weights, states = _oracle(model, opt, tp)
+    save_sharded(model, root / "hsdp.ckpt", [opt], full=True)
+    out = {"bad": [], "weights": len(weights), "states": sum(len(s) for s in states.values())}
+    if dist.get_rank() == 0:
+        out["bad"] += _check_file(torch.load(root / "hsdp.ckpt", weights_only=True), weights, states, "file")
+    with mf.full_model(model, rank=0) as m:
+        if dist.get_rank() == 0:
+            out["bad"] += [("full_model", n) for n, p in m.named_parameters() if not torch.equal(p.detach(), weights[n])]
+    return out
+
+
 def worker(rank, world):
     mesh = _mesh()
     holder = [tempfile.mkdtemp(prefix="tp-export-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(holder, src=0)
     root = Path(holder[0])
     res = {"muon": _checkpoints(mesh, "muon", root), "shampoo": _checkpoints(mesh, "shampoo", root, wide=True),
-           "full_model": _full_model(mesh)}
+           "full_model": _full_model(mesh), "hsdp": _hsdp(mesh, root)}
     dist.barrier()
     if dist.get_rank() == 0:
         import shutil
