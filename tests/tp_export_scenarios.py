@@ -232,9 +232,12 @@ def _hsdp(mesh, root: Path) -> dict:
     from lightning_matrixfsdp.checkpoint import save_sharded
 
     tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
+    from lightning_matrixfsdp.runtime import sync_replicas
+
     model = _sharded(mesh, shard_size=1)
     opt = _ours("muon", list(model.parameters()))
     _train(model, opt, 2, dp_rank)
+    sync_replicas(model)  # replica_split: the stepping replica's weights reach the other one
     weights, states = _oracle(model, opt, tp)
     save_sharded(model, root / "hsdp.ckpt", [opt], full=True)
     out = {"bad": [], "weights": len(weights), "states": sum(len(s) for s in states.values())}
