@@ -129,7 +129,8 @@ def _checkpoints(mesh, kind: str, root: Path, wide: bool = False) -> dict:
         load_sharded(fresh, root / f"{kind}-dir", [fresh_opt])
         for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
             a, b = opt.state.get(p, {}), fresh_opt.state.get(q, {})
-            if not torch.equal(p.detach(), q.detach()) or set(a) != set(b) or not all(_same(v, b[k]) for k, v in a.items()):
+            same = set(a) == set(b) and all(_same(v, b[k]) for k, v in a.items())
+            if not torch.equal(p.detach(), q.detach()) or not same:
                 out["bad"].append(("resume", n))
     if dist.get_rank() == 0:
         ck = torch.load(root / f"{kind}.ckpt", weights_only=True)
@@ -245,7 +246,8 @@ def _hsdp(mesh, root: Path) -> dict:
         out["bad"] += _check_file(torch.load(root / "hsdp.ckpt", weights_only=True), weights, states, "file")
     with mf.full_model(model, rank=0) as m:
         if dist.get_rank() == 0:
-            out["bad"] += [("full_model", n) for n, p in m.named_parameters() if not torch.equal(p.detach(), weights[n])]
+            out["bad"] += [("full_model", n) for n, p in m.named_parameters()
+                           if not torch.equal(p.detach(), weights[n])]
     return out
 
 

@@ -75,7 +75,8 @@ def fragments_to_rank0(index: KeyIndex, key: str, local: Optional[torch.Tensor],
     split dimension; None elsewhere. ``local``: this rank's fragment where it is a source."""
     lay = index.entries[index.entries[key].primary].tp
     if sources is None or None in sources:  # the same verdict on every rank: the sources are agreed
-        raise CheckpointError(f"{key!r}: no rank holds TP fragment(s) {[t for t, s in enumerate(sources or []) if s is None] or 'any'} "
+        missing = [t for t, s in enumerate(sources or []) if s is None] or "any"
+        raise CheckpointError(f"{key!r}: no rank holds TP fragment(s) {missing} "
                               "of it; the tensor-parallel groups do not hold the whole tensor, so it cannot be "
                               "written whole")
     item = Fragments(tuple(sources), tuple(tuple(lay.local_shape(t)) for t in range(len(lay.sizes))), lay.dim, dtype)

@@ -142,8 +142,9 @@ def _gather_split(st: MatrixFSDPState, split: dict[int, TPLayout], targets: list
                                "tensor-parallel groups are not complete")
         items.append(Fragments(tuple(src), tuple(tuple(lay.local_shape(t)) for t in range(len(lay.sizes))),
                                lay.dim, params[i].orig_dtype))
-    got = gather_fragments(items, [params[i].resident.data if params[i].owned else None for i in idx], targets,
-                           st.mesh.device, st.stats, "full_model", "full_model: the TP fragments of the owners' weights")
+    local = [params[i].resident.data if params[i].owned else None for i in idx]
+    got = gather_fragments(items, local, targets, st.mesh.device, st.stats, "full_model",
+                           "full_model: the TP fragments of the owners' weights")
     return {idx[j]: t for j, t in got.items()}
 
 
