@@ -221,6 +221,13 @@ def _full_model(mesh) -> dict:
                         out["bad"].append((rank, n, "weight"))
                 if not torch.equal(m(x), want):
                     out["bad"].append((rank, "forward", (m(x) - want).abs().max().item()))
+                import io
+
+                buf = io.BytesIO()
+                torch.save(m, buf)  # a plain module there: it pickles, and the copy runs alone too
+                buf.seek(0)
+                if not torch.equal(torch.load(buf, weights_only=False)(x), want):
+                    out["bad"].append((rank, "pickled copy"))
     if {n: tuple(p.shape) for n, p in model.named_parameters()} != shapes:
         out["bad"].append(("shapes after the block",))
     _train(model, opt, 1, dp_rank, first=2)  # the TP hooks and the runtime are back

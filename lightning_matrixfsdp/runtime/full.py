@@ -35,7 +35,16 @@ from torch import nn
 from lightning_matrixfsdp.runtime.p2p_comm import gather_whole
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import attach_state, detach_state, sharded_roots, state_of, tag_param, untag_param
+from lightning_matrixfsdp.runtime.tags import (
+    attach_state,
+    detach_state,
+    retag_tp,
+    sharded_roots,
+    state_of,
+    tag_param,
+    untag_param,
+    untag_tp,
+)
 from lightning_matrixfsdp.runtime.tp import TPLayout
 from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
 
@@ -91,6 +100,7 @@ class _Whole:
             p.data = full
         for sp in self.params:
             untag_param(sp.resident)
+        self.tp_marks = [untag_tp(sp.resident) for sp in self.params]
         state.remove_hooks()
         detach_state(root)
         self.tp_hooks = _tp_hooks_off(root) if state.mesh.tp_size > 1 else []
@@ -102,6 +112,7 @@ class _Whole:
             if i in self.placeholders:
                 sp.resident.data = self.placeholders[i]
             tag_param(sp.resident, sp.shard, sp.owned)
+            retag_tp(sp.resident, self.tp_marks[i])
         self.state.install_hooks()
 
 
