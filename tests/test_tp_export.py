@@ -9,7 +9,11 @@ float32), every scenario in one 4-process launch (``tp_export_scenarios.worker``
 * ``python -m lightning_matrixfsdp.consolidate`` of the TP checkpoint directory gives the same
   whole tensors and state, and keeps the sidecar's mesh record;
 * the safetensors export of the directory and of the file holds the whole weights;
-* ``full_model`` gives plain whole tensors, and the model runs there as the unsplit model.
+* a directory with Shampoo state of a fragment's shape (the MLP 8 -> 16 -> 8) saves and resumes;
+* ``load_pretrained`` of the safetensors export into a fresh TP model gives each rank its slice;
+* ``full_model`` gives plain whole tensors, the model runs there as the unsplit model and
+  pickles; afterwards it trains on;
+* the consolidated file and ``full_model`` under HSDP with TP ((replicate 2 x shard 1) x TP 2).
 """
 from __future__ import annotations
 
