@@ -67,6 +67,8 @@ def test_consolidate_command_and_safetensors_export_of_a_tp_checkpoint_give_whol
         assert not _bad(kind, "consolidate", "safetensors")
         # the sidecar's record of the mesh the run had is carried into the file, as the live save writes it
         assert _results()[0][kind]["conv_mesh"] == {"data_parallel": 2, "tensor_parallel": 2}
+        # the file converted back to a directory: the sidecar of one writer, no TP records (whole tensors)
+        assert _results()[0][kind]["back_tp"] == [], _results()[0][kind]["back_tp"]
 
 
 def test_tp_directory_with_whole_matrix_state_of_a_fragments_shape_saves_and_resumes():

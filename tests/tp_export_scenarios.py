@@ -9,6 +9,7 @@ stepper) is taken as that rank holds it; every rank's pieces are then collected 
 """
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -140,6 +141,10 @@ def _checkpoints(mesh, kind: str, root: Path, wide: bool = False) -> dict:
         out["bad"] += _check_file(conv, weights, states, "consolidate")
         out["file_mesh"] = ck["matrix_fsdp_layout"].get("mesh")
         out["conv_mesh"] = conv["matrix_fsdp_layout"].get("mesh")
+        # and back to a directory: a one-writer sidecar, without the TP records of the run
+        consolidate([str(root / f"{kind}-conv.ckpt"), str(root / f"{kind}-back")])
+        side = json.loads((root / f"{kind}-back" / "matrix_fsdp_layout.json").read_text())
+        out["back_tp"] = ["mesh"] * ("mesh" in side) + [k for k, v in side["params"].items() if "tp" in v]
         from safetensors.torch import load_file
 
         for src in (f"{kind}-dir", f"{kind}.ckpt"):
