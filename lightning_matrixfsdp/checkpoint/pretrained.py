@@ -9,6 +9,9 @@ straight into the resident tensors (``readinto``, no memory map, no second copy 
 dtypes agree). A checkpoint of this library (directory or consolidated file) goes through
 ``load_weights``, which reads the owned tensors only as well.
 
+With tensor parallelism an owner of a TP-split parameter reads the whole tensor (one at a
+time, into a temporary CPU tensor) and keeps its fragment's slice.
+
 Every step is agreed across ranks (``agree``): keys, shapes and dtypes are checked against
 the files' headers before any tensor is read, and an error on one rank is raised on all.
 """
@@ -87,6 +90,10 @@ class PretrainedLoad:
     bytes_read: int
     missing: tuple[str, ...]        # model keys left as they were (strict=False only)
     unexpected: tuple[str, ...]     # file keys no model key took (strict=False only)
+
+
+#: one read of a rank: (file entry, file key, destination, the part of the whole a TP fragment takes)
+Read = tuple[Entry, str, torch.Tensor, Optional[tuple[int, int, int]]]
 
 
 def _header(file: Path) -> dict[str, Entry]:
@@ -175,16 +182,19 @@ def _listing(keys: list[str], limit: int = 12) -> str:
 
 def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], prefix: str, strict: bool,
            where: str) -> tuple[list[tuple[Entry, str, torch.Tensor]], list[str], list[str]]:
-    """(this rank's reads as (entry, file key, destination), missing model keys, unexpected file keys)."""
+    """(this rank's reads as (entry, file key, destination, part), missing model keys, unexpected file
+    keys). ``part``: ``(dim, start, length)`` of the file's whole tensor that a TP fragment takes."""
     if not view.roots:
         raise CheckpointMismatchError("load_pretrained needs a module sharded by matrix_shard or the strategy "
                                       "(call it after sharding: in on_fit_start, or after fabric.setup_module)")
-    reads: list[tuple[Entry, str, torch.Tensor]] = []
+    reads: list[Read] = []
+    tp_rank = next((r.tp_rank for r in view.roots if r.tp_size > 1), 0)
     missing: list[str] = []
     used: set[str] = set()
     problems: list[str] = []
 
-    def take(key: str, shape: tuple[int, ...], dtype: torch.dtype, dst: Optional[torch.Tensor]) -> None:
+    def take(key: str, shape: tuple[int, ...], dtype: torch.dtype, dst: Optional[torch.Tensor],
+             tp: Any = None) -> None:
         e = layout[key]
         used.add(key)
         if e.shape != tuple(shape):
@@ -192,8 +202,9 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
         elif _DTYPES[e.dtype].is_floating_point != dtype.is_floating_point and _DTYPES[e.dtype] != dtype:
             problems.append(f"{key!r}: {e.dtype} in {e.file.name}, {dtype} in the model (no cast between "
                             "integer and floating point)")
-        elif dst is not None:
-            reads.append((e, key, dst))
+        elif dst is not None:  # a TP fragment (``shape`` is the global one) takes its slice of the whole
+            part = (tp.dim, tp.offset(tp_rank), tp.sizes[tp_rank]) if tp is not None else None
+            reads.append((e, key, dst, part))
 
     seen: set[int] = set()
     for pv in view.params.values():
@@ -208,7 +219,7 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
             missing.append(" = ".join(names))  # tied names: any one of them in the file loads it
             continue
         used.update(found[1:])  # a tie stored twice: the first name in model order wins, as a tie does
-        take(found[0], pv.shape, pv.dtype, pv.local)
+        take(found[0], pv.shape, pv.dtype, pv.local, pv.tp)
     for key, buf in _persistent_buffers(module).items():
         if key.startswith(prefix):
             name = key[len(prefix):]
@@ -232,11 +243,12 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
     return reads, missing, unexpected
 
 
-def _read_into(entry: Entry, dst: torch.Tensor, f: Any) -> int:
+def _read_into(entry: Entry, dst: torch.Tensor, f: Any, part: Optional[tuple[int, int, int]] = None) -> int:
     """Read one tensor's bytes into ``dst``: in place when it is a contiguous CPU tensor of the file's
-    dtype, else into one temporary CPU tensor that ``copy_`` casts and moves (as ``.to(dtype)``)."""
+    dtype, else into one temporary CPU tensor that ``copy_`` casts and moves (as ``.to(dtype)``).
+    ``part`` (a TP fragment): the whole tensor is read and ``dst`` takes that slice of it."""
     src_dtype = _DTYPES[entry.dtype]
-    direct = dst.device.type == "cpu" and dst.dtype == src_dtype and dst.is_contiguous()
+    direct = part is None and dst.device.type == "cpu" and dst.dtype == src_dtype and dst.is_contiguous()
     target = dst if direct else torch.empty(entry.shape, dtype=src_dtype)
     raw = target.detach().reshape(-1).view(torch.uint8).numpy()
     if sys.byteorder != "little" and src_dtype.itemsize > 1:
@@ -251,20 +263,20 @@ def _read_into(entry: Entry, dst: torch.Tensor, f: Any) -> int:
         done += n
     if not direct:
         with torch.no_grad():
-            dst.copy_(target)
+            dst.copy_(target if part is None else target.narrow(*part))
     return total
 
 
-def _read(reads: list[tuple[Entry, str, torch.Tensor]]) -> int:
+def _read(reads: list[Read]) -> int:
     """Every read of this rank, file by file, in file order (one open per file)."""
     total = 0
-    by_file: dict[Path, list[tuple[Entry, str, torch.Tensor]]] = {}
+    by_file: dict[Path, list[Read]] = {}
     for r in reads:
         by_file.setdefault(r[0].file, []).append(r)
     for file, items in by_file.items():
         with open(file, "rb", buffering=0) as f:
-            for entry, _, dst in sorted(items, key=lambda r: r[0].begin):
-                total += _read_into(entry, dst, f)
+            for entry, _, dst, part in sorted(items, key=lambda r: r[0].begin):
+                total += _read_into(entry, dst, f, part)
     return total
 
 
@@ -302,4 +314,4 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "", stri
         warn(f"load_pretrained: {len(unexpected)} key(s) of {path} not in the model: {_listing(unexpected)}")
     nbytes = agree(_read, reads)
     files = tuple(sorted({str(e.file) for e in layout.values()}))
-    return PretrainedLoad(files, tuple(k for _, k, _ in reads), nbytes, tuple(missing), tuple(unexpected))
+    return PretrainedLoad(files, tuple(r[1] for r in reads), nbytes, tuple(missing), tuple(unexpected))

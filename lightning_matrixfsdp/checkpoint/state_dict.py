@@ -2,7 +2,11 @@
 
 Sharded: each rank returns what it owns (and the replicated tensors), keyed by name,
 so DCP writes every tensor once. Full: the owners stream their tensors to rank 0 one
-at a time (bounded accelerator memory); rank 0 keeps them on the CPU.
+at a time (bounded accelerator memory); rank 0 keeps them on the CPU. With tensor
+parallelism a split tensor reaches rank 0 as its T fragments, concatenated there, so
+the full state dict is the one the unsplit model would give: whole weights, fragment
+state (Muon's momentum, AdamW's moments of split tails) assembled, whole-matrix state
+(Shampoo, SOAP) as the TP stepper holds it.
 """
 from __future__ import annotations
 
@@ -11,15 +15,17 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, world
+from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, current_group, world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.optimizer_state import whole_state
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
+from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
 
-__all__ = ["full_groups", "refuse_full_tp", "sharded_model_state_dict", "sharded_optimizer_state_dict", "to_rank0"]
+__all__ = ["fragments_to_rank0", "full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict",
+           "to_rank0", "tp_sources"]
 
 
 def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optional[KeyIndex] = None
@@ -28,7 +34,6 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     state on rank 0 (CPU), streamed from the owners one tensor at a time; ``{}`` elsewhere.
     Collective when ``full=True``: call it on every rank. ``index``: the save's key index."""
     index = index if index is not None else build_index(module)
-    refuse_full_tp(index, full)
     if not full:
         out: dict[str, Any] = {k: index.as_saved(k, e.local) for k, e in index.entries.items()
                                if e.primary == k and e.local is not None}
@@ -36,11 +41,14 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
         return out
     rank = world()[0]
     device = comm_device()
+    sources = tp_sources(index)
     got: dict[str, torch.Tensor] = {}
     for key, e in index.entries.items():
         if e.primary != key:
             continue
-        if e.owner is None:
+        if e.tp is not None:  # TP-split: its T fragments, from the lowest ranks holding them
+            t = fragments_to_rank0(index, key, e.local, sources.get(key), e.dtype, device)
+        elif e.owner is None:
             t = e.local.cpu() if rank == 0 and e.local is not None else None
         else:
             t = to_rank0(e.local, e.shape, e.dtype, e.owner_global, index.in_group0, device)
@@ -51,13 +59,31 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     return {k: (got[index.entries[k].primary] if k in index.entries else index.extra[k]) for k in index.order}
 
 
-def refuse_full_tp(index: KeyIndex, full: bool) -> None:
-    """The consolidated (one-file) save of a tensor-parallel model is not built yet: refuse it
-    alike on every rank (the TP size is the same everywhere)."""
-    if full and index.tp_size > 1:
-        raise CheckpointError(
-            f"a consolidated (single-file) checkpoint of a tensor-parallel model (tensor_parallel_size="
-            f"{index.tp_size}) is not supported yet; save a distributed checkpoint (a directory) instead")
+def tp_sources(index: KeyIndex) -> dict[str, list[Optional[int]]]:
+    """For every TP-split key: the global rank that sends each TP fragment of its weight to rank 0
+    (the same answer on every rank). ``{}`` without tensor parallelism. Collective under TP."""
+    if index.tp_size == 1:
+        return {}
+    held = {k: index.tp_rank for k, e in index.entries.items()
+            if e.primary == k and e.tp is not None and e.local is not None}
+    return fragment_sources(held, index.tp_size, current_group())
+
+
+def fragments_to_rank0(index: KeyIndex, key: str, local: Optional[torch.Tensor], sources: Optional[Sequence],
+                       dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """The whole tensor of TP-split ``key`` (its weight, or a state tensor of its fragment's shape)
+    on rank 0's CPU: fragment t from global rank ``sources[t]`` (agreed), concatenated along the
+    split dimension; None elsewhere. ``local``: this rank's fragment where it is a source."""
+    lay = index.entries[index.entries[key].primary].tp
+    if sources is None or None in sources:  # the same verdict on every rank: the sources are agreed
+        missing = [t for t, s in enumerate(sources or []) if s is None] or "any"
+        raise CheckpointError(f"{key!r}: no rank holds TP fragment(s) {missing} "
+                              "of it; the tensor-parallel groups do not hold the whole tensor, so it cannot be "
+                              "written whole")
+    item = Fragments(tuple(sources), tuple(tuple(lay.local_shape(t)) for t in range(len(lay.sizes))), lay.dim, dtype)
+    got = gather_fragments([item], [local if world()[0] in item.sources else None], [0], device,
+                           what=f"the consolidated checkpoint's TP fragments of {key!r}")
+    return got[0].cpu() if 0 in got else None
 
 
 def to_rank0(local: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, src: Optional[int],
@@ -96,7 +122,6 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     ``index``: the save's key index."""
     optimizer = unwrap_optimizer(optimizer)
     index = index if index is not None else build_index(module)
-    refuse_full_tp(index, full)
     groups = full_groups(index, optimizer)
     if not full:
         state = {}
@@ -111,7 +136,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
                 "param_groups": [{**hparams(g), "params": list(f)} for g, f in zip(optimizer.param_groups, groups)]}
     rank = world()[0]
     params_of: dict[str, torch.Tensor] = {}
-    desc: dict[str, dict[str, Any]] = {}
+    desc: dict[str, tuple[Optional[int], dict[str, Any]]] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             key = index.key(p)
@@ -119,27 +144,71 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
             mine = index.steps(key) if e.owner is not None else rank == 0
             if mine and p in optimizer.state:
                 params_of[key] = p
-                desc[key] = {n: ("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("o", v)
-                             for n, v in optimizer.state[p].items()}
-    # Each key from the first rank of global rank 0's shard group that holds it; under
-    # replica_split only the stepping replica holds it, which may be another group.
-    sources: dict[str, tuple[int, dict[str, Any]]] = {}
+                desc[key] = (index.tp_rank if e.tp is not None else None,
+                             {n: ("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("o", v)
+                              for n, v in optimizer.state[p].items()})
+    # Each key (each TP fragment of a split one) from the first rank of global rank 0's shard
+    # group that holds it; under replica_split only the stepping replica holds it, which may be
+    # another group.
+    holders: dict[str, dict[Optional[int], tuple[int, dict[str, Any]]]] = {}
     for r, in0, d in sorted(all_gather_object((rank, index.in_group0, desc)), key=lambda t: (not t[1], t[0])):
-        for key, s in d.items():
-            if key not in sources:
-                sources[key] = (r, s)
+        for key, (t, s) in d.items():
+            holders.setdefault(key, {}).setdefault(t, (r, s))
     device = comm_device()
     state: dict[str, dict[str, Any]] = {}
-    for key in sorted(sources, key=index.order.__getitem__):
-        src, s = sources[key]
-        for name, item in s.items():
-            if item[0] == "o":
-                value = item[1]
-            else:
+    for key in sorted(holders, key=index.order.__getitem__):
+        for name, how in _state_plan(index, key, holders[key]):
+            if how[0] == "o":
+                value = how[1]
+            elif how[0] == "t":
+                src = how[1]
                 local = optimizer.state[params_of[key]][name] if src == rank else None
-                value = to_rank0(local, item[1], item[2], src, True, device)  # src: agreed by every rank
+                value = to_rank0(local, how[2], how[3], src, True, device)  # src: agreed by every rank
+            else:
+                local = optimizer.state[params_of[key]][name] if rank in how[1] else None
+                value = fragments_to_rank0(index, key, local, how[1], how[2], device)
             if rank == 0:
                 state.setdefault(key, {})[name] = value
     if rank != 0:
         return {}
     return to_native(state, [hparams(g) for g in optimizer.param_groups], groups)
+
+
+def _state_plan(index: KeyIndex, key: str, holders: dict[Optional[int], tuple[int, dict[str, Any]]]
+                ) -> list[tuple[str, tuple]]:
+    """How each state entry of ``key`` reaches rank 0, from ``holders`` ({TP rank or None: (global
+    rank, {name: spec})}, the same on every rank): ``("o", value)``, ``("t", src, shape, dtype)``
+    (one rank's tensor as it is) or ``("f", sources, dtype)`` (TP fragments, concatenated).
+
+    A TP-split key's state is either *fragment state*, held by every TP rank (Muon's momentum,
+    AdamW's moments: tensors of the fragment's shape are concatenated, the others, such as a
+    step count, are the same on every TP rank and taken from TP rank 0), or *whole-matrix
+    state*, held by the matrix's TP stepper alone (Shampoo, SOAP: taken as it is)."""
+    e = index.entries[index.entries[key].primary]
+    if None in holders or e.tp is None:
+        src, spec = holders[None]
+        return [(n, item if item[0] == "o" else ("t", src, item[1], item[2])) for n, item in spec.items()]
+    size = len(e.tp.sizes)
+    if set(holders) == {e.tp_stepper} and size > 1:
+        src, spec = holders[e.tp_stepper]
+        return [(n, item if item[0] == "o" else ("t", src, item[1], item[2])) for n, item in spec.items()]
+    if set(holders) != set(range(size)):
+        raise CheckpointError(
+            f"the optimizer state of {key!r} is held by TP rank(s) {sorted(holders)} of {size}: neither every TP "
+            "rank's fragment state nor the TP stepper's whole-matrix state; it cannot be written whole")
+    specs = [holders[t][1] for t in range(size)]
+    out: list[tuple[str, tuple]] = []
+    for name, item in specs[0].items():
+        items = [s.get(name) for s in specs]
+        if item[0] == "o":
+            out.append((name, item))
+        elif all(i is not None and i[0] == "t" and tuple(i[1]) == tuple(e.tp.local_shape(t))
+                 for t, i in enumerate(items)):
+            out.append((name, ("f", tuple(holders[t][0] for t in range(size)), item[2])))
+        elif all(i is not None and i[0] == "t" and tuple(i[1]) == tuple(item[1]) for i in items):
+            out.append((name, ("t", holders[0][0], item[1], item[2])))  # the same on every TP rank
+        else:
+            raise CheckpointError(f"the optimizer state {name!r} of {key!r} has the shapes "
+                                  f"{[None if i is None else i[1] for i in items]} on the TP ranks: neither "
+                                  "fragments of the parameter's split nor one tensor every TP rank holds")
+    return out

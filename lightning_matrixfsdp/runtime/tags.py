@@ -66,6 +66,24 @@ def untag_param(p: Any) -> None:
             delattr(p, name)
 
 
+def untag_tp(p: Any) -> tuple[Any, Any]:
+    """Remove the TP marks (``full_model``: the whole tensor is no fragment, and a pickle taken
+    meanwhile must not hold the TP group); returns them for :func:`retag_tp`."""
+    marks = (getattr(p, _TP, None), getattr(p, _TP_SHAPE, None))
+    for name in (_TP, _TP_SHAPE):
+        if name in getattr(p, "__dict__", {}):
+            delattr(p, name)
+    return marks
+
+
+def retag_tp(p: Any, marks: tuple[Any, Any]) -> None:
+    """Put back what :func:`untag_tp` removed."""
+    if marks[0] is not None:
+        tag_tp(p, marks[0])
+    if marks[1] is not None:
+        tag_tp_shape(p, marks[1])
+
+
 def shard_of(p: Any) -> Optional[MatrixShard]:
     """The placement record of a sharded parameter, or None for a plain tensor."""
     return getattr(p, _SHARD, None)
