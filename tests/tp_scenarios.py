@@ -341,7 +341,9 @@ def _trajectory(mesh, steps: int, check_bytes: bool, micro: int = 1, checkpointi
 
 def _trainer(mesh) -> dict:
     """``MatrixFSDPStrategy(tensor_parallel_size=2)``: ``configure_model`` sees Lightning's mesh and
-    parallelizes; the strategy shards; the TP ranks read the same batches; 3 steps equal the reference."""
+    parallelizes; the strategy shards; the TP ranks read the same batches; 3 steps equal the reference.
+    Also kept: the plan printed at setup, the logged metrics, ``get_comm_stats`` and the expected TP
+    bytes and per-TP-rank Newton-Schulz loads (every owner's, gathered)."""
     from lightning.pytorch import LightningModule, Trainer
 
     import lightning_matrixfsdp as mf
