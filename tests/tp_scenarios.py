@@ -380,6 +380,8 @@ def _trainer(mesh) -> dict:
     lit, logger, printed = LitTP(), Metrics(), TextHandler()
     info = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # rank_zero_info's: the plan at setup
     info.addHandler(printed)
+    level = info.level
+    info.setLevel(logging.INFO)
     try:
         trainer = Trainer(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPStrategy(tensor_parallel_size=2),
                           max_steps=3, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
@@ -387,6 +389,7 @@ def _trainer(mesh) -> dict:
         trainer.fit(lit)
     finally:
         info.removeHandler(printed)
+        info.setLevel(level)
     ref = Reference(mesh)
     sent, recv, loads = expected_tp(lit.net, mesh["tensor_parallel"].get_group())
     holders = [None] * dist.get_world_size()
