@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -211,16 +211,24 @@ def leave_last_rank_empty(units, world):
 
 
 class count_collectives:
-    """Counts every torch.distributed collective / p2p call made inside the block."""
+    """Counts every torch.distributed collective / p2p call made inside the block: ``calls``,
+    ``names`` (in order) and ``peers`` (the peers of ``batch_isend_irecv``'s ops).
+
+    ``names``: the functions to wrap (default ``NAMES``). Code that builds ``dist.P2POp``s needs
+    ``isend``/``irecv`` left unwrapped (``P2POp`` refuses any other function): pass ``NO_P2P_OPS``."""
 
     NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
              "broadcast", "reduce", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all",
              "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list", "barrier",
              "reduce_scatter_single", "all_gather_single")
+    NO_P2P_OPS = tuple(n for n in NAMES if n not in ("isend", "irecv"))
+
+    def __init__(self, names: Optional[Sequence[str]] = None) -> None:
+        self.wrap = tuple(self.NAMES if names is None else names)
 
     def __enter__(self):
-        self.calls, self.names, self._orig = 0, [], {}
-        for n in self.NAMES:
+        self.calls, self.names, self.peers, self._orig = 0, [], set(), {}
+        for n in self.wrap:
             f = getattr(dist, n, None)
             if f is None:
                 continue
@@ -229,6 +237,8 @@ class count_collectives:
             def wrapped(*a, __f=f, __n=n, **k):
                 self.calls += 1
                 self.names.append(__n)
+                if __n == "batch_isend_irecv":
+                    self.peers.update(op.peer for op in (a[0] if a else k["p2p_op_list"]))
                 return __f(*a, **k)
 
             setattr(dist, n, wrapped)

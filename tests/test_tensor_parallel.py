@@ -12,9 +12,13 @@ float32): every scenario in one 4-process launch (``_results``), each test reads
 * checkpoints: save at (D, T), resume bitwise at (D, T); a sidecar recording another mesh loads
   (resharding: test_tp_reshard.py);
 * accumulation with activation checkpointing, the clip's norm over both groups, bf16 compute,
-  the refusals, the Trainer and Fabric paths.
+  the refusals, the Trainer and Fabric paths, the plan printout and the ``tp`` byte counters;
+* ``zero_missing_grads``, frozen parameters, ``SequenceParallel`` and ``loss_parallel()`` in the
+  plan, compiled blocks: each bitwise the reference with the same options; ``grad_norm`` against
+  norms of the gathered gradients; a TP group with different plans refused naming the TP group.
 
-The scenarios are written out in ``tp_scenarios.py``, the reference in ``tp_reference.py``.
+The scenarios are written out in ``tp_scenarios.py`` and ``tp_compose.py``, the reference in
+``tp_reference.py``.
 """
 from __future__ import annotations
 
@@ -195,3 +199,89 @@ def test_a_tp_group_across_nodes_warns(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.warns(UserWarning, match="spans nodes"):
         warn_if_tp_spans_nodes([2, 3])
+
+
+# ---------------------------------------------------------------- everything else keeps working with TP on
+# (the scenarios of tp_compose.py, run in the same launch)
+
+
+def _bitwise(name):
+    res = [r[name] for r in _results()]
+    for rank, r in enumerate(res):
+        assert r["loss_equal"] and r["weights_equal"], (rank, r["bad"][:5])
+    return res
+
+
+def test_zero_missing_grads_with_tp_equals_the_reference_with_zeros():
+    """The MLP (split matrices and biases) left out on one data-parallel rank at a time, and on both:
+    the missing gradients count as zeros in the DP mean (the reference adds zeros), bit for bit."""
+    from tp_compose import skip_schedule
+
+    assert {len(skip_schedule(s, d)) for s in range(4) for d in range(2)} == {0, 1}  # the schedule skips
+    _bitwise("zero_missing")
+
+
+def test_frozen_split_and_replicated_parameters_with_tp_stay_and_the_rest_equals_the_reference():
+    for r in _bitwise("frozen"):
+        assert r["frozen_unchanged"] and r["frozen_held"] > 0, r
+
+
+def test_sequence_parallel_norms_in_the_plan_equal_the_reference_and_the_unsplit_model():
+    """``SequenceParallel`` norm (and gate) layers, the residual stream split by rows: bitwise the
+    reference with the same plan; within UNSPLIT_TOLERANCE of the unsplit model (measured <= 6e-8
+    after 3 steps)."""
+    for r in _bitwise("sequence_parallel"):
+        assert r["unsplit_max_diff"] <= UNSPLIT_TOLERANCE, r
+
+
+def test_loss_parallel_with_a_colwise_head_equals_the_reference_and_the_unsplit_model():
+    """``loss_parallel()`` cross-entropy on a colwise head's DTensor logits (``use_local_output=False``):
+    bitwise the reference with the same plan; within UNSPLIT_TOLERANCE of the unsplit model
+    (measured <= 3.1e-4 after 3 steps)."""
+    for r in _bitwise("loss_parallel"):
+        assert r["unsplit_max_diff"] <= UNSPLIT_TOLERANCE, r
+
+
+def test_compiled_blocks_with_tp_equal_the_eager_reference():
+    """Each block's forward through torch.compile (AOTAutograd, ``aot_eager``): the trajectory is
+    the eager reference's bit for bit, one graph and no recompilation."""
+    for r in _bitwise("compiled"):
+        assert r["graphs"] == 1, r
+
+
+def test_grad_norm_with_tp_gives_lightnings_keys_with_whole_gradient_norms():
+    res = [r["grad_norm"] for r in _results()]
+    for norm_type in ("2", "1", "inf"):
+        assert all(r[norm_type]["keys"] for r in res), norm_type  # a frozen parameter has no key
+        # float64 partial norms of the fragments vs torch's float32 norm of the whole gradient
+        assert all(r[norm_type]["max_rel"] <= 1e-6 for r in res), [r[norm_type]["max_rel"] for r in res]
+        assert all(r[norm_type]["got"] == res[0][norm_type]["got"] for r in res)  # the same on every rank
+
+
+def test_tp_group_with_different_plans_is_refused_naming_the_tp_group():
+    for rank, r in enumerate(_results()):
+        msg = r["digest_mismatch"]
+        assert "plan mismatch between tensor-parallel group rank 0 and rank 1" in msg, msg
+        assert f"global ranks {rank - rank % 2} and {rank - rank % 2 + 1}" in msg, msg
+        assert "blocks.1.gate.weight" in msg and "same parallelize plan" in msg, msg
+
+
+def test_plan_printout_names_each_tp_ranks_load_and_the_byte_counters_have_the_tp_phase():
+    """The plan printed at setup (rank 0) names every owner's TP ranks with the Newton-Schulz
+    GFLOP they step (computed here from the shapes); ``get_comm_stats`` has the ``tp`` phase with
+    3 steps of docs/tensor-parallel.md's bytes, and the Trainer logs them as ``matrix_fsdp/tp_MB``."""
+    import re
+
+    res = [r["trainer"] for r in _results()]
+    lines = [line for line in res[0]["printed"] if line.startswith("tensor parallel: T=2")]
+    assert len(lines) == 1, res[0]["printed"]
+    per_owner = re.findall(r"owner (\d+): ([^;]+)", lines[0])
+    found = {(int(o), int(t)): float(g) for o, rest in per_owner for t, g in re.findall(r"tp(\d+) ([0-9.e+-]+)", rest)}
+    want = {(o, t): f / 1e9 for o, row in res[0]["loads"].items() for t, f in enumerate(row)}
+    assert set(found) == set(want) == {(0, 0), (0, 1), (1, 0), (1, 1)}, (found, want)
+    assert all(abs(found[k] - want[k]) <= 1e-3 * want[k] for k in want), (found, want)
+    for rank, r in enumerate(res):
+        sent, recv = r["expected"]
+        assert r["comm_stats"]["tp"]["sent"] == 3 * sent and r["comm_stats"]["tp"]["recv"] == 3 * recv, (rank, r)
+    sent, recv = res[0]["expected"]
+    assert res[0]["tp_metric"] == [(sent + recv) / 2**20] * 3, res[0]["tp_metric"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from equiv import count_collectives
 from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 from tp_reference import Net, Reference, Unsplit, batch, gather_tp, loss_of, parallelize, slice_of, split_dim
 
@@ -259,35 +260,18 @@ def _step_oracle(kind, mesh) -> dict:
     return {"bad": bad, "checked": checked, "state_checked": state_checked}
 
 
-class _Watch:
-    """Records every torch.distributed call inside the block: the names, and each p2p op's peer."""
-
-    def __enter__(self):
-        self.calls, self.peers, self._orig = [], set(), {}
-        names = [n for n in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                             "broadcast", "reduce", "send", "recv", "all_to_all",
-                             "all_to_all_single", "gather", "scatter", "all_gather_object", "barrier") if hasattr(dist, n)]
-        for n in names + ["batch_isend_irecv"]:
-            f = self._orig[n] = getattr(dist, n)
-
-            def wrapped(*a, __f=f, __n=n, **k):
-                self.calls.append(__n)
-                if __n == "batch_isend_irecv":
-                    self.peers.update(op.peer for op in a[0])
-                return __f(*a, **k)
-            setattr(dist, n, wrapped)
-        return self
-
-    def __exit__(self, *exc):
-        for n, f in self._orig.items():
-            setattr(dist, n, f)
-
-
 def _expected_tp_bytes(model, tp) -> tuple[int, int]:
     """docs/tensor-parallel.md's formula for this rank: per trainable split matrix it owns, with
     fragments n_t (elements) and stepper s (Newton-Schulz FLOPs balanced largest first, ties to
     the lower rank): a non-stepper sends 4 n_t (float32 update) and receives 2 n_t (bfloat16
     result); the stepper receives 4 (N - n_s) and sends 2 (N - n_s). TP-replicated: nothing."""
+    sent, recv, _ = expected_tp(model, tp)
+    return sent, recv
+
+
+def expected_tp(model, tp) -> tuple[int, int, list[int]]:
+    """``_expected_tp_bytes``'s (sent, recv) and the Newton-Schulz FLOPs each TP rank of this
+    rank's owner steps (5 iterations of 4 m^2 k + 2 m^3, m <= k, per stepped split matrix)."""
     t_size, me = dist.get_world_size(tp), dist.get_rank(tp)
     mats = []
     for n, p in model.named_parameters():
@@ -304,7 +288,7 @@ def _expected_tp_bytes(model, tp) -> tuple[int, int]:
             recv, sent = recv + 4 * (sum(sizes) - sizes[s]), sent + 2 * (sum(sizes) - sizes[s])
         else:
             sent, recv = sent + 4 * sizes[me], recv + 2 * sizes[me]
-    return sent, recv
+    return sent, recv, loads
 
 
 def _trajectory(mesh, steps: int, check_bytes: bool, micro: int = 1, checkpointing: bool = False,
@@ -329,11 +313,11 @@ def _trajectory(mesh, steps: int, check_bytes: bool, micro: int = 1, checkpointi
             loss = loss_of(model, xb)
             loss.backward()
         before = dict(stats.snapshot().get("tp", {"sent": 0, "recv": 0}))
-        with _Watch() as w:
+        with count_collectives(count_collectives.NO_P2P_OPS) as w:  # P2POp refuses a wrapped isend/irecv
             opt.step()
         after = stats.snapshot().get("tp", {"sent": 0, "recv": 0})
         out["bytes"].append((after["sent"] - before["sent"], after["recv"] - before["recv"]))
-        out["calls"] |= set(w.calls)
+        out["calls"] |= set(w.names)
         out["foreign_peers"] |= w.peers - tp_peers
         sync_replicas(model)  # HSDP's replica_split: the stepping replica's weights reach the other one
         opt.zero_grad()
@@ -357,7 +341,9 @@ def _trajectory(mesh, steps: int, check_bytes: bool, micro: int = 1, checkpointi
 
 def _trainer(mesh) -> dict:
     """``MatrixFSDPStrategy(tensor_parallel_size=2)``: ``configure_model`` sees Lightning's mesh and
-    parallelizes; the strategy shards; the TP ranks read the same batches; 3 steps equal the reference."""
+    parallelizes; the strategy shards; the TP ranks read the same batches; 3 steps equal the reference.
+    Also kept: the plan printed at setup, the logged metrics, ``get_comm_stats`` and the expected TP
+    bytes and per-TP-rank Newton-Schulz loads (every owner's, gathered)."""
     from lightning.pytorch import LightningModule, Trainer
 
     import lightning_matrixfsdp as mf
@@ -387,14 +373,31 @@ def _trainer(mesh) -> dict:
             return mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"],
                            adamw_weight_decay=a["weight_decay"], **MUON_DEFAULTS)
 
-    lit = LitTP()
-    trainer = Trainer(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPStrategy(tensor_parallel_size=2),
-                      max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
-    trainer.fit(lit)
+    import logging
+
+    from tp_compose import Metrics, TextHandler
+
+    lit, logger, printed = LitTP(), Metrics(), TextHandler()
+    info = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # rank_zero_info's: the plan at setup
+    info.addHandler(printed)
+    level = info.level
+    info.setLevel(logging.INFO)
+    try:
+        trainer = Trainer(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPStrategy(tensor_parallel_size=2),
+                          max_steps=3, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(lit)
+    finally:
+        info.removeHandler(printed)
+        info.setLevel(level)
     ref = Reference(mesh)
+    sent, recv, loads = expected_tp(lit.net, mesh["tensor_parallel"].get_group())
+    holders = [None] * dist.get_world_size()
+    dist.all_gather_object(holders, (mesh["data_parallel"].get_local_rank(), loads))
     return {"names": lit.names, "losses": lit.losses, "ref": [ref.step(x) for x in lit.seen],
-            "first_batch": lit.seen[0].sum().item()}
+            "first_batch": lit.seen[0].sum().item(), "printed": printed.lines,
+            "tp_metric": [m.get("matrix_fsdp/tp_MB") for m in logger.metrics], "expected": (sent, recv),
+            "comm_stats": mf.get_comm_stats(lit), "loads": dict(holders)}
 
 
 def _fabric(mesh) -> dict:
@@ -443,13 +446,9 @@ def _bf16(mesh) -> dict:
 
 def worker(rank, world):
     """Every scenario on one rank of the launch, in an order every rank follows."""
-    import os
+    import tp_compose
+
     mesh = _mesh()
-    if os.environ.get("TP_ONLY_NEW"):
-        if os.environ.get("TP_ONLY_NEW") == "checkpoint":
-            return {"checkpoint": _checkpoint(mesh), "checkpoint_shampoo": _checkpoint(mesh, "shampoo", other_mesh=False)}
-        return {"accumulation_checkpointing": _trajectory(mesh, 2, check_bytes=False, micro=2, checkpointing=True),
-                "clip": _clip(mesh), "refusals": _refusals(mesh), "bf16": _bf16(mesh), "fabric": _fabric(mesh)}
     res = {kind: _step_oracle(kind, mesh) for kind in ("muon", "shampoo", "soap")}
     res["trajectory"] = _trajectory(mesh, 20, check_bytes=True)
     res["hsdp"] = _trajectory(mesh, 3, check_bytes=False, shard_size=1)
@@ -461,4 +460,5 @@ def worker(rank, world):
     res["bf16"] = _bf16(mesh)
     res["fabric"] = _fabric(mesh)
     res["trainer"] = _trainer(mesh)
+    res.update(tp_compose.scenarios(mesh))
     return res

@@ -132,19 +132,22 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_
     their owner and empty elsewhere, so rank 0 would log zeros for what it does not own.
     The keys, the per-parameter norms (``grad.norm(norm_type)`` taken by the owner, in the
     gradient's dtype) and the total are Lightning's. ``group`` as in :func:`clip_grad_norm_`.
+    With tensor parallelism each norm is the whole gradient's: the T fragments' partial norms
+    are combined in float64 (equal to the whole gradient's norm up to float32 rounding);
+    TP-replicated gradients keep their owner's ``grad.norm(norm_type)``.
     """
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
     state = find_state(module)
-    if state is not None and state.mesh.tp_size > 1:
-        raise NotImplementedError(
-            "lightning_matrixfsdp.grad_norm does not combine tensor-parallel fragments yet; log the total from "
-            "the value clip_gradients / clip_grad_norm_ returns, or train without tensor parallelism")
     if group is None and state is not None:
         group = state.norm_group
     named = list(module.named_parameters())
-    if _alone(group):
+    if state is not None and state.mesh.tp_size > 1:
+        present, each = _each_norm_tensor_parallel([p for _, p in named], norm_type, group, state.mesh.tp_group,
+                                                   state.stats)
+        values = {i: each[i].to(named[i][1].device, named[i][1].dtype) for i in present}
+    elif _alone(group):
         present = [i for i, (_, p) in enumerate(named) if p.grad is not None]
         values = {i: named[i][1].grad.norm(norm_type) for i in present}
     else:
@@ -175,23 +178,54 @@ def _same_everywhere(params: Sequence[torch.Tensor], group: Optional[dist.Proces
     return got[0] == -got[2] and got[1] == -got[3]
 
 
-def _each_norm(params: Sequence[torch.Tensor], norm: Callable[[torch.Tensor], torch.Tensor],
-               group: Optional[dist.ProcessGroup], stats: Optional[CommStats]) -> tuple[list[int], torch.Tensor]:
+def _each_norm(params: Sequence[torch.Tensor], norm: Callable[..., torch.Tensor],
+               group: Optional[dist.ProcessGroup], stats: Optional[CommStats],
+               keep: Optional[Callable[[int], bool]] = None) -> tuple[list[int], torch.Tensor]:
     """``norm(grad)`` of every full gradient of ``params`` (the same list on every rank), on
     every rank: the indices that have a gradient somewhere, and a float64 row of the norms.
     Row 0 of one all-reduce carries each norm from its one holder (float64 holds any float
-    norm exactly, and adding the other ranks' zeros keeps it), row 1 whether it exists."""
+    norm exactly, and adding the other ranks' zeros keeps it), row 1 whether it exists.
+    ``keep(i)``: whether this rank contributes parameter ``i`` at all (then ``norm(param, i)``)."""
     device = comm_device(group)
     first = dist.get_rank(group) == 0 if dist.is_available() and dist.is_initialized() else True
-    mine = [(i, t.grad) for i, t in enumerate(params) if t.grad is not None
-            and (held(t) if shard_of(t) is not None else first)]
+    mine = [(i, t) for i, t in enumerate(params) if t.grad is not None
+            and (held(t) if shard_of(t) is not None else first) and (keep is None or keep(i))]
     local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
     if mine:
         at = torch.tensor([i for i, _ in mine], device=device)
-        local[0, at] = torch.stack([norm(g).to(device, torch.float64) for _, g in mine])
+        values = [norm(t.grad) if keep is None else norm(t, i) for i, t in mine]
+        local[0, at] = torch.stack([v.to(device, torch.float64) for v in values])
         local[1, at] = 1.0
     both = all_reduce_norm(local, maximum=False, group=group, stats=stats).view(2, len(params))
     return [i for i, flag in enumerate(both[1].tolist()) if flag > 0], both[0]
+
+
+def _each_norm_tensor_parallel(params: Sequence[torch.Tensor], p: float, group: Optional[dist.ProcessGroup],
+                               tp_group: dist.ProcessGroup, stats: Optional[CommStats]) -> tuple[list[int], torch.Tensor]:
+    """:func:`_each_norm` of a tensor-parallel model: the norm of each *whole* gradient, on every
+    rank. The owner of a split gradient's fragment sends its partial (``sum |g|^p`` in float64, or
+    ``max |g|`` for the infinity norm), which the TP group adds (or takes the maximum of); a
+    TP-replicated gradient's norm comes from TP rank 0 alone (the TP ranks hold equal copies)."""
+    inf = math.isinf(p)
+    split = [tp_shape_of(t) is not None for t in params]
+
+    def part(t: torch.Tensor, i: int) -> torch.Tensor:
+        if not split[i] or inf:
+            return t.grad.norm(p)
+        return _magnitudes(t.grad).pow(p).sum()
+
+    first = dist.get_rank(tp_group) == 0
+    present, each = _each_norm(params, part, group, stats, keep=lambda i: split[i] or first)
+    flags = torch.zeros(len(params), dtype=torch.float64, device=each.device)
+    flags[present] = 1.0
+    both = torch.stack([each, flags])
+    if dist.get_world_size(group) < dist.get_world_size():  # the norm group is not the world already
+        both = all_reduce_norm(both.flatten(), maximum=inf, group=tp_group, stats=stats).view(2, len(params))
+    norms = both[0].clone()
+    if not inf:
+        at = torch.tensor([i for i, s in enumerate(split) if s], dtype=torch.long, device=norms.device)
+        norms[at] = norms[at].pow(1.0 / p)
+    return [i for i, flag in enumerate(both[1].tolist()) if flag > 0], norms
 
 
 def _exact_total(params: Sequence[torch.Tensor], p: float, group: Optional[dist.ProcessGroup],

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -44,8 +44,9 @@ LONE_FORWARD_ENV = "MATRIX_FSDP_LONE_FORWARD_TIMEOUT"
 LONE_FORWARD_TIMEOUT_S = 30.0
 
 
-def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup) -> None:
-    """Compare plan and schedule across the shard group before any data moves.
+def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup, group_name: str = "shard-group") -> None:
+    """Compare plan and schedule across the shard group (or the group ``group_name`` names, e.g.
+    the tensor-parallel group) before any data moves.
 
     Every rank receives every digest, so on a mismatch every rank raises the same
     error instead of some of them waiting in a collective that never matches.
@@ -66,13 +67,27 @@ def validate_schedule(plan: Plan, schedule: dict, sg: ShardGroup) -> None:
         if other["schedule"] != ref["schedule"]:
             keys = [k for k in ref["schedule"] if ref["schedule"].get(k) != other["schedule"].get(k)]
             where = "schedule option(s) " + ", ".join(
-                f"{k}: {ref['schedule'].get(k)!r} vs {other['schedule'].get(k)!r}" for k in keys)
+                _nested_difference(k, ref["schedule"].get(k), other["schedule"].get(k)) for k in keys)
         else:
             where = first_difference(ref["plan"], other["plan"])
+        fix = ("Every rank must build the same model and call matrix_shard with the same options." if
+               group_name == "shard-group" else "Every rank of a tensor-parallel group must build the same model, "
+               "apply the same parallelize plan and call matrix_shard with the same options.")
         raise RuntimeError(
-            f"MatrixFSDP plan mismatch between shard-group rank 0 and rank {r}: {where}. "
-            "Every rank must build the same model and call matrix_shard with the same options."
+            f"MatrixFSDP plan mismatch between {group_name} rank 0 and rank {r} (global ranks {sg.g(0)} and "
+            f"{sg.g(r)}): {where}. {fix}"
         )
+
+
+def _nested_difference(path: str, a: Any, b: Any) -> str:
+    """``path: a vs b`` at the first key where two nested dicts differ (the TP layouts of one
+    parameter, not the whole tensor_parallel entry)."""
+    while isinstance(a, dict) and isinstance(b, dict):
+        key = next((k for k in sorted(set(a) | set(b), key=str) if a.get(k) != b.get(k)), None)
+        if key is None:
+            break
+        path, a, b = f"{path}[{key!r}]", a.get(key), b.get(key)
+    return f"{path}: {a!r} vs {b!r}"
 
 
 def sequence_check_wanted(sg: ShardGroup) -> bool:

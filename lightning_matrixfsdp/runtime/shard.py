@@ -261,7 +261,8 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     sg, replicate_pg = mesh.shard, mesh.replicate_group
     agreed = agreed_options(config, mesh, plan, module)
     if tp_plan is not None:  # the same owners and TP steppers on every TP rank, before anything moves
-        validate_schedule(plan, {**agreed, "tensor_parallel": tp_plan.to_dict()}, mesh.tp)
+        validate_schedule(plan, {**agreed, "tensor_parallel": tp_plan.to_dict()}, mesh.tp,
+                          "tensor-parallel group")
         plan = localize(plan, tp_plan.layouts, mesh.tp_rank)
         plan.options["tensor_parallel"] = tp_plan.describe()
     validate_schedule(plan, agreed, sg)

@@ -38,9 +38,11 @@ class TPPlan:
 
     def describe(self) -> str:
         split = sum(1 for v in self.layouts.values() if v.split)
-        per = "; ".join(f"owner {o}: " + " ".join(f"{f / 1e9:.3f}" for f in row) for o, row in enumerate(self.flops))
+        # every TP rank named with its load (4 significant digits: small models' loads are not all 0.000)
+        per = "; ".join(f"owner {o}: " + ", ".join(f"tp{t} {f / 1e9:.4g}" for t, f in enumerate(row))
+                        for o, row in enumerate(self.flops))
         return (f"tensor parallel: T={self.tp_size}, {split} split parameters, {len(self.steppers)} split matrices "
-                f"stepped whole on one TP rank; optimizer GFLOP per TP rank: {per}")
+                f"stepped whole on one TP rank; Newton-Schulz GFLOP of the split matrices per TP rank: {per}")
 
 
 def assign_tp_steppers(plan: Plan, layouts: Mapping[str, TPLayout], tp_size: int, ns_steps: int = 5) -> TPPlan:
