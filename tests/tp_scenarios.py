@@ -211,12 +211,6 @@ def _flat(state: dict) -> dict:
     return {k: v for k, v in out.items() if k != "step"}
 
 
-def _same_layout_copy(g: torch.Tensor) -> torch.Tensor:
-    """A copy at the same offset in a copy of its storage: CPU matmuls round by the data's alignment
-    (``g @ g.T`` of a view one float into its buffer differs from the same of its clone)."""
-    return torch.empty(0, dtype=g.dtype).set_(g.untyped_storage().clone(), g.storage_offset(), g.shape, g.stride())
-
-
 def _step_oracle(kind, mesh) -> dict:
     """3 steps; after each, every held fragment and its state against the whole-matrix oracle."""
     tp, dp_rank = mesh["tensor_parallel"].get_group(), mesh["data_parallel"].get_local_rank()
@@ -231,7 +225,7 @@ def _step_oracle(kind, mesh) -> dict:
         loss_of(model, batch(step, dp_rank)).backward()
         for n, p in held.items():
             dim = split_dim(n)
-            whole[n].grad = gather_tp(p.grad, dim, tp) if dim is not None else _same_layout_copy(p.grad)
+            whole[n].grad = gather_tp(p.grad, dim, tp) if dim is not None else p.grad.clone()
             oracle[n].step()
         opt.step()
         opt.zero_grad()

@@ -55,6 +55,7 @@ __all__ = ["LIBRARY_REQUIREMENT", "MatrixLibraryOptimizer"]
 LIBRARY_REQUIREMENT = "pytorch-optimizer>=3.6"
 _LIBRARY = "pytorch_optimizer"
 _SCALARS = (int, float, bool, str, type(None))
+_ALIGN = 64  # bytes: what a fresh allocation is aligned to (torch's CPU allocator; CUDA's is coarser)
 
 def _library_class(name: str) -> type[torch.optim.Optimizer]:
     """The library's optimizer class, imported on first use (an optional dependency)."""
@@ -321,10 +322,20 @@ class MatrixLibraryOptimizer(TailOptimizer):
             inner.state[target] = self._unpack(target, flat, inner)
         else:  # first step: no "step" key, so every library version initializes it
             inner_group.pop("step", None)
-        if self._uses_rng:
-            with _private_rng(target.device, seed=inner_group.get("step", 0)):
+        grad = target.grad
+        if grad is not None and grad.data_ptr() % _ALIGN:
+            # The gradient is a view into the unit's flat buffer at an offset that depends on
+            # the other tensors of the unit (under TP, on this rank's fragment sizes). The
+            # library's matmuls on it round by that alignment, so two copies of one matrix
+            # (a TP-replicated matrix on each TP rank) would drift apart: step on an aligned copy.
+            target.grad = grad.clone()
+        try:
+            if self._uses_rng:
+                with _private_rng(target.device, seed=inner_group.get("step", 0)):
+                    inner.step()
+            else:
                 inner.step()
-        else:
-            inner.step()
+        finally:
+            target.grad = grad
         self.state[p] = self._pack(target, inner.state.pop(target), inner_group["step"])
 
