@@ -17,6 +17,7 @@ from tp_reference import SPLIT, SPLIT_BIAS, Net, batch, loss_of, parallelize
 from tp_scenarios import _ours
 
 TP = 2
+EMA_DECAY = 0.8
 
 
 def _split(name: str):
@@ -81,13 +82,15 @@ class LitTP(LightningModule):
     def __init__(self, kind: str = "shampoo") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net, self.kind, self.losses = Net(), kind, []
+        self.net, self.kind, self.losses, self.parallelized = Net(), kind, [], False
         self.saved_views: list[dict[str, torch.Tensor]] = []
         self.saved_params: list[dict[str, torch.Tensor]] = []
         self.loaded_view: dict[str, torch.Tensor] = {}
 
     def configure_model(self) -> None:
-        parallelize(self.net, self.device_mesh["tensor_parallel"])
+        if not self.parallelized:  # idempotent: WeightAveraging's setup calls it before the Trainer does
+            parallelize(self.net, self.device_mesh["tensor_parallel"])
+            self.parallelized = True
 
     def training_step(self, x, i):
         loss = loss_of(self.net, x)
@@ -119,21 +122,34 @@ class Loops(Callback):
         self.steps.append(trainer.global_step)
 
 
-def _fit(root: Path, ckpt_path: Any = None, async_save: bool = False, file: bool = False) -> dict:
+class Raw(Callback):
+    """Listed before the averaging callback: this rank's parameters after every optimizer step, before
+    the callback averages them (the EMA oracle's input)."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.weights.append({k: p.detach().clone() for k, p in pl_module.named_parameters()})
+
+
+def _fit(root: Path, ckpt_path: Any = None, async_save: bool = False, ema: bool = False, kind: str = "shampoo"
+         ) -> dict:
     from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
 
     import lightning_matrixfsdp as mf
 
-    lit, loops = LitTP(), Loops()
+    lit, loops, raw = LitTP(kind), Loops(), Raw()
     ckpt = ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
-    strategy = mf.MatrixFSDPStrategy(tensor_parallel_size=TP, async_save=async_save,
-                                     save_distributed_checkpoint=not file)
-    trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=2, logger=False,
-                      callbacks=[loops, ckpt], enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, default_root_dir=root)
+    callbacks = [loops, raw, ckpt] + ([WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))] if ema else [])
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPStrategy(tensor_parallel_size=TP,
+                                                                                   async_save=async_save),
+                      max_epochs=2, logger=False, callbacks=callbacks, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root)
     trainer.fit(lit, ckpt_path=ckpt_path)
-    return {"lit": lit, "trainer": trainer, "steps": loops.steps}
+    return {"lit": lit, "trainer": trainer, "steps": loops.steps, "raw": raw.weights}
 
 
 def _state(lit: LightningModule, trainer) -> tuple[dict, dict]:
@@ -184,12 +200,31 @@ def _trainer(root: Path) -> dict:
         for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
             a, b = _read_dir(root / "sync" / name), _read_dir(root / "async" / name)
             out[f"async_{name}"] = (len(a), _diff(a, b))
-    try:
-        _fit(root / "file", file=True)
-        out["file"] = "no error"
-    except Exception as e:  # noqa: BLE001 - the message is what is checked
-        out["file"] = f"{type(e).__name__}: {e}"
+    full["trainer"].strategy._save_distributed_checkpoint = False  # the single-file format: refused for now
+    for case, kw in (("file", {}), ("file_weights", {"weights_only": True})):
+        try:
+            full["trainer"].save_checkpoint(root / f"{case}.ckpt", **kw)
+            out[case] = "no error"
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            out[case] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _averaging(root: Path) -> dict:
+    """``WeightAveraging`` (EMA) with TP: the final weights (the average swapped in) equal the EMA of
+    each step's weights written out here (``torch.lerp`` on this rank's fragments: elementwise); a fit
+    resumed from the first epoch's checkpoint (the averaged copy's views written and read back per
+    TP rank) ends where the uninterrupted one does."""
+    full = _fit(root / "ema", ema=True, kind="muon")
+    avg = None
+    for w in full["raw"]:
+        avg = {k: v.clone() for k, v in w.items()} if avg is None else {
+            k: torch.lerp(avg[k], w[k], 1 - EMA_DECAY) for k in w}
+    final = {k: p.detach().clone() for k, p in full["lit"].named_parameters()}
+    resumed = _fit(root / "ema-resumed", ckpt_path=root / "ema" / "epoch=0.ckpt", ema=True, kind="muon")
+    return {"oracle": _diff(final, avg), "averaged": bool(_diff(final, full["raw"][-1])),
+            "resumed": _diff(final, {k: p.detach() for k, p in resumed["lit"].named_parameters()}),
+            "split": sum(1 for k, v in final.items() if _split(k) is not None and v.numel()), "steps": len(full["raw"])}
 
 
 def _whole_state_count(run: dict) -> int:
@@ -256,7 +291,15 @@ def worker(rank: int, world: int) -> dict:
 
     root = _shared_dir()
     try:
-        return {"trainer": _trainer(root), "fabric": _fabric(root)}
+        import time
+
+        out, times = {}, {}
+        for name, fn in (("trainer", _trainer), ("averaging", _averaging), ("fabric", _fabric)):
+            t = time.perf_counter()
+            out[name] = fn(root)
+            times[name] = round(time.perf_counter() - t, 1)
+        out["times"] = times
+        return out
     finally:
         dist.barrier()
         if rank == 0:

@@ -16,7 +16,8 @@ hooks stay with the model). A copy's parameters carry the model parameters' plac
 marks, and its ``state_dict`` marks every sharded tensor with its model key
 (``tags.tag_view``), which is how checkpoints find and write the owners' data of an
 averaged model wherever a callback puts it. A copy cannot run forward: its placeholders
-hold no data, and it has no units to materialize them.
+hold no data, and it has no units to materialize them. With tensor parallelism a copy holds
+what the model holds: this TP rank's fragment of a split parameter where its owner is.
 """
 
 from __future__ import annotations
@@ -192,6 +193,13 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
             if id(p) in done or shard is None:
                 continue
             done.add(id(p))
+            if hasattr(p, "device_mesh") and hasattr(p, "to_local"):
+                # a copy of a TP-parallelized model made before it was sharded: a DTensor over this TP
+                # rank's fragment, where the sharded model holds the fragment as a plain tensor
+                new = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                for m, pname in regs.get(id(p), []):
+                    m._parameters[pname] = new
+                p = new
             owned = is_owned(ref)
             full, empty = tuple(shard.shape), placeholder_shape(tuple(shard.shape))
             if tuple(p.shape) not in (full, empty):
