@@ -11,8 +11,9 @@ rowwise layers, a fused QKV, uneven splits, a matrix TP leaves whole), trained w
   global tensors, compared with the fragments gathered here with plain ``torch.distributed``;
   ``async_save=True`` writes the same tensors as the synchronous save; the single-file format is
   refused with a clear error.
-* Weight averaging (``WeightAveraging``, EMA): the final weights equal the EMA written out here
-  over each step's weights, and a resumed fit ends where the uninterrupted one does.
+* Weight averaging: ``WeightAveraging`` (EMA): the final weights equal the EMA written out here
+  over each step's weights, and a resumed fit ends where the uninterrupted one does;
+  ``StochasticWeightAveraging`` (its copy made before the TP plan): the running mean written out here.
 * Fabric: ``fabric.save`` / ``fabric.load`` round-trip bitwise, synchronous and asynchronous (same
   content on disk).
 """
@@ -87,6 +88,15 @@ def test_ema_weight_averaging_with_tp_and_its_resume():
         assert a["steps"] == 4 and a["averaged"] and not a["oracle"], (rank, a)
         assert not a["resumed"], (rank, a)
     assert any(r["averaging"]["split"] for r in _results())
+
+
+def test_swa_with_tp_copy_made_before_the_plan():
+    """``StochasticWeightAveraging`` copies the module in its ``setup``, before ``configure_model``
+    applies the TP plan: the copy keeps this TP rank's slice; the final weights are the running
+    mean written out here."""
+    for rank, r in enumerate(_results()):
+        a = r["averaging"]
+        assert a["swa_steps"] == 6 and not a["swa"], (rank, a["swa"])
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -128,15 +128,19 @@ class Raw(Callback):
 
     def __init__(self) -> None:
         self.weights: list[dict[str, torch.Tensor]] = []
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.initial = {k: p.detach().clone() for k, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.weights.append({k: p.detach().clone() for k, p in pl_module.named_parameters()})
 
 
-def _fit(root: Path, ckpt_path: Any = None, async_save: bool = False, ema: bool = False, kind: str = "shampoo"
-         ) -> dict:
+def _fit(root: Path, ckpt_path: Any = None, async_save: bool = False, ema: bool = False, kind: str = "shampoo",
+         swa: bool = False) -> dict:
     from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
     from torch.optim.swa_utils import get_ema_multi_avg_fn
 
     import lightning_matrixfsdp as mf
@@ -144,12 +148,14 @@ def _fit(root: Path, ckpt_path: Any = None, async_save: bool = False, ema: bool 
     lit, loops, raw = LitTP(kind), Loops(), Raw()
     ckpt = ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
     callbacks = [loops, raw, ckpt] + ([WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(EMA_DECAY))] if ema else [])
+    if swa:  # averages the weights at the start of every epoch (its setup copies the module before TP)
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1))
     trainer = Trainer(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPStrategy(tensor_parallel_size=TP,
                                                                                    async_save=async_save),
-                      max_epochs=2, logger=False, callbacks=callbacks, enable_progress_bar=False,
+                      max_epochs=3 if swa else 2, logger=False, callbacks=callbacks, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root)
     trainer.fit(lit, ckpt_path=ckpt_path)
-    return {"lit": lit, "trainer": trainer, "steps": loops.steps, "raw": raw.weights}
+    return {"lit": lit, "trainer": trainer, "steps": loops.steps, "raw": raw.weights, "initial": raw.initial}
 
 
 def _state(lit: LightningModule, trainer) -> tuple[dict, dict]:
@@ -222,9 +228,18 @@ def _averaging(root: Path) -> dict:
             k: torch.lerp(avg[k], w[k], 1 - EMA_DECAY) for k in w}
     final = {k: p.detach().clone() for k, p in full["lit"].named_parameters()}
     resumed = _fit(root / "ema-resumed", ckpt_path=root / "ema" / "epoch=0.ckpt", ema=True, kind="muon")
-    return {"oracle": _diff(final, avg), "averaged": bool(_diff(final, full["raw"][-1])),
-            "resumed": _diff(final, {k: p.detach() for k, p in resumed["lit"].named_parameters()}),
-            "split": sum(1 for k, v in final.items() if _split(k) is not None and v.numel()), "steps": len(full["raw"])}
+    out = {"oracle": _diff(final, avg), "averaged": bool(_diff(final, full["raw"][-1])),
+           "resumed": _diff(final, {k: p.detach() for k, p in resumed["lit"].named_parameters()}),
+           "split": sum(1 for k, v in final.items() if _split(k) is not None and v.numel()), "steps": len(full["raw"])}
+    # SWA (swa_epoch_start=1: Lightning's epoch 0 on): the running mean of the weights at the start of
+    # epochs 0, 1 and 2 (before any step, after step 2, after step 4), as torch's swa_utils defines it
+    swa = _fit(root / "swa", swa=True, kind="muon")
+    mean = dict(swa["initial"])
+    for n, w in enumerate((swa["raw"][1], swa["raw"][3]), start=1):
+        mean = {k: mean[k] + (w[k] - mean[k]) / (n + 1) for k in w}
+    out["swa"] = _diff({k: p.detach() for k, p in swa["lit"].named_parameters()}, mean)
+    out["swa_steps"] = len(swa["raw"])
+    return out
 
 
 def _whole_state_count(run: dict) -> int:
