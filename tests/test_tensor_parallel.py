@@ -10,6 +10,7 @@ float32): every scenario in one 4-process launch (``_results``), each test reads
   collective), and the TP bytes equal the formula of docs/tensor-parallel.md;
 * HSDP with TP: (replicate 2 x shard 1) x TP 2 equals the same reference;
 * checkpoints: save at (D, T), resume bitwise at (D, T); another mesh is refused naming both;
+  Lightning's views of the model (save and load) are this TP rank's fragments;
 * accumulation with activation checkpointing, the clip's norm over both groups, bf16 compute,
   the refusals, the Trainer and Fabric paths.
 

@@ -193,7 +193,7 @@ def _trainer(root: Path) -> dict:
              "save": [k for k, p in mine.items()
                       if not (torch.equal(first_saved[k], p) if p.numel() else first_saved[k].numel() == 0)],
              "load": [k for k, v in first_saved.items() if not torch.equal(resumed["lit"].loaded_view.get(k), v)]}
-    asynchronous = _fit(root / "async", async_save=True)
+    _fit(root / "async", async_save=True)  # its files are compared with the synchronous ones below
     out = {"resume_weights": _diff(weights, r_weights), "resume_state": _diff(state, r_state),
            "states": len(state), "whole_states": _whole_state_count(full),
            "steps": full["steps"], "resumed_steps": resumed["steps"],
