@@ -13,7 +13,8 @@ rowwise layers, a fused QKV, uneven splits, a matrix TP leaves whole), trained w
   refused with a clear error.
 * Weight averaging: ``WeightAveraging`` (EMA): the final weights equal the EMA written out here
   over each step's weights, and a resumed fit ends where the uninterrupted one does;
-  ``StochasticWeightAveraging`` (its copy made before the TP plan): the running mean written out here.
+  ``StochasticWeightAveraging`` (its copy made before the TP plan): the running mean written out here,
+  also after a resume.
 * Fabric: ``fabric.save`` / ``fabric.load`` round-trip bitwise, synchronous and asynchronous (same
   content on disk).
 """
@@ -93,10 +94,11 @@ def test_ema_weight_averaging_with_tp_and_its_resume():
 def test_swa_with_tp_copy_made_before_the_plan():
     """``StochasticWeightAveraging`` copies the module in its ``setup``, before ``configure_model``
     applies the TP plan: the copy keeps this TP rank's slice; the final weights are the running
-    mean written out here."""
+    mean written out here, and a fit resumed from epoch 1's checkpoint ends with them too."""
     for rank, r in enumerate(_results()):
         a = r["averaging"]
         assert a["swa_steps"] == 6 and not a["swa"], (rank, a["swa"])
+        assert not a["swa_resumed"], (rank, a["swa_resumed"])  # resumed from epoch 1: the same final weights
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

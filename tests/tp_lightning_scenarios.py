@@ -237,8 +237,12 @@ def _averaging(root: Path) -> dict:
     mean = dict(swa["initial"])
     for n, w in enumerate((swa["raw"][1], swa["raw"][3]), start=1):
         mean = {k: mean[k] + (w[k] - mean[k]) / (n + 1) for k in w}
-    out["swa"] = _diff({k: p.detach() for k, p in swa["lit"].named_parameters()}, mean)
+    swa_final = {k: p.detach() for k, p in swa["lit"].named_parameters()}
+    out["swa"] = _diff(swa_final, mean)
     out["swa_steps"] = len(swa["raw"])
+    # resumed from epoch 1's checkpoint: the averaged copy's views (in SWA's callback state) read back per TP rank
+    again = _fit(root / "swa-resumed", ckpt_path=root / "swa" / "epoch=1.ckpt", swa=True, kind="muon")
+    out["swa_resumed"] = _diff(swa_final, {k: p.detach() for k, p in again["lit"].named_parameters()})
     return out
 
 
