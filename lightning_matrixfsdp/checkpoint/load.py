@@ -91,9 +91,6 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
                        verify=bool(verify), reset_changed_roles=bool(reset_changed_roles), resume=bool(resume))
     kind = agree(_detect, path)
     index = build_index(module)
-    if with_state_dict and index.tp_size > 1:  # the state_dict views of TP fragments are not built yet
-        raise CheckpointMismatchError("Lightning's checkpoint load (Trainer) does not support tensor-parallel models "
-                                      "yet; load them with lightning_matrixfsdp.checkpoint.load_sharded")
     load = _load_dir if kind == "dir" else _load_file
     return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume,
                 before_optimizers, with_state_dict)

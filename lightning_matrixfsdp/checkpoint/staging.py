@@ -7,7 +7,9 @@ re-allocated only when the tensors' layout (shapes, dtypes, order) changes, so h
 stays bounded at one copy of this rank's share. Where the source tensors are on a CUDA
 device the buffer is page-locked once (``cudaHostRegister``), so the device-to-host copies
 run at full bandwidth and without a staging copy of their own; CPU tensors are copied into
-the same kind of buffer, unpinned (pinning needs CUDA), on the same code path.
+the same kind of buffer, unpinned (pinning needs CUDA), on the same code path. A DTensor
+(a tensor-parallel fragment that DCP writes as a chunk of the global tensor) is staged as its
+local fragment and comes back as the same DTensor over the host copy.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import copy
 from typing import Any, Optional
 
 import torch
+
+from lightning_matrixfsdp.runtime.tp_comm import as_dtensor
 
 __all__ = ["HostStaging"]
 
@@ -33,9 +37,21 @@ def _tensors(obj: Any, out: dict[int, torch.Tensor]) -> None:
             _tensors(v, out)
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What is copied of ``t``: a DTensor's local fragment (its global shape is not held here)."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
 def _rebuild(obj: Any, copies: dict[int, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        return copies[id(obj)]
+        c = copies[id(obj)]
+        if _is_dtensor(obj):  # a DTensor: the same placement over the host copy
+            return as_dtensor(c, (obj.device_mesh, tuple(obj.placements), obj.shape, obj.stride()))
+        return c
     if isinstance(obj, dict):
         return {k: _rebuild(v, copies) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -69,7 +85,8 @@ class HostStaging:
         the copies are complete: the originals may change as soon as it returns."""
         found: dict[int, torch.Tensor] = {}
         _tensors(state, found)
-        sources = list(found.values())
+        originals = list(found.values())
+        sources = [_local(t) for t in originals]
         cuda = any(t.is_cuda for t in sources)
         layout = (cuda, tuple((tuple(t.shape), t.dtype) for t in sources))
         if layout != self._layout:
@@ -80,7 +97,7 @@ class HostStaging:
         if cuda:  # the copies ran on each device's current stream, after the step that produced the data
             for dev in {t.device for t in sources if t.is_cuda}:
                 torch.cuda.current_stream(dev).synchronize()
-        return _rebuild(state, {id(s): d for s, d in zip(sources, self._views)})
+        return _rebuild(state, {id(s): d for s, d in zip(originals, self._views)})
 
     def _allocate(self, sources: list[torch.Tensor], cuda: bool) -> None:
         self.release()

@@ -9,6 +9,11 @@ their averaged copy (``runtime/copies.py``): ``WeightAveraging`` moves the model
 ``current_model_state`` and puts the averaged one under ``state_dict``;
 ``StochasticWeightAveraging`` keeps its averaged one in its own callback state.
 
+With tensor parallelism the owner's view of a TP-split key is this TP rank's fragment (and a
+placeholder has the fragment's trailing shape, as a sharded copy's has); each is written
+through ``KeyIndex.as_saved``, so DCP records the global tensor with one chunk per TP rank, and
+a load gives every TP rank its fragment back.
+
 Saving, no placeholder is ever written as a weight:
 
 * directory: views under the top-level ``state_dict`` are the model entries DCP writes,
@@ -16,7 +21,8 @@ Saving, no placeholder is ever written as a weight:
   ``matrix_fsdp_views.<digest of its path>``, from its owner, and ``meta.pt`` holds a
   small reference in its place (``{"matrix_fsdp_view": digest, "key": ..., ...}``).
 * file: every view is gathered to rank 0 (one tensor at a time, as the model's own
-  state) and written whole; the layout record lists their paths (``views``).
+  state) and written whole; the layout record lists their paths (``views``). Not with
+  tensor parallelism yet (refused).
 
 Loading gives every rank its views back: references and recorded paths become the whole
 tensor where this rank owns the key *now* (any world size or plan) and a placeholder
@@ -31,8 +37,9 @@ import torch
 
 from lightning_matrixfsdp.checkpoint.agree import all_gather_object, world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
-from lightning_matrixfsdp.checkpoint.state_dict import to_rank0
+from lightning_matrixfsdp.checkpoint.state_dict import fragments_to_rank0, to_rank0, tp_sources
 from lightning_matrixfsdp.runtime.checkpoint_view import tag_view, view_key
 from lightning_matrixfsdp.runtime.comm import comm_device
 
@@ -48,20 +55,27 @@ def _placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty((0, *tuple(shape)[1:]) if len(shape) else (0,), dtype=dtype)
 
 
+def _local_shape(index: KeyIndex, key: str) -> tuple[int, ...]:
+    """The shape of ``key`` as its owner holds it: this TP rank's fragment of a TP-split key, else whole."""
+    shape = index.fragment_shape(key)
+    return shape if shape is not None else index.entries[key].shape
+
+
+def _empty(index: KeyIndex, key: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The placeholder of ``key`` on a rank that does not own it (the shape a copy's placeholder has)."""
+    return _placeholder(_local_shape(index, key), dtype if dtype is not None else index.entries[key].dtype)
+
+
 def model_view(index: KeyIndex) -> dict[str, Any]:
-    """The module's ``state_dict`` as this rank holds it: every key, every tensor a view."""
-    if index.tp_size > 1:  # the views would hold TP fragments, which the view checks do not know yet
-        raise CheckpointError(
-            f"Lightning's checkpoint path (Trainer / strategy.save_checkpoint) does not support tensor-parallel "
-            f"models (tensor_parallel_size={index.tp_size}) yet; save and load them with "
-            "lightning_matrixfsdp.checkpoint.save_sharded / load_sharded (docs/tensor-parallel.md, 'Checkpoints')")
+    """The module's ``state_dict`` as this rank holds it: every key, every tensor a view (with
+    tensor parallelism, this TP rank's fragment of a split key where its owner is)."""
     out: dict[str, Any] = {}
     for key in index.order:
         e = index.entries.get(key)
         if e is None:
             out[key] = index.extra[key]
         else:  # replicated tensors too: a file gets them from rank 0, on the CPU
-            t = e.local.detach() if e.local is not None else _placeholder(e.shape, e.dtype)
+            t = e.local.detach() if e.local is not None else _empty(index, key)
             out[key] = tag_view(t, key)
     return out
 
@@ -113,8 +127,8 @@ def _agreed_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> list[tuple[
         e = index.entries.get(key)
         if e is None:
             bad = f"{p} is marked as a view of {key!r}, which the model does not have"
-        elif index.mine(key) and tuple(t.shape) != e.shape or not index.mine(key) and t.numel():
-            bad = f"{p}: a view of {key!r} of shape {tuple(t.shape)} (the model's is {e.shape})"
+        elif index.mine(key) and tuple(t.shape) != _local_shape(index, key) or not index.mine(key) and t.numel():
+            bad = f"{p}: a view of {key!r} of shape {tuple(t.shape)} (this rank's is {_local_shape(index, key)})"
     everyone = all_gather_object(([(p, k) for p, _, k in found], bad))
     for r, (paths, b) in enumerate(everyone):
         if b is not None:
@@ -137,10 +151,10 @@ def split_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[st
         key = found[path][1]
         mine = index.mine(key)
         if len(path) == 2 and path[0] == "state_dict":  # the model entries DCP writes
-            return t if mine else _DROP
+            return index.as_saved(key, t) if mine else _DROP  # a TP fragment: its chunk of the global tensor
         digest = _digest(path)
         if mine:
-            payload[digest] = t
+            payload[digest] = index.as_saved(key, t)
         return _ref(digest, key)
 
     return _map(dict(checkpoint), fn), payload
@@ -152,14 +166,19 @@ def _ref(digest: str, key: str) -> dict[str, str]:
 
 def gather_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """File saves: (the checkpoint with every view replaced by the whole tensor on rank 0, the
-    records of their paths for the layout). Collective; one tensor at a time."""
+    records of their paths for the layout). Collective; one tensor at a time (a TP-split one as
+    its fragments, concatenated on rank 0)."""
     rank = world()[0]
     device = comm_device()
     whole: dict[tuple, Optional[torch.Tensor]] = {}
     records = []
+    sources = tp_sources(index)  # TP: who sends each fragment (the owners' TP groups)
     for path, t, key in _agreed_views(checkpoint, index):
         e = index.entries[key]
-        if e.owner is None:
+        if e.tp is not None:  # this TP rank's fragment where owned: joined on rank 0
+            whole[path] = fragments_to_rank0(index, key, t if index.mine(key) else None, sources.get(key), e.dtype,
+                                             device)
+        elif e.owner is None:
             whole[path] = t.cpu() if rank == 0 else None
         else:
             whole[path] = to_rank0(t if index.mine(key) else None, e.shape, e.dtype, e.owner_global,
@@ -181,9 +200,9 @@ def _check(key: str, shape: Sequence[int], index: KeyIndex, where: str) -> None:
 
 
 def _local(key: str, value: torch.Tensor, index: KeyIndex, where: str) -> torch.Tensor:
-    """``value`` (a whole tensor) as this rank's view of ``key``."""
+    """``value`` (a whole tensor) as this rank's view of ``key`` (with TP, its fragment)."""
     _check(key, value.shape, index, where)
-    return value if index.mine(key) else _placeholder(value.shape, value.dtype)
+    return index.narrow(key, value).contiguous() if index.mine(key) else _empty(index, key, value.dtype)
 
 
 def read_refs(meta: Any, dcp_meta: Mapping[str, Any], index: KeyIndex, what: str) -> dict[str, Any]:
@@ -200,8 +219,9 @@ def read_refs(meta: Any, dcp_meta: Mapping[str, Any], index: KeyIndex, what: str
                                          "save")
         key = str(ref.get("key"))
         _check(key, size, index, f"{what} at {path}")
-        if index.mine(key):
-            req[flat] = torch.empty(tuple(size), dtype=m.properties.dtype)
+        if index.mine(key):  # a TP-split key: this TP rank's slice of the global tensor, whatever the save's mesh
+            split = index.entries[index.entries[key].primary].tp is not None
+            req[flat] = index.fragment_request(key, m.properties.dtype) if split else placeholder(m)
     return req
 
 
@@ -215,8 +235,7 @@ def localize_views(rest: Any, index: KeyIndex, what: str, read: Optional[Mapping
             flat = f"{VIEWS}.{ref[REF]}"
             if flat in read:
                 return read[flat]
-            e = index.entries[key]
-            return _placeholder(e.shape, e.dtype)
+            return _empty(index, key)
 
         rest = _map(rest, fn)
     for rec in records:
@@ -270,8 +289,10 @@ def state_view(values: Mapping[str, Any], from_ck: Mapping[str, str], index: Key
         if v is None:
             if e is None:
                 continue
-            v = _placeholder(e.shape, e.dtype)
+            v = _empty(index, e.key)
         elif e is not None and e.owner is not None and not index.mine(e.key):
-            v = _placeholder(e.shape, v.dtype)
+            v = _empty(index, e.key, v.dtype)
+        elif e is not None and e.tp is not None and tuple(v.shape) == tuple(e.shape):  # a file's whole tensor
+            v = index.narrow(e.key, v).contiguous()
         out[c] = v
     return out

@@ -197,6 +197,8 @@ class TensorParallelGPT(GPT):
         mesh = self.device_mesh
         if mesh is None or "tensor_parallel" not in tuple(mesh.mesh_dim_names or ()):
             return  # no tensor parallelism: the strategy shards the plain model
+        if getattr(self, "_tp_applied", False):  # idempotent: WeightAveraging's setup calls it before the Trainer
+            return
         plan = {
             "mlp.fc": ColwiseParallel(),
             "mlp.proj": RowwiseParallel(),
@@ -205,3 +207,4 @@ class TensorParallelGPT(GPT):
         }
         for block in self.blocks:
             parallelize_module(block, mesh["tensor_parallel"], plan)
+        self._tp_applied = True

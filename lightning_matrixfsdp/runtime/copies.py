@@ -16,7 +16,8 @@ hooks stay with the model). A copy's parameters carry the model parameters' plac
 marks, and its ``state_dict`` marks every sharded tensor with its model key
 (``tags.tag_view``), which is how checkpoints find and write the owners' data of an
 averaged model wherever a callback puts it. A copy cannot run forward: its placeholders
-hold no data, and it has no units to materialize them.
+hold no data, and it has no units to materialize them. With tensor parallelism a copy holds
+what the model holds: this TP rank's fragment of a split parameter where its owner is.
 """
 
 from __future__ import annotations
@@ -185,6 +186,7 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
             if q is not None:
                 regs.setdefault(id(q), []).append((m, pname))
     done: set[int] = set()
+    layouts = _tp_layouts(model)
     with torch.no_grad():
         for name, p in theirs:
             ref = mine[name]
@@ -192,6 +194,12 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
             if id(p) in done or shard is None:
                 continue
             done.add(id(p))
+            fragment = _tp_fragment(p, layouts.get(id(ref)))
+            if fragment is not None:  # a copy made before sharding: this TP rank's fragment, as the model holds
+                new = nn.Parameter(fragment, requires_grad=p.requires_grad)
+                for m, pname in regs.get(id(p), []):
+                    m._parameters[pname] = new
+                p = new
             owned = is_owned(ref)
             full, empty = tuple(shard.shape), placeholder_shape(tuple(shard.shape))
             if tuple(p.shape) not in (full, empty):
@@ -216,6 +224,36 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
         copy.register_state_dict_post_hook(_mark_views)
         copy.register_forward_pre_hook(_refuse_forward)
     _SHARDED.setdefault(model, weakref.WeakSet()).add(copy)
+
+
+def _tp_layouts(model: nn.Module) -> dict[int, tuple[Any, int]]:
+    """id(resident parameter) -> (its TP layout, this TP rank), for every TP-split parameter of ``model``."""
+    out: dict[int, tuple[Any, int]] = {}
+    for root in sharded_roots(model):
+        st = state_of(root)
+        if st is None or st.tp_plan is None:
+            continue
+        for sp in st.params:
+            lay = st.tp_plan.layouts.get(sp.shard.fqn)
+            if lay is not None and lay.split:
+                out[id(sp.resident)] = (lay, st.mesh.tp_rank)
+    return out
+
+
+def _tp_fragment(p: torch.Tensor, tp: Any) -> Any:
+    """This TP rank's fragment of a copy's parameter made before the model was sharded, or None (the
+    copy already has the model's local shape): a DTensor (the copy of a parallelized model) gives its
+    local fragment; a whole tensor of a split parameter's global shape (a copy made before the TP plan
+    was applied, as ``StochasticWeightAveraging``'s ``setup`` makes it) its slice, as ``parallelize_module``
+    cuts it."""
+    if hasattr(p, "device_mesh") and hasattr(p, "to_local"):
+        return p.to_local().detach()
+    if tp is None or p.is_meta:
+        return None
+    lay, rank = tp
+    if tuple(p.shape) != tuple(lay.global_shape) or tuple(p.shape) == lay.local_shape(rank):
+        return None
+    return p.detach().narrow(lay.dim, lay.offset(rank), lay.sizes[rank]).clone()
 
 
 def _mark_views(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
