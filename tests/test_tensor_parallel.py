@@ -171,8 +171,8 @@ def test_bf16_compute_with_tp_stays_near_the_float32_reference():
 
 
 def test_cli_yaml_builds_the_tp_strategy_and_model(monkeypatch):
-    """examples/tensor_parallel.yaml through LightningCLI (parsed and instantiated, not run: the 4-process
-    run is the example itself, run by hand for the report)."""
+    """examples/tensor_parallel.yaml through LightningCLI, parsed and instantiated in this process (its
+    4-process ``fit`` runs in test_tp_lightning.py::test_cli_yaml_example_runs_with_tp)."""
     import sys
     from pathlib import Path
 

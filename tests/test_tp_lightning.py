@@ -108,3 +108,11 @@ def test_fabric_save_load_round_trip_bitwise(mode):
         f = r["fabric"][mode]
         assert f["states"] > 0 and not f["weights"] and not f["state"], (rank, f)
         assert f["rest"] == {"step": 2}, f
+
+
+def test_cli_yaml_example_runs_with_tp():
+    """examples/tensor_parallel.yaml through LightningCLI's ``fit`` at world 4 (2 steps)."""
+    for r in _results():
+        c = r["cli"]
+        assert c["steps"] == 2 and c["tp"] == 2 and c["names"] == ("data_parallel", "tensor_parallel"), c
+        assert c["tp_bytes"] > 0, c  # split matrices were stepped whole on their TP steppers

@@ -311,13 +311,27 @@ def _fabric(root: Path) -> dict:
     return out
 
 
+def _cli(root: Path) -> dict:
+    """``examples/tensor_parallel.yaml`` run through LightningCLI (``fit``, 2 steps): the strategy it
+    builds, the mesh the model was parallelized on, and the steps it ran."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.cli import cli_main
+
+    yaml = Path(__file__).parents[1] / "examples" / "tensor_parallel.yaml"
+    cli = cli_main(["fit", "--config", str(yaml), "--trainer.max_steps=2", f"--trainer.default_root_dir={root / 'cli'}"])
+    t = cli.trainer
+    tp = mf.get_comm_stats(cli.model).get("tp", {})
+    return {"steps": t.global_step, "tp": t.strategy.config.tensor_parallel_size,
+            "names": tuple(t.strategy.device_mesh.mesh_dim_names), "tp_bytes": tp.get("sent", 0) + tp.get("recv", 0)}
+
+
 def worker(rank: int, world: int) -> dict:
     """Every scenario on one rank of the launch, in an order every rank follows."""
     import shutil
 
     root = _shared_dir()
     try:
-        return {"trainer": _trainer(root), "averaging": _averaging(root), "fabric": _fabric(root)}
+        return {"trainer": _trainer(root), "averaging": _averaging(root), "fabric": _fabric(root), "cli": _cli(root)}
     finally:
         dist.barrier()
         if rank == 0:
