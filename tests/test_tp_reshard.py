@@ -124,3 +124,12 @@ def test_wrong_shapes_are_refused_naming_the_key_and_both_shapes(launch):
         assert "'momentum_buffer' of 'blocks.0.qkv.weight'" in msg and "(12, 8)" in msg and "(24, 8)" in msg, msg
         msg = r["errors"]["saved_split"]
         assert "'momentum_buffer' of 'blocks.0.qkv.weight'" in msg and "split over tensor parallelism at the save" in msg
+
+
+def test_per_fragment_state_that_cannot_be_joined_is_refused_at_the_save(launch):
+    """Adafactor over TP-split matrices keeps row and column factors per fragment; a save (directory or
+    one file) would keep one TP rank's and drop the others', so it raises on every rank naming the state."""
+    for r in _results(launch):
+        for full in (False, True):
+            msg = r["errors"][f"adafactor_full={full}"]
+            assert "cannot be joined" in msg and ("'row_var'" in msg or "'col_var'" in msg), msg

@@ -207,7 +207,8 @@ def _reshard(kind: str, mesh, mesh14, root: Path) -> dict:
 
 def _errors(mesh, root: Path) -> dict:
     """Wrong inputs: a split of another global shape; fragment state of the wrong shape in a file,
-    loaded into (2, 2), and loaded into (4, 1) when the file records the key as split at the save."""
+    loaded into (2, 2), and loaded into (4, 1) when the file records the key as split at the save;
+    a save of per-fragment state that cannot be joined (Adafactor over TP-split matrices)."""
     from lightning_matrixfsdp.checkpoint import CheckpointMismatchError, load_sharded
 
     out = {}
@@ -236,6 +237,23 @@ def _errors(mesh, root: Path) -> dict:
             out[name] = "no error"
         except CheckpointMismatchError as e:
             out[name] = str(e)
+    # an optimizer of another package with per-fragment state that is not elementwise (Adafactor's
+    # row and column factors): the save refuses it on every rank instead of keeping one TP rank's
+    import warnings
+
+    from lightning_matrixfsdp.checkpoint import CheckpointError, save_sharded
+
+    net, _ = model(mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # routing warns that it steps each fragment alone
+        opt = torch.optim.Adafactor(list(net.parameters()), lr=0.01)
+        _train(net, opt, 1, mesh["data_parallel"].get_local_rank())
+    for full in (False, True):
+        try:
+            save_sharded(net, root / ("adafactor.ckpt" if full else "adafactor"), [opt], full=full)
+            out[f"adafactor_full={full}"] = "no error"
+        except CheckpointError as e:
+            out[f"adafactor_full={full}"] = str(e)
     return out
 
 

@@ -21,18 +21,40 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 
-from lightning_matrixfsdp.checkpoint.errors import CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 from lightning_matrixfsdp.optim.tail import keeps_whole_tp_state
 
-__all__ = ["StateRule", "apply_optimizer", "saved_splits", "whole_state"]
+__all__ = ["StateRule", "apply_optimizer", "check_joinable", "saved_splits", "whole_state"]
 
 
 def whole_state(index: KeyIndex, optimizer: torch.optim.Optimizer, key: str) -> bool:
     """Whether ``optimizer``'s state of ``key`` is whole state: a matrix role, and an optimizer that
     keeps a split matrix's state whole on its TP stepper (for a key that is not split: the same)."""
     return keeps_whole_tp_state(optimizer) and index.entries[key].role == "matrix"
+
+
+def check_joinable(index: KeyIndex, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to save fragment state that cannot be joined into the whole matrix's: a tensor of a
+    TP-split parameter's state that is neither whole state nor shaped like this rank's fragment
+    (nor a scalar). Adafactor's row and column factors of a fragment are such state: each TP rank
+    holds its own, the save would keep one rank's and drop the rest. Run it under ``agree``."""
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            key = index.key(p)
+            frag = index.fragment_shape(key)
+            if frag is None or p not in optimizer.state or not index.steps(key) or whole_state(index, optimizer, key):
+                continue
+            for name, v in optimizer.state[p].items():
+                if isinstance(v, torch.Tensor) and v.ndim > 0 and tuple(v.shape) != frag:
+                    raise CheckpointError(
+                        f"optimizer state {name!r} of {key!r} has the shape {tuple(v.shape)}, not this tensor-parallel "
+                        f"rank's fragment shape {frag}: {type(optimizer).__name__} keeps state per fragment that "
+                        "cannot be joined into the whole matrix's, so a checkpoint cannot hold it (each TP rank's "
+                        "would overwrite the others'). Use lightning_matrixfsdp.Muon, Shampoo or SOAP (whole-matrix "
+                        "steps) or an elementwise optimizer for TP-split matrices, or keep this parameter replicated "
+                        "in the parallelize plan")
 
 
 def saved_splits(layout: Optional[Mapping[str, Any]], from_ck: Mapping[str, str]) -> frozenset[str]:

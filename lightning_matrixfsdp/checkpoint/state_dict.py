@@ -19,7 +19,7 @@ from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, curr
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
-from lightning_matrixfsdp.checkpoint.optimizer_state import whole_state
+from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, whole_state
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
@@ -123,6 +123,8 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     optimizer = unwrap_optimizer(optimizer)
     index = index if index is not None else build_index(module)
     groups = full_groups(index, optimizer)
+    if index.tp_size > 1:  # per-fragment state that a whole tensor cannot hold: refused on every rank
+        agree(check_joinable, index, optimizer)
     if not full:
         state = {}
         for g in optimizer.param_groups:
