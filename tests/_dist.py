@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -72,6 +71,26 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 240.0
     if len(results) < world:
         raise AssertionError(f"distributed run timed out after {timeout}s ({len(results)}/{world} ranks finished)")
     return [results[r] for r in range(world)]
+
+
+class OneLaunch:
+    """One ``run_distributed`` shared by the tests of a file, started by the first that asks.
+    A failure is kept too, so the tests after it raise it again instead of launching again."""
+
+    def __init__(self, fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> None:
+        self.fn, self.world, self.args, self.timeout = fn, world, args, timeout
+        self._done: tuple[Any, Any] | None = None
+
+    def results(self) -> list[Any]:
+        if self._done is None:
+            try:
+                self._done = (run_distributed(self.fn, self.world, *self.args, timeout=self.timeout), None)
+            except AssertionError as e:
+                self._done = (None, e)
+        res, err = self._done
+        if err is not None:
+            raise err
+        return res
 
 
 def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:

@@ -23,28 +23,17 @@ The scenarios are written out in ``tp_scenarios.py`` and ``tp_compose.py``, the 
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from _dist import run_distributed
+from _dist import OneLaunch
 from tp_scenarios import UNSPLIT_TOLERANCE, worker
 
 
-@functools.lru_cache(maxsize=1)
-def _launch():
-    """The one launch; a failure is kept too, so the tests after it do not launch again."""
-    try:
-        return run_distributed(worker, 4, timeout=900), None
-    except AssertionError as e:
-        return None, e
+_LAUNCH = OneLaunch(worker, 4, timeout=900)  # every test reads its part of the one launch
 
 
 def _results():
-    res, err = _launch()
-    if err is not None:
-        raise err
-    return res
+    return _LAUNCH.results()
 
 
 @pytest.mark.parametrize("kind", ["muon", "shampoo", "soap"])

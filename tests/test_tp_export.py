@@ -17,25 +17,15 @@ float32), every scenario in one 4-process launch (``tp_export_scenarios.worker``
 """
 from __future__ import annotations
 
-import functools
-
-from _dist import run_distributed
+from _dist import OneLaunch
 from tp_export_scenarios import worker
 
 
-@functools.lru_cache(maxsize=1)
-def _launch():
-    try:
-        return run_distributed(worker, 4, timeout=600), None
-    except AssertionError as e:
-        return None, e
+_LAUNCH = OneLaunch(worker, 4, timeout=600)  # every test reads its part of the one launch
 
 
 def _results():
-    res, err = _launch()
-    if err is not None:
-        raise err
-    return res
+    return _LAUNCH.results()
 
 
 def _bad(kind: str, *what: str) -> list:

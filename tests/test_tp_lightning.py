@@ -21,30 +21,19 @@ rowwise layers, a fused QKV, uneven splits, a matrix TP leaves whole), trained w
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from _dist import run_distributed
+from _dist import OneLaunch
 from tp_lightning_scenarios import worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
-@functools.lru_cache(maxsize=1)
-def _launch():
-    """The one launch; a failure is kept too, so the tests after it do not launch again."""
-    try:
-        return run_distributed(worker, 4, timeout=600), None
-    except AssertionError as e:
-        return None, e
+_LAUNCH = OneLaunch(worker, 4, timeout=600)  # every test reads its part of the one launch
 
 
 def _results():
-    res, err = _launch()
-    if err is not None:
-        raise err
-    return res
+    return _LAUNCH.results()
 
 
 def test_trainer_resume_from_a_model_checkpoint_is_bitwise_the_uninterrupted_fit():

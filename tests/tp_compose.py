@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from lightning.pytorch.loggers.logger import Logger
 
 from tp_reference import Net, Reference, Unsplit, batch, forward_backward, gather_tp, parallelize, whole_dim
 
@@ -110,28 +109,6 @@ class TextHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.extend(record.getMessage().splitlines())
-
-
-class Metrics(Logger):
-    """A Lightning logger that keeps every ``log_metrics`` dict."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.metrics: list[dict] = []
-
-    @property
-    def name(self) -> str:
-        return "metrics"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict, step=None) -> None:
-        self.metrics.append(dict(metrics))
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
 
 
 def grad_norms(mesh) -> dict:

@@ -373,9 +373,10 @@ def _trainer(mesh) -> dict:
 
     import logging
 
-    from tp_compose import Metrics, TextHandler
+    from tp_compose import TextHandler
+    from walk import MemoryLogger
 
-    lit, logger, printed = LitTP(), Metrics(), TextHandler()
+    lit, logger, printed = LitTP(), MemoryLogger(), TextHandler()
     info = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # rank_zero_info's: the plan at setup
     info.addHandler(printed)
     level = info.level
@@ -394,7 +395,7 @@ def _trainer(mesh) -> dict:
     dist.all_gather_object(holders, (mesh["data_parallel"].get_local_rank(), loads))
     return {"names": lit.names, "losses": lit.losses, "ref": [ref.step(x) for x in lit.seen],
             "first_batch": lit.seen[0].sum().item(), "printed": printed.lines,
-            "tp_metric": [m.get("matrix_fsdp/tp_MB") for m in logger.metrics], "expected": (sent, recv),
+            "tp_metric": [m.get("matrix_fsdp/tp_MB") for _, m in logger.records], "expected": (sent, recv),
             "comm_stats": mf.get_comm_stats(lit), "loads": dict(holders)}
 
 
