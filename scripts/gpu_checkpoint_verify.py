@@ -39,6 +39,7 @@ import torch.distributed as dist
 import lightning_matrixfsdp as mf
 from lightning_matrixfsdp import checkpoint as C
 from lightning_matrixfsdp.bench.config import preset
+from lightning_matrixfsdp.bench.launch import init_distributed, resolve_device
 from lightning_matrixfsdp.bench.model import Decoder, is_matrix, make_batch
 from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.checkpoint.integrity import checksum_threads, file_records, verify_files
@@ -76,12 +77,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = resolve_device("auto")  # cuda:LOCAL_RANK where CUDA is, else the CPU
+    init_distributed(device, timeout_s=1800)  # NCCL on CUDA, gloo on the CPU; one process without torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    cuda = device.type == "cuda"
     cfg = preset(args.preset)
     dtype = getattr(torch, cfg.run.dtype)
     root = args.dir / f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
