@@ -61,6 +61,15 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
 
+def _remove(path: Path) -> None:
+    """Delete a checkpoint every rank wrote, once: rank 0, after every rank is done with it (the
+    directory is shared; each rank deleting it raced on more than one process)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path)
+    dist.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", required=True, type=Path, help="scratch directory for the checkpoints")
@@ -120,7 +129,7 @@ def main() -> None:
         path = root / f"sync-{i}"
         res["sync_s"].append(_timed(lambda: C.save_sharded(model, path, [opt]), device)[0])
         res["checkpoint_bytes"] = _dir_bytes(path)
-        shutil.rmtree(path)
+        _remove(path)
 
     # ours: async_save=True
     saver = AsyncCheckpointer()
@@ -137,7 +146,7 @@ def main() -> None:
         saver.wait()
         res["async"].append({"stall_s": stall, "published_after_s": stall + until, "overlap_step_s": steps})
         if i < args.repeats - 1:
-            shutil.rmtree(path)
+            _remove(path)
     res["host_buffer_bytes"] = saver.staging.nbytes
     # the last one: load it back and compare with the state at the save
     with torch.no_grad():
@@ -149,7 +158,7 @@ def main() -> None:
     same = same and all(all(torch.equal(torch.as_tensor(v), torch.as_tensor(snapshot["opt"][id(p)][k]))
                             for k, v in s.items()) for p, s in opt.state.items())
     res["async_loaded_bitwise"] = bool(same)
-    shutil.rmtree(root / f"async-{args.repeats - 1}")
+    _remove(root / f"async-{args.repeats - 1}")
     saver.close()
 
     # DCP's async_save of the same state dicts
@@ -173,7 +182,7 @@ def main() -> None:
         steps, until = overlap(fut.done)
         fut.result()
         res["dcp_async"].append({"stall_s": stall, "published_after_s": stall + until, "overlap_step_s": steps})
-        shutil.rmtree(path)
+        _remove(path)
 
     base = statistics.median(res["baseline_step_s"])
     summary = {"baseline_step_median_s": base, "sync_median_s": statistics.median(res["sync_s"])}
