@@ -268,6 +268,7 @@ class MatrixFSDPAdapter:
         world = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
         dp, tp = mesh_sizes(self.config.data_parallel_size, self.config.tensor_parallel_size, world,
                             self.num_processes)  # type: ignore[attr-defined]
+        # Lightning takes the sizes only in __init__, before the world is known (docs/decisions.md, issue 29)
         self._data_parallel_size, self._tensor_parallel_size = dp, tp
         super().setup_environment()  # type: ignore[misc]
         size = self.config.shard_size or dp

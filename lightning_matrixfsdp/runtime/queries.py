@@ -153,8 +153,9 @@ def wait_replicas(module: nn.Module) -> None:
 
 def settle_replicas(module: nn.Module) -> None:
     """``replica_split``: every replica of every sharded model inside ``module`` holds the current
-    weights and nothing is left to send (the weights sent are not sent again). Collective over the
-    replicas. No-op without ``replica_split``."""
+    weights and nothing is left to send (the weights sent are not sent again), so an evaluation
+    forward, which some ranks may skip under the uneven-inputs join, sends nothing. Collective
+    over the replicas. No-op without ``replica_split``."""
     for root in sharded_roots(module):
         state_of(root).settle_replicas(clear=True)
 
