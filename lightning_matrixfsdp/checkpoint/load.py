@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException
 
 from lightning_matrixfsdp.checkpoint.agree import (
     agree,
@@ -31,7 +31,6 @@ from lightning_matrixfsdp.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
-    CheckpointNotResumableError,
 )
 from lightning_matrixfsdp.checkpoint.formats import (
     DcpEntries,
@@ -49,7 +48,7 @@ from lightning_matrixfsdp.checkpoint.optimizer_state import StateRule, apply_opt
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, layout_change, read_sidecar
 from lightning_matrixfsdp.checkpoint.sidecar import roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
-from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
+from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, check_resumable, match_model
 from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
 
 __all__ = ["check_resumable", "load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
@@ -94,22 +93,6 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     load = _load_dir if kind == "dir" else _load_file
     return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume,
                 before_optimizers, with_state_dict)
-
-
-def check_resumable(what: str, holds_optimizers: bool, rest: Optional[Mapping[str, Any]]) -> None:
-    """Refuse to resume training from a checkpoint without the training state, as Lightning does
-    under DDP (``rest``: the checkpoint without its tensors; None for a plain ``state_dict``). A
-    checkpoint holds it when it holds optimizer states, or the LR schedulers of a run that had no
-    optimizer; a Fabric checkpoint (optimizer states, no loops) resumes with fresh counters."""
-    if holds_optimizers or (rest is not None and "lr_schedulers" in rest):
-        return
-    kind = ("a plain state_dict (model weights only)" if rest is None else
-            "only the model (saved with ModelCheckpoint(save_weights_only=True) or save_checkpoint(weights_only=True))")
-    raise CheckpointNotResumableError(
-        f"Trying to restore optimizer state but {what} holds {kind}: fit(ckpt_path=...) resumes training and needs "
-        "the optimizer states and LR schedulers, as under DDP. To train from these weights, load them in the "
-        "module (e.g. lightning_matrixfsdp.load_weights(self, path) in on_fit_start) and call fit without ckpt_path; "
-        "validate/test/predict(ckpt_path=...) accept this checkpoint as it is")
 
 
 def _detect(path: Path) -> str:
@@ -230,6 +213,8 @@ class _DirectoryLoad:
         self.what = f"checkpoint {path}"
 
     def _prepare(self) -> tuple[DcpEntries, Optional[dict[str, Any]]]:
+        from torch.distributed.checkpoint import FileSystemReader
+
         path, what = self.path, self.what
         try:  # metadata, sidecar, the presence of meta.pt: the same verdict on every rank
             md = FileSystemReader(str(path)).read_metadata()
