@@ -6,6 +6,7 @@ no process group).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -304,7 +305,7 @@ def _lit_worker(rank, world, root):
     val_a = ta_val.validate(a, verbose=False)[0]["val_loss"]
 
     # consolidated export through Trainer.save_checkpoint
-    ta.strategy._save_distributed_checkpoint = False
+    ta.strategy.config = dataclasses.replace(ta.strategy.config, save_distributed_checkpoint=False)
     ta.save_checkpoint(root / "full.ckpt")
     x = batch_for(7, 0)
     with torch.no_grad():

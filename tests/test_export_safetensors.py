@@ -9,6 +9,7 @@ owners by broadcast (``tests/helpers/lit.gather_full``), not read back through t
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ def train_and_save(rank: int, world: int, name: str, root: str) -> Any:
                       limit_val_batches=0, default_root_dir=root)
     trainer.fit(lit)
     trainer.save_checkpoint(f"{root}/dir.ckpt")  # the strategy's default: a directory
-    trainer.strategy._save_distributed_checkpoint = False
+    trainer.strategy.config = dataclasses.replace(trainer.strategy.config, save_distributed_checkpoint=False)
     trainer.save_checkpoint(f"{root}/file.ckpt")  # one consolidated file
     full = gather_full(lit.model)
     if rank != 0:

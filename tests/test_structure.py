@@ -186,12 +186,14 @@ def test_docs_results_stay_small():
 
 
 def test_checkpoints_read_the_runtime_only_through_its_view():
-    """``checkpoint/`` imports from the runtime only its read-only view (``runtime.checkpoint_view``)
-    and the communication modules (file names with ``comm`` or ``collective``)."""
+    """``checkpoint/`` imports from the runtime only its read-only view (``runtime.checkpoint_view``),
+    the tensor-parallel layouts and DTensor views that do not communicate (``runtime.tp``), and the
+    communication modules (file names with ``comm`` or ``collective``)."""
     modules = {_module(f) for f in PKG.rglob("*.py")}
+    allowed = {"lightning_matrixfsdp.runtime.checkpoint_view", "lightning_matrixfsdp.runtime.tp"}
     wrong = [f"checkpoint/{f.name}: {m}" for f in sorted((PKG / "checkpoint").glob("*.py"))
              for m in sorted(_package_imports(f, modules))
-             if m.startswith("lightning_matrixfsdp.runtime") and m != "lightning_matrixfsdp.runtime.checkpoint_view"
+             if m.startswith("lightning_matrixfsdp.runtime") and m not in allowed
              and not any(w in m.rsplit(".", 1)[-1] for w in ("comm", "collective"))]
     assert not wrong, wrong
 # ---------------------------------------------------------------- torch.distributed only in comm modules
@@ -202,12 +204,17 @@ DIST_QUERIES = {"is_available", "is_initialized", "get_rank", "get_world_size", 
 #: save/load coordinate the ranks inside torch; the package's own agreements around them
 #: (``checkpoint/agree.py``) go through comm modules.
 DIST_LIBRARIES = {"checkpoint"}
+#: DTensor calls that build or describe without communicating: the placement records, and a
+#: DTensor over a local tensor when its cross-rank check is off (``run_check=False``, required).
+DIST_LOCAL = {"torch.distributed.tensor.Shard", "torch.distributed.tensor.Replicate",
+              "torch.distributed.tensor.DTensor.from_local"}
 
 
 def _dist_calls(path: Path) -> list[tuple[int, str]]:
     """(line, dotted callee) of every call in ``path`` that resolves to torch.distributed (any
     import form: ``import torch.distributed as dist``, ``from torch.distributed import x``,
-    ``torch.distributed.x``, ``dist.x.y``, ``getattr(dist, "x")``), less the queries and libraries."""
+    ``torch.distributed.x``, ``dist.x.y``, ``getattr(dist, "x")``), less the queries, libraries and
+    local DTensor calls."""
     tree = ast.parse(path.read_text(), str(path))
     alias: dict[str, str] = {}
     for node in ast.walk(tree):
@@ -241,6 +248,10 @@ def _dist_calls(path: Path) -> list[tuple[int, str]]:
             continue
         if parts[2] in DIST_LIBRARIES:
             continue
+        if name in DIST_LOCAL and (not name.endswith("from_local") or any(
+                k.arg == "run_check" and isinstance(k.value, ast.Constant) and k.value.value is False
+                for k in node.keywords)):
+            continue
         found.append((node.lineno, name))
     return sorted(found)
 
@@ -255,3 +266,67 @@ def test_torch_distributed_calls_only_in_comm_modules():
            and "comm" not in f.name and "collective" not in f.name
            for line, name in _dist_calls(f)]
     assert not bad, "torch.distributed called outside a comm module:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------- the rooms: Lightning side, runtime seam, root
+#: Lightning's distributions (the unified package and the two standalone ones).
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+#: The layers below the adapters.
+LOWER = ("runtime", "optim", "checkpoint")
+#: The names that hand out the runtime's state object; only ``runtime/`` uses them.
+STATE_NAMES = {"state_of", "find_state", "attach_state", "detach_state", "MatrixFSDPState"}
+
+
+def _absolute_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every import in ``path`` at any depth, relative ones resolved."""
+    me, is_pkg = _module(path), path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            src = node.module or ""
+            if node.level:
+                base = me.split(".") if is_pkg else me.split(".")[:-1]
+                src = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            out.append((src, [a.name for a in node.names]))
+    return out
+
+
+def test_lower_layers_import_neither_lightning_nor_the_adapters():
+    """``runtime/``, ``optim/`` and ``checkpoint/`` know no Lightning: everything that imports it is
+    in ``adapters/`` (or the demos), and nothing below imports the adapters."""
+    bad = []
+    for layer in LOWER:
+        for f in sorted((PKG / layer).rglob("*.py")):
+            for src, names in _absolute_imports(f):
+                full = [src] + [f"{src}.{n}" for n in names]
+                if src.split(".")[0] in LIGHTNING or any(m.startswith("lightning_matrixfsdp.adapters") for m in full):
+                    bad.append(f"{f.relative_to(PKG)}: import {src}" + (f" ({', '.join(names)})" if names else ""))
+    assert not bad, "a lower layer imports Lightning or the adapters:\n" + "\n".join(bad)
+
+
+def test_only_the_runtime_reaches_its_state_object():
+    """Outside ``runtime/`` the runtime is used through its public functions (``runtime/queries.py``
+    and the package's ``__init__``), never through the state object a sharded root carries."""
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f.relative_to(PKG).parts[0] == "runtime":
+            continue
+        for src, names in _absolute_imports(f):
+            if not src.startswith("lightning_matrixfsdp.runtime"):
+                continue
+            if src == "lightning_matrixfsdp.runtime.state" or "state" in names and src == "lightning_matrixfsdp.runtime":
+                bad.append(f"{f.relative_to(PKG)}: imports the module runtime.state")
+            bad += [f"{f.relative_to(PKG)}: from {src} import {n}" for n in names if n in STATE_NAMES]
+    assert not bad, "outside runtime/, code reaches the runtime's state object:\n" + "\n".join(bad)
+
+
+def test_package_root_holds_only_the_code_maps_root_files():
+    """The package folder itself holds the public face and the entry points, the files of the code
+    map's first table (its package is the top level); everything else lives in a sub-package."""
+    listed = {name for package, files, _ in _code_map_rows() if package == "lightning_matrixfsdp" for name in files}
+    present = {f.name for f in PKG.glob("*.py")}
+    assert listed, "the code map has no table for the package root"
+    assert present == listed, (f"package root: not in the code map's root table {sorted(present - listed)}; "
+                               f"in the table but absent {sorted(listed - present)}")

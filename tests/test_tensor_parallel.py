@@ -88,6 +88,8 @@ def test_clipping_takes_the_norm_over_both_groups():
     for r in res:
         assert r["clipped"] and r["scaled"], r
         assert abs(r["total"] - r["want"]) <= 1e-6 * r["want"], r
+        # a list of parameters (the strategies' clip): the TP group comes from the fragments
+        assert r["list_total"] == r["total"] and r["list_scaled"], r
 
 
 def test_partial_and_two_dimensional_placements_are_refused():

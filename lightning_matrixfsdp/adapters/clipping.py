@@ -25,12 +25,12 @@ class GlobalNormClip:
 
     _mfsdp_clip_group: Any = None
     _mfsdp_clip_stats: Any = None  # the sharded model's CommStats: the all-reduce counts as "clip"
-    _mfsdp_tp_group: Any = None  # tensor parallelism: the norm adds the TP fragments too
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        # every rank's full list (DDP's order): the clip combines the norms exactly as torch does
+        # every rank's full list (DDP's order): the clip combines the norms exactly as torch does;
+        # with tensor parallelism it finds the TP group from the list's TP fragments
         clip_grad_norm_(full_params(optimizer), float(clip_val), group=self._mfsdp_clip_group,
-                        stats=self._mfsdp_clip_stats, tp_group=self._mfsdp_tp_group)
+                        stats=self._mfsdp_clip_stats)
 
 
 def with_global_norm_clip(plugin: Any, who: str) -> Any:
@@ -46,6 +46,6 @@ def with_global_norm_clip(plugin: Any, who: str) -> Any:
 def install_clip_group(plugin: Optional[Any], module: nn.Module) -> None:
     """Point the plugin's clip at the group and traffic stats of the sharded model in ``module``."""
     if isinstance(plugin, GlobalNormClip):
-        group, stats, tp_group = clip_group(module)
+        group, stats = clip_group(module)
         if stats is not None:  # a sharded model is there
-            plugin._mfsdp_clip_group, plugin._mfsdp_clip_stats, plugin._mfsdp_tp_group = group, stats, tp_group
+            plugin._mfsdp_clip_group, plugin._mfsdp_clip_stats = group, stats

@@ -90,8 +90,8 @@ class _OwnerBackwardSyncControl(_BackwardSyncControl):
 class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     """Owner-sharded ZeRO-3 with exact matrix optimizers, for Fabric.
 
-    Takes the options of :class:`~lightning_matrixfsdp.MatrixFSDPStrategy` (see there),
-    with two Fabric meanings:
+    Takes the options of :class:`~lightning_matrixfsdp.MatrixFSDPStrategy` (listed once in
+    docs/user-guide.md, "Strategy options"), with two Fabric meanings:
 
     * ``optimizer``: ``setup_optimizers`` (or ``setup``) returns the factory's optimizer
       over the given optimizer's parameters instead of the given one.
@@ -105,7 +105,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     options_signature = adapter_signature(accumulation_no_sync=True)
     default_accumulation_no_sync = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: see MatrixFSDPStrategy
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: docs/user-guide.md
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _OwnerBackwardSyncControl(self.accumulation_no_sync)
         self._modules: list[nn.Module] = []  # the models set up so far (optimizers must follow them)
@@ -120,13 +120,13 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @property
     @override
     def precision(self) -> Precision:
-        return self._precision if self._precision is not None else Precision()
+        return super().precision  # a setter of our own needs the property redefined
 
     @precision.setter
     def precision(self, precision: Optional[Precision]) -> None:
         if precision is not None:
             check_precision(getattr(precision, "precision", None), type(self).__name__)
-        self._precision = precision
+        ModelParallelStrategy.precision.fset(self, precision)
 
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
@@ -179,10 +179,6 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     @override
-    def module_to_device(self, module: nn.Module) -> None:
-        pass  # setup_module places the shards
-
-    @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step, then (``replica_split``) the updated weights start towards the other replicas."""
         route_optimizers([getattr(optimizer, "optimizer", optimizer)])  # a group added through a wrapper
@@ -232,7 +228,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         if self.async_saver is not None:  # returns once the state is in host memory
             self.async_saver.save_sharded(module, path, optimizers, extra=extra, checksums=self.verify_checkpoints)
             return
-        save_sharded(module, path, optimizers, full=not self._save_distributed_checkpoint, extra=extra,
+        save_sharded(module, path, optimizers, full=not self.config.save_distributed_checkpoint, extra=extra,
                      checksums=self.verify_checkpoints)
 
     @override

@@ -9,7 +9,9 @@ module with the config, the plan log and the teardown. Each strategy file
 
 The free functions below are the steps both adapters call: refusing models sharded by
 someone else, activation checkpointing and sharding, the group that the global-norm clip
-reduces over, the optimizer checks, and the no-sync switch. They take modules, optimizers,
+reduces over, the optimizer checks, the no-sync switch and the ``replica_split`` transfers
+after a step. What they ask of the runtime goes through its public functions
+(``lightning_matrixfsdp.runtime``), never its state object. They take modules, optimizers,
 options and plain values, never a strategy object, so neither adapter depends on the other.
 """
 
@@ -29,23 +31,23 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_matrixfsdp.adapters.comm import any_rank
 from lightning_matrixfsdp.checkpoint.async_save import AsyncCheckpointer
 from lightning_matrixfsdp.optim.norms import clip_grad_norm_
 from lightning_matrixfsdp.optim.routing import route_optimizer
-from lightning_matrixfsdp.runtime import get_plan, matrix_shard, set_requires_gradient_sync, start_replica_sync
+from lightning_matrixfsdp.runtime import (
+    get_plan, matrix_shard, norm_groups, set_requires_gradient_sync, start_replica_sync, wait_replicas)
 from lightning_matrixfsdp.runtime.config import ADAPTER, MatrixFSDPConfig, bind_options, options_signature
 from lightning_matrixfsdp.runtime.copies import copies_of
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.mesh_comm import mesh_info
-from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
+from lightning_matrixfsdp.runtime.small_comm import any_rank
+from lightning_matrixfsdp.runtime.tags import sharded_roots
 from lightning_matrixfsdp.runtime.waits import stop_waiter
 
 __all__ = [
     "MatrixFSDPAdapter", "SETUP_ORDER", "adapter_signature", "apply_activation_checkpointing", "build_replacement",
     "check_optimizers_follow", "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "mesh_sizes",
-    "release_unfinished", "replacement_note", "replicas_after_step", "route_optimizers", "set_gradient_sync",
-    "settle_replicas", "shard_module", "sync_buffers",
+    "replacement_note", "replicas_after_step", "route_optimizers", "set_gradient_sync", "shard_module",
 ]
 
 #: How to set up a model and its optimizer under owner sharding, for error messages.
@@ -101,24 +103,21 @@ def shard_module(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, de
     matrix_shard(module, config=config, mesh=mesh, device=device)
 
 
-def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any, Optional[dist.ProcessGroup]]:
-    """(group, traffic stats, TP group) of the first sharded model inside ``module``: the global norm
-    sums the owners' pieces over the shard group (HSDP replicas hold equal gradients), or over the
-    world under ``replica_split`` (one replica holds each gradient), and over the TP group (None
-    without tensor parallelism)."""
-    roots = sharded_roots(module)
-    if not roots:
-        return None, None, None
-    state = state_of(roots[0])
-    return state.norm_group, state.stats, state.mesh.tp_group
+def clip_group(module: nn.Module) -> tuple[Optional[dist.ProcessGroup], Any]:
+    """(group, traffic stats) of the first sharded model inside ``module`` ((None, None) without
+    one): the global norm sums the owners' pieces over the shard group (HSDP replicas hold equal
+    gradients), or over the world under ``replica_split`` (one replica holds each gradient). The
+    clip finds the TP group itself, from the parameters' TP fragments."""
+    groups = norm_groups(module)
+    return (None, None) if groups is None else (groups.group, groups.stats)
 
 
 def clip_gradients_norm(module: nn.Module, parameters: Iterable[torch.Tensor], max_norm: Union[float, int],
                         norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip ``parameters`` by the global norm of the owner-sharded gradients of ``module``."""
-    group, stats, tp_group = clip_group(module)
+    group, stats = clip_group(module)
     return clip_grad_norm_(list(parameters), float(max_norm), norm_type=float(norm_type), group=group,
-                           error_if_nonfinite=error_if_nonfinite, stats=stats, tp_group=tp_group)
+                           error_if_nonfinite=error_if_nonfinite, stats=stats)
 
 
 def build_replacement(factory: Callable[[Iterable[nn.Parameter]], Optimizer], params: Sequence[nn.Parameter],
@@ -188,29 +187,7 @@ def replicas_after_step(module: nn.Module, optimizer: Optimizer) -> None:
     for root in sharded_roots(module):
         start_replica_sync(root, optimizer)
         if copies_of(module):
-            state_of(root).wait_replicas()
-
-
-def release_unfinished(module: nn.Module) -> None:
-    """Before a step: release the units a forward without backward left materialized
-    (``StochasticWeightAveraging``'s BatchNorm epoch skips backward)."""
-    for root in sharded_roots(module):
-        state_of(root).release_unfinished()
-
-
-def settle_replicas(module: nn.Module) -> None:
-    """``replica_split``: before evaluation and at the end of training, when every step taken has
-    been started: every replica holds the current weights and nothing is left to send (so an
-    evaluation forward, which some ranks may skip under the uneven-inputs join, sends nothing)."""
-    for root in sharded_roots(module):
-        state_of(root).settle_replicas(clear=True)
-
-
-def sync_buffers(module: nn.Module, only_if_due: bool = False) -> None:
-    """Every sharded model inside ``module`` takes global rank 0's buffers (collective; nothing with
-    ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would broadcast."""
-    for root in sharded_roots(module):
-        state_of(root).broadcast_buffers(only_if_due)
+            wait_replicas(root)
 
 
 # ---------------------------------------------------------------- the mixin
@@ -291,6 +268,7 @@ class MatrixFSDPAdapter:
         world = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
         dp, tp = mesh_sizes(self.config.data_parallel_size, self.config.tensor_parallel_size, world,
                             self.num_processes)  # type: ignore[attr-defined]
+        # Lightning takes the sizes only in __init__, before the world is known (docs/decisions.md, issue 29)
         self._data_parallel_size, self._tensor_parallel_size = dp, tp
         super().setup_environment()  # type: ignore[misc]
         size = self.config.shard_size or dp

@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_matrixfsdp.runtime import scheduled_forwards
+from lightning_matrixfsdp.runtime import is_sharded_root, scheduled_forwards
 from lightning_matrixfsdp.runtime.join import EvalJoin
-from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
+from lightning_matrixfsdp.runtime.tags import sharded_roots
 
 __all__ = ["UnevenInputs", "call_as_forward", "evenly_sampled"]
 
@@ -25,7 +25,7 @@ def call_as_forward(module: nn.Module, name: str, *args: Any, **kwargs: Any) -> 
     root unit materializes around it; inside ``scheduled_forwards``: every rank runs the steps, so
     no lone-forward check."""
     with scheduled_forwards(module):
-        if state_of(module) is None:
+        if not is_sharded_root(module):
             return getattr(module, name)(*args, **kwargs)
         had_own = "forward" in module.__dict__
         original = module.__dict__.get("forward")
@@ -74,9 +74,8 @@ class UnevenInputs:
         roots = sharded_roots(module) if module is not None else []
         if not roots or world_size == 1:
             return None
-        states = [state_of(r) for r in roots]
-        if self._join is None or self._join.states != states:
-            self._join = EvalJoin(states)
+        if self._join is None or not self._join.serves(roots):
+            self._join = EvalJoin(roots)
         return self._join
 
     def wrap(self, dataloader: object, module: Optional[nn.Module], world_size: int, training: bool) -> object:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import types
 from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, Generator, Mapping, Optional
+from typing import Any, Callable, Generator, Optional
 
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -34,11 +34,8 @@ from lightning_matrixfsdp.adapters.shared import (
     MatrixFSDPAdapter,
     adapter_signature,
     is_sharded,
-    release_unfinished,
     replicas_after_step,
     set_gradient_sync,
-    settle_replicas,
-    sync_buffers,
 )
 from lightning_matrixfsdp.adapters.steps import UnevenInputs, call_as_forward
 from lightning_matrixfsdp.adapters.telemetry import StepTelemetry
@@ -54,7 +51,7 @@ from lightning_matrixfsdp.checkpoint import (
     write_checkpoint,
 )
 from lightning_matrixfsdp.optim.routing import route_optimizer
-from lightning_matrixfsdp.runtime import watch_lone_forwards
+from lightning_matrixfsdp.runtime import broadcast_buffers, release_unfinished, settle_replicas, watch_lone_forwards
 from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 
@@ -62,56 +59,16 @@ from lightning_matrixfsdp.runtime.tags import sharded_roots
 class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     """Owner-sharded ZeRO-3 with exact matrix optimizers (Muon, Shampoo, SOAP).
 
-    Args:
-        wrap_policy: which modules become units (a set of module classes, their
-            import paths, or ``callable(name, module) -> bool``); default: the
-            children of every outermost ``nn.ModuleList``.
-        planner: ``"role_greedy"``, ``"scope_greedy"`` or ``"cost_aware"``.
-        collective: ``"p2p"``, ``"broadcast"`` or ``"padded_all_gather"``.
-        matrix_filter: ``callable(fqn, param) -> bool``; 2D parameters it rejects
-            go to the AdamW tail (e.g. embeddings and the LM head).
-        param_dtype / reduce_dtype: compute dtype of the unsharded buffers and
-            dtype of the gradient reduction; resident weights keep theirs.
-        activation_checkpointing_policy: module classes (or a callable) whose
-            forward is recomputed in backward (non-reentrant checkpointing).
-        optimizer: ``callable(params) -> Optimizer`` replacing the module's own
-            optimizer, e.g. ``functools.partial(lightning_matrixfsdp.Muon, lr=0.02)``.
-        reshard_after_forward: free unit buffers after forward (ZeRO-3); ``False``
-            keeps them until backward (ZeRO-2-like memory, less traffic).
-        accumulation_no_sync: with ``accumulate_grad_batches > 1``, accumulate full
-            gradients locally and reduce once per optimizer step.
-        shard_size: HSDP; shard over groups of this many ranks, replicate across
-            groups (default: shard over the whole world).
-        prefetch: materialize the next unit while the current one computes
-            (forward and backward); ``False`` saves one unit of memory.
-        zero_missing_grads: for models whose ranks leave different parameters without
-            a gradient in a step (mixture-of-experts routing); see ``matrix_shard``.
-        save_distributed_checkpoint: directory of per-rank files (default) or one
-            consolidated file.
-        log_plan: log the owner plan at fit start (rank 0).
-        verify_checkpoints: record a checksum of every file a checkpoint directory holds
-            and verify them (and a consolidated file's own) on load; ``False`` skips
-            both (sizes are still checked).
-        reset_changed_roles: on load, restart the optimizer state of parameters whose
-            role (matrix or tail) changed since the save, e.g. through another
-            ``matrix_filter``, instead of raising ``CheckpointMismatchError``.
-        replica_split: under HSDP (``shard_size`` below the world size), step each role
-            on one replica only and send the updated weights to the others after the
-            step (see ``matrix_shard`` and docs/multi-node.md); no effect without replicas.
-        flatten_conv: make parameters of more than two dimensions (convolution kernels)
-            matrix roles too, trained by ``Muon`` as their ``(shape[0], -1)`` matrix
-            (``matrix_filter`` is then asked about them as well).
-        async_save: save checkpoint directories in the background: a save stalls training only
-            to copy this rank's share into reused host buffers; the files, checksums and the
-            atomic publish follow in a thread (docs/checkpointing.md, "Asynchronous saves").
-        config: all of the above as one ``MatrixFSDPConfig`` instead of keywords (not both).
+    The options (keywords, or one ``MatrixFSDPConfig`` as ``config=``) are listed once, with
+    their defaults and what each does, in docs/user-guide.md, "Strategy options"; the
+    checks of their values are ``MatrixFSDPConfig``'s.
     """
 
     strategy_name = "matrix_fsdp"
     options_signature = adapter_signature(accumulation_no_sync=False)
     default_accumulation_no_sync = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: see the class docstring
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: docs/user-guide.md
         super().__init__(*args, **kwargs)
         self._telemetry = StepTelemetry()
         self._uneven = UnevenInputs()
@@ -126,7 +83,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:  # type: ignore[override]
-        self._precision_plugin = with_global_norm_clip(plugin, "MatrixFSDPStrategy")
+        ModelParallelStrategy.precision_plugin.fset(self, with_global_norm_clip(plugin, "MatrixFSDPStrategy"))
 
     # ------------------------------------------------------------------ environment
     @override
@@ -180,7 +137,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.model = convert_sync_batchnorm(self.model, self._layer_sync if fitting else None, self.root_device)
         if sharded:  # sharded before (a second fit, a test after fit): rank 0's buffers, as DDP's setup
-            sync_buffers(module)
+            broadcast_buffers(module)
         else:
             self.model = self.precision_plugin.convert_module(self.model)
             self.shard(module)
@@ -271,7 +228,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         (here every rank is present, also when some have no validation batch)."""
         self.on_test_start()
         if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            sync_buffers(self.lightning_module, only_if_due=True)
+            broadcast_buffers(self.lightning_module, only_if_due=True)
 
     @override
     def on_train_end(self) -> None:
@@ -355,7 +312,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return sharded_optimizer_state_dict(self._checkpoint_module(), optimizer,
-                                            full=not self._save_distributed_checkpoint, index=self._checkpoint_index)
+                                            full=not self.config.save_distributed_checkpoint, index=self._checkpoint_index)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
@@ -369,7 +326,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             self.async_saver.save(module, checkpoint, filepath, [optimizer_class(o) for o in self.optimizers],
                                   index=index, checksums=self.verify_checkpoints)
             return
-        write_checkpoint(self._checkpoint_module(), checkpoint, filepath, full=not self._save_distributed_checkpoint,
+        write_checkpoint(self._checkpoint_module(), checkpoint, filepath, full=not self.config.save_distributed_checkpoint,
                          optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index,
                          checksums=self.verify_checkpoints)
 
@@ -413,15 +370,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:  # type: ignore[override]
         refuse_async_checkpoint_io(io, type(self).__name__)
-        self._checkpoint_io = io
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # load_checkpoint already restored the weights
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # load_checkpoint already restored the optimizer states
+        ModelParallelStrategy.checkpoint_io.fset(self, io)
 
 
 def register(registry: Any = None) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_matrixfsdp.checkpoint.agree import world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.runtime.checkpoint_view import RootView, model_view_of
-from lightning_matrixfsdp.runtime.tp_comm import fragment_dtensor
+from lightning_matrixfsdp.runtime.tp import fragment_dtensor
 
 __all__ = ["Entry", "KeyIndex", "build_index"]
 

@@ -31,7 +31,6 @@ from lightning_matrixfsdp.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
-    CheckpointNotResumableError,
 )
 from lightning_matrixfsdp.checkpoint.formats import (
     DcpEntries,
@@ -49,7 +48,7 @@ from lightning_matrixfsdp.checkpoint.optimizer_state import StateRule, apply_opt
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, layout_change, read_sidecar
 from lightning_matrixfsdp.checkpoint.sidecar import roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
-from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, match_model
+from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, check_resumable, match_model
 from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
 
 __all__ = ["check_resumable", "load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
@@ -94,22 +93,6 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     load = _load_dir if kind == "dir" else _load_file
     return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume,
                 before_optimizers, with_state_dict)
-
-
-def check_resumable(what: str, holds_optimizers: bool, rest: Optional[Mapping[str, Any]]) -> None:
-    """Refuse to resume training from a checkpoint without the training state, as Lightning does
-    under DDP (``rest``: the checkpoint without its tensors; None for a plain ``state_dict``). A
-    checkpoint holds it when it holds optimizer states, or the LR schedulers of a run that had no
-    optimizer; a Fabric checkpoint (optimizer states, no loops) resumes with fresh counters."""
-    if holds_optimizers or (rest is not None and "lr_schedulers" in rest):
-        return
-    kind = ("a plain state_dict (model weights only)" if rest is None else
-            "only the model (saved with ModelCheckpoint(save_weights_only=True) or save_checkpoint(weights_only=True))")
-    raise CheckpointNotResumableError(
-        f"Trying to restore optimizer state but {what} holds {kind}: fit(ckpt_path=...) resumes training and needs "
-        "the optimizer states and LR schedulers, as under DDP. To train from these weights, load them in the "
-        "module (e.g. lightning_matrixfsdp.load_weights(self, path) in on_fit_start) and call fit without ckpt_path; "
-        "validate/test/predict(ckpt_path=...) accept this checkpoint as it is")
 
 
 def _detect(path: Path) -> str:
@@ -203,21 +186,42 @@ def meta_required(side: Optional[Mapping[str, Any]], ck: DcpEntries) -> bool:
 
 
 def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequence[torch.optim.Optimizer],
-              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool,
-              resume: bool,
+              strict: bool, weights_only: Optional[bool], verify: bool, reset: bool, resume: bool,
               before_optimizers: Optional[Callable[[Mapping[str, Any]], None]] = None,
               with_state_dict: bool = False) -> Optional[dict[str, Any]]:
-    from torch.distributed.checkpoint import FileSystemReader
+    """A checkpoint directory, stage by stage (:class:`_DirectoryLoad`); every stage agreed across ranks."""
+    load = _DirectoryLoad(module, index, path, optimizers, strict)
+    load.open(weights_only, verify)
+    if resume:
+        agree(check_resumable, load.what, load.ck.n_optimizers() > 0, load.meta)
+    if before_optimizers is not None and optimizers and isinstance(load.meta, Mapping):
+        agree(before_optimizers, load.meta)
+    load.match_model()
+    load.check_optimizers(reset)
+    load.read()
+    load.write()
+    return load.rest(with_state_dict)
 
-    what = f"checkpoint {path}"
 
-    def prepare() -> tuple[DcpEntries, Optional[dict[str, Any]]]:
-        try:
+class _DirectoryLoad:
+    """One load of a checkpoint directory, its stages in order: ``open``, ``match_model``,
+    ``check_optimizers`` (before any data moves), ``read`` (into fresh buffers), ``write``, ``rest``."""
+
+    def __init__(self, module: nn.Module, index: KeyIndex, path: Path,
+                 optimizers: Sequence[torch.optim.Optimizer], strict: bool) -> None:
+        self.module, self.index, self.path, self.optimizers, self.strict = module, index, path, optimizers, strict
+        self.what = f"checkpoint {path}"
+
+    def _prepare(self) -> tuple[DcpEntries, Optional[dict[str, Any]]]:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        path, what = self.path, self.what
+        try:  # metadata, sidecar, the presence of meta.pt: the same verdict on every rank
             md = FileSystemReader(str(path)).read_metadata()
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(f"{what}: cannot read the DCP metadata: {e}") from None
         side = read_sidecar(path) if (path / SIDECAR_NAME).exists() else None
-        ck = parse_dcp(md, list(index.entries))
+        ck = parse_dcp(md, list(self.index.entries))
         if side is not None:
             check_sidecar(side, ck, what)
         if not (path / META_NAME).is_file() and meta_required(side, ck):
@@ -227,104 +231,116 @@ def _load_dir(module: nn.Module, index: KeyIndex, path: Path, optimizers: Sequen
                 "load an intact copy")
         return ck, side
 
-    ck, side = agree(prepare)
-    if side is not None and isinstance(side.get("files"), Mapping):
-        verify_files(path, side["files"], checksums=verify)
-    meta = agree(read_meta, path, weights_only) if (path / META_NAME).is_file() else None
-    if resume:
-        agree(check_resumable, what, ck.n_optimizers() > 0, meta)
-    if before_optimizers is not None and optimizers and isinstance(meta, Mapping):
-        agree(before_optimizers, meta)
-    match = agree(match_model, index, ck.specs(), strict, what)
-    view_req = agree(read_refs, meta, ck.meta, index, what) if meta is not None else {}
-    if side is not None and world()[0] == 0:
-        log.info("matrix_fsdp checkpoint: %s", layout_change(side, index))
-    n_saved = ck.n_optimizers()
-    if optimizers and n_saved and n_saved != len(optimizers):
-        msg = f"{what} holds {n_saved} optimizer state(s), the run has {len(optimizers)}"
-        if strict:
-            raise CheckpointMismatchError(msg)  # same verdict on every rank
-        warn(msg + "; restoring the first ones")
-    use = [i for i in range(len(optimizers)) if i in ck.groups]
-    current = [full_groups(index, o) for o in optimizers]
+    def open(self, weights_only: Optional[bool], verify: bool) -> None:
+        """The entries (``ck``), the sidecar (``side``) and ``meta.pt`` (``meta``, None without one)."""
+        self.ck, self.side = agree(self._prepare)
+        if self.side is not None and isinstance(self.side.get("files"), Mapping):
+            verify_files(self.path, self.side["files"], checksums=verify)
+        self.meta = agree(read_meta, self.path, weights_only) if (self.path / META_NAME).is_file() else None
 
-    # phase 1: param-group hyper-parameters (small objects), so the optimizers are validated before any data moves
-    req1: dict[str, Any] = {flat: placeholder(ck.meta[flat]) for i in use for g in ck.groups[i].values()
-                            for flat in g.values()}
-    if req1:
-        agree(read_dcp, req1, path)
-    saved_groups: dict[int, list[dict[str, Any]]] = {}
-    for i in use:
-        gs = ck.groups[i]
-        saved_groups[i] = [{h: req1[f] for h, f in gs[j].items()} for j in sorted(gs)]
-        for g in saved_groups[i]:
-            g["params"] = [match.from_ck.get(k, k) for k in (g.get("params") or [])]
-    sclasses = [o.get("class") for o in side.get("optimizers", [])] if side else []
-    saved_roles = {match.from_ck.get(k, k): r for k, r in roles_of(side).items()}
+    def match_model(self) -> None:
+        """The saved keys against the model's (``match``), and the view requests of ``meta.pt``."""
+        self.match = agree(match_model, self.index, self.ck.specs(), self.strict, self.what)
+        self.view_req = {} if self.meta is None else agree(read_refs, self.meta, self.ck.meta, self.index, self.what)
+        if self.side is not None and world()[0] == 0:
+            log.info("matrix_fsdp checkpoint: %s", layout_change(self.side, self.index))
 
-    def check() -> tuple[list[int], set[str]]:
+    def check_optimizers(self, reset: bool) -> None:
+        """Phase 1: the saved param groups (small objects) read and every optimizer checked against them:
+        ``apply`` (the optimizers restored), ``dropped`` (keys whose role changed, restarted with ``reset``)."""
+        ck, side, match, optimizers, what = self.ck, self.side, self.match, self.optimizers, self.what
+        n_saved = ck.n_optimizers()
+        if optimizers and n_saved and n_saved != len(optimizers):
+            msg = f"{what} holds {n_saved} optimizer state(s), the run has {len(optimizers)}"
+            if self.strict:
+                raise CheckpointMismatchError(msg)  # same verdict on every rank
+            warn(msg + "; restoring the first ones")
+        self.use = [i for i in range(len(optimizers)) if i in ck.groups]
+        self.current = [full_groups(self.index, o) for o in optimizers]
+        req1: dict[str, Any] = {flat: placeholder(ck.meta[flat]) for i in self.use for g in ck.groups[i].values()
+                                for flat in g.values()}
+        if req1:
+            agree(read_dcp, req1, self.path)
+        self.saved_groups: dict[int, list[dict[str, Any]]] = {}
+        for i in self.use:
+            gs = ck.groups[i]
+            self.saved_groups[i] = [{h: req1[f] for h, f in gs[j].items()} for j in sorted(gs)]
+            for g in self.saved_groups[i]:
+                g["params"] = [match.from_ck.get(k, k) for k in (g.get("params") or [])]
+        self.sclasses = [o.get("class") for o in side.get("optimizers", [])] if side else []
+        self.saved_roles = {match.from_ck.get(k, k): r for k, r in roles_of(side).items()}
+        self.apply, self.dropped = agree(self._check, reset)
+
+    def _check(self, reset: bool) -> tuple[list[int], set[str]]:
+        ck, match, sclasses = self.ck, self.match, self.sclasses
         ok = []
-        for i in use:
+        for i in self.use:
             keys = [match.from_ck.get(k, k) for k in ck.state.get(i, {})]
-            if check_optimizer(i, optimizers[i], current[i], saved_groups[i], keys, strict,
-                               sclasses[i] if i < len(sclasses) else None, what):
+            if check_optimizer(i, self.optimizers[i], self.current[i], self.saved_groups[i], keys, self.strict,
+                               sclasses[i] if i < len(sclasses) else None, self.what):
                 ok.append(i)
         with_state = {match.from_ck.get(k, k) for i in ok for k in ck.state.get(i, {})}
-        return ok, changed_roles(index, saved_roles, with_state, reset, what)
+        return ok, changed_roles(self.index, self.saved_roles, with_state, reset, self.what)
 
-    apply, dropped = agree(check)
+    def read(self) -> None:
+        """Phase 2: everything this rank will hold, read into fresh ``buffers``; nothing is written yet. A TP-split
+        tensor is the global tensor on disk (any saving mesh): a TP rank asks for its fragment."""
+        ck, match, index = self.ck, self.match, self.index
+        req2: dict[str, Any] = {}
+        self.targets: list[tuple[torch.Tensor, str]] = []
+        for key, c in match.tensors:
+            e = index.entries[key]
+            if e.local is not None:
+                flat = ck.model[c][0]
+                m = ck.meta[flat]
+                req2[flat] = index.fragment_request(key, m.properties.dtype) if e.tp is not None else placeholder(m)
+                self.targets.append((e.local, flat))
+        for key, c in match.objects:
+            req2[ck.model[c][0]] = None
+        req2.update(self.view_req)
+        self.splits = saved_splits(self.side, match.from_ck)
+        self.wanted = agree(self._state_requests)
+        req2.update({flat: buf for per in self.wanted.values() for items in per.values() for _, flat, buf in items})
+        agree(read_dcp, req2, self.path)
+        self.buffers = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in req2.items()}  # TP: plain
 
-    # phase 2: read everything this rank will hold into fresh buffers; nothing is written yet. A
-    # TP-split tensor is the global tensor on disk (any saving mesh): a TP rank asks for its fragment.
-    req2: dict[str, Any] = {}
-    targets: list[tuple[torch.Tensor, str]] = []
-    for key, c in match.tensors:
-        e = index.entries[key]
-        if e.local is not None:
-            flat = ck.model[c][0]
-            m = ck.meta[flat]
-            req2[flat] = index.fragment_request(key, m.properties.dtype) if e.tp is not None else placeholder(m)
-            targets.append((e.local, flat))
-    for key, c in match.objects:
-        req2[ck.model[c][0]] = None
-    req2.update(view_req)
-    splits = saved_splits(side, match.from_ck)
-
-    def state_requests() -> dict[int, dict[str, list[tuple[tuple, str, Any]]]]:
+    def _state_requests(self) -> dict[int, dict[str, list[tuple[tuple, str, Any]]]]:
+        index, match = self.index, self.match
         wanted: dict[int, dict[str, list[tuple[tuple, str, Any]]]] = {}
-        for i in apply:
-            rule = StateRule(index, optimizers[i], splits, what)  # the target optimizer says whole or fragment
-            for g in optimizers[i].param_groups:
+        for i in self.apply:
+            rule = StateRule(index, self.optimizers[i], self.splits, self.what)  # the target says whole or fragment
+            for g in self.optimizers[i].param_groups:
                 for p in g["params"]:
                     key = index.key(p)
-                    if key in dropped or not index.steps(key) or not rule.reads(key):  # replica_split, whole state
+                    if key in self.dropped or not index.steps(key) or not rule.reads(key):  # replica_split, whole
                         continue
-                    for tail, flat, m in ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
+                    for tail, flat, m in self.ck.state.get(i, {}).get(match.to_ck.get(key, key), []):
                         buf = rule.dcp_buffer(key, ".".join(map(str, tail)), m)
                         wanted.setdefault(i, {}).setdefault(key, []).append((tail, flat, buf))
         return wanted
 
-    wanted = agree(state_requests)
-    req2.update({flat: buf for per in wanted.values() for items in per.values() for _, flat, buf in items})
-    agree(read_dcp, req2, path)
-    req2 = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in req2.items()}  # TP fragments: plain
+    def write(self) -> None:
+        """Phase 3: in place (extra state first: user code that may still raise)."""
+        ck, match, buffers = self.ck, self.match, self.buffers
+        if match.objects:
+            agree(self.module.load_state_dict, {k: buffers[ck.model[c][0]] for k, c in match.objects}, strict=False)
+        with torch.no_grad():
+            for local, flat in self.targets:
+                local.copy_(buffers[flat])
+        for i in self.apply:
+            state = {key: nest((tail, buffers[flat]) for tail, flat, _ in items)
+                     for key, items in self.wanted.get(i, {}).items()}
+            agree(apply_optimizer, self.index, self.optimizers[i], self.saved_groups[i], state)
 
-    # phase 3: in place (extra state first: user code that may still raise)
-    if match.objects:
-        agree(module.load_state_dict, {k: req2[ck.model[c][0]] for k, c in match.objects}, strict=False)
-    with torch.no_grad():
-        for local, flat in targets:
-            local.copy_(req2[flat])
-    for i in apply:
-        state = {key: nest((tail, req2[flat]) for tail, flat, _ in items) for key, items in wanted.get(i, {}).items()}
-        agree(apply_optimizer, index, optimizers[i], saved_groups[i], state)
-    if meta is None:
-        return None
-    meta = localize_views(meta, index, what, read=req2)
-    if with_state_dict:
-        read = {c: req2.get(f) for c, (f, _) in ck.model.items()}
-        meta = {**meta, "state_dict": state_view(read, match.from_ck, index)}
-    return meta
+    def rest(self, with_state_dict: bool) -> Optional[dict[str, Any]]:
+        """``meta.pt`` with this rank's views (+ the ``state_dict`` as one), or None without ``meta.pt``."""
+        if self.meta is None:
+            return None
+        meta = localize_views(self.meta, self.index, self.what, read=self.buffers)
+        if with_state_dict:
+            read = {c: self.buffers.get(f) for c, (f, _) in self.ck.model.items()}
+            meta = {**meta, "state_dict": state_view(read, self.match.from_ck, self.index)}
+        return meta
 
 
 def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:

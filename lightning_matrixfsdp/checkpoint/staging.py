@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_matrixfsdp.runtime.tp_comm import as_dtensor
+from lightning_matrixfsdp.runtime.tp import as_dtensor
 
 __all__ = ["HostStaging"]
 

@@ -1,4 +1,5 @@
-"""Checks of a checkpoint against the run: model keys, shapes and dtypes; optimizers; roles.
+"""Checks of a checkpoint against the run: model keys, shapes and dtypes; optimizers; roles;
+whether it holds the training state a resume needs.
 
 Pure with respect to the model and the optimizers: nothing here writes into them.
 Each check raises the documented error under strict loading (or always, where a
@@ -13,11 +14,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from lightning_matrixfsdp.checkpoint.agree import warn
-from lightning_matrixfsdp.checkpoint.errors import CheckpointKeyError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.errors import CheckpointKeyError, CheckpointMismatchError, CheckpointNotResumableError
 from lightning_matrixfsdp.checkpoint.formats import dtype_name, optimizer_class
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 
-__all__ = ["ModelMatch", "changed_roles", "check_optimizer", "match_model", "rebase"]
+__all__ = ["ModelMatch", "changed_roles", "check_optimizer", "check_resumable", "match_model", "rebase"]
 
 # Group keys that do not tell optimizers apart: names, the scheduler's mark, and the flags
 # torch's ``Optimizer.__setstate__`` fills in with defaults when a state is loaded.
@@ -173,3 +174,19 @@ def changed_roles(index: KeyIndex, saved_roles: Mapping[str, str], keys_with_sta
             "MatrixFSDPStrategy(reset_changed_roles=True)) to restart their optimizer state")
     warn(f"{what}: restarting the optimizer state of {len(changed)} parameter(s) whose role changed: {listed}")
     return set(changed)
+
+
+def check_resumable(what: str, holds_optimizers: bool, rest: Optional[Mapping[str, Any]]) -> None:
+    """Refuse to resume training from a checkpoint without the training state, as Lightning does
+    under DDP (``rest``: the checkpoint without its tensors; None for a plain ``state_dict``). A
+    checkpoint holds it when it holds optimizer states, or the LR schedulers of a run that had no
+    optimizer; a Fabric checkpoint (optimizer states, no loops) resumes with fresh counters."""
+    if holds_optimizers or (rest is not None and "lr_schedulers" in rest):
+        return
+    kind = ("a plain state_dict (model weights only)" if rest is None else
+            "only the model (saved with ModelCheckpoint(save_weights_only=True) or save_checkpoint(weights_only=True))")
+    raise CheckpointNotResumableError(
+        f"Trying to restore optimizer state but {what} holds {kind}: fit(ckpt_path=...) resumes training and needs "
+        "the optimizer states and LR schedulers, as under DDP. To train from these weights, load them in the "
+        "module (e.g. lightning_matrixfsdp.load_weights(self, path) in on_fit_start) and call fit without ckpt_path; "
+        "validate/test/predict(ckpt_path=...) accept this checkpoint as it is")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from lightning_matrixfsdp.optim.routing import held
 from lightning_matrixfsdp.runtime.comm import CommStats, comm_device
 from lightning_matrixfsdp.runtime.small_comm import all_reduce_norm
-from lightning_matrixfsdp.runtime.tags import find_state, shard_of, tp_shape_of
+from lightning_matrixfsdp.runtime import norm_groups, tp_group_of
+from lightning_matrixfsdp.runtime.tags import shard_of, tp_shape_of
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -57,18 +58,22 @@ def clip_grad_norm_(
     gradients, and summing over the world would count each of them once per replica),
     or the whole world under ``replica_split`` (each gradient then lives on one rank of
     the world); otherwise the whole world. The all-reduces are counted under the ``clip`` phase of
-    ``stats`` (default: the sharded module's).
+    ``stats`` (default: the sharded module's). ``tp_group`` (tensor parallelism): default the
+    sharded module's, or for a list the group of its TP-split parameters (their fragments carry
+    it; a list without one is clipped as without tensor parallelism).
     """
     if isinstance(parameters, torch.nn.Module):
-        state = find_state(parameters)
-        if state is not None:
-            stats = state.stats if stats is None else stats
+        groups = norm_groups(parameters)
+        if groups is not None:
+            stats = groups.stats if stats is None else stats
             if group is None:
-                group = state.norm_group  # the world under replica_split (one rank holds each gradient)
+                group = groups.group  # the world under replica_split (one rank holds each gradient)
             if tp_group is None:
-                tp_group = state.mesh.tp_group
+                tp_group = groups.tp_group
         parameters = list(parameters.parameters())
     params = list(parameters)
+    if tp_group is None:  # a list: the TP fragments among the parameters carry their group
+        tp_group = tp_group_of(params)
     norm_type = float(norm_type)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         return _clip_tensor_parallel(params, float(max_norm), norm_type, group, tp_group, error_if_nonfinite, stats)
@@ -139,20 +144,20 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
-    state = find_state(module)
-    if group is None and state is not None:
-        group = state.norm_group
+    groups = norm_groups(module)
+    if group is None and groups is not None:
+        group = groups.group
     named = list(module.named_parameters())
-    if state is not None and state.mesh.tp_size > 1:
-        present, each = _each_norm_tensor_parallel([p for _, p in named], norm_type, group, state.mesh.tp_group,
-                                                   state.stats)
+    if groups is not None and groups.tp_size > 1:
+        present, each = _each_norm_tensor_parallel([p for _, p in named], norm_type, group, groups.tp_group,
+                                                   groups.stats)
         values = {i: each[i].to(named[i][1].device, named[i][1].dtype) for i in present}
     elif _alone(group):
         present = [i for i, (_, p) in enumerate(named) if p.grad is not None]
         values = {i: named[i][1].grad.norm(norm_type) for i in present}
     else:
         present, each = _each_norm([p for _, p in named], lambda g: g.norm(norm_type), group,
-                                   state.stats if state is not None else None)
+                                   groups.stats if groups is not None else None)
         values = {i: each[i].to(named[i][1].device, named[i][1].dtype) for i in present}
     norms = {f"grad_{norm_type}_norm{group_separator}{named[i][0]}": values[i] for i in present}
     if norms:  # as Lightning: the norm of the per-parameter norms, on the host

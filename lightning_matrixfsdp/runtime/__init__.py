@@ -20,13 +20,21 @@ from lightning_matrixfsdp.runtime.mesh_comm import hsdp_mesh
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, UnitLayout
 from lightning_matrixfsdp.runtime.queries import (
+    NormGroups,
+    broadcast_buffers,
     get_comm_stats,
     get_plan,
     is_matrix_sharded,
+    is_sharded_root,
+    norm_groups,
+    release_unfinished,
     scheduled_forwards,
     set_requires_gradient_sync,
+    settle_replicas,
     start_replica_sync,
     sync_replicas,
+    tp_group_of,
+    wait_replicas,
     watch_lone_forwards,
 )
 from lightning_matrixfsdp.runtime.shard import matrix_shard
@@ -35,4 +43,7 @@ __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "Mat
            "MeshInfo", "Plan",
            "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "get_comm_stats",
            "get_plan", "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "scheduled_forwards",
-           "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards"]
+           "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards",
+           # what the adapters and optimizers ask of and do to a sharded model (queries.py)
+           "NormGroups", "broadcast_buffers", "is_sharded_root", "norm_groups", "release_unfinished",
+           "settle_replicas", "tp_group_of", "wait_replicas"]

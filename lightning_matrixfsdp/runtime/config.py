@@ -78,7 +78,8 @@ def _adapter_default_bool(value: Any, name: str) -> Optional[bool]:
 
 @dataclass(frozen=True, kw_only=True)
 class MatrixFSDPConfig:
-    """Every option of ``matrix_shard`` and the strategies (see ``MatrixFSDPStrategy`` for each).
+    """Every option of ``matrix_shard`` and the strategies (docs/user-guide.md, "Strategy options",
+    says what each does: the one list of them).
 
     Checked and normalized at construction (dtype names to dtypes, policy classes and import
     paths to a frozenset of classes); a wrong value raises ``MatrixShardError`` naming the

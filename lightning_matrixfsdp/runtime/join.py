@@ -32,10 +32,12 @@ from __future__ import annotations
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
+from torch import nn
 
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError, UnevenInputsError
 from lightning_matrixfsdp.runtime.small_comm import gather_ints
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+from lightning_matrixfsdp.runtime.tags import state_of
 
 IDLE, DONE, MATERIALIZE = range(3)
 
@@ -43,14 +45,19 @@ IDLE, DONE, MATERIALIZE = range(3)
 class EvalJoin:
     """Keeps the ranks of sharded models in step through evaluation loops of unequal length."""
 
-    def __init__(self, states: Sequence[MatrixFSDPState]) -> None:
-        self.states = list(states)
+    def __init__(self, roots: Sequence[nn.Module]) -> None:
+        """``roots``: the sharded models (``sharded_roots``) whose steps the ranks keep in step."""
+        self.states: list[MatrixFSDPState] = [state_of(r) for r in roots]
         # every root of one strategy shards over the same ranks: the first one's group carries announcements
         self.group = self.states[0].sg.group
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.steps = 0  # evaluation steps this rank ran since the last drain
         self.joining = False
+
+    def serves(self, roots: Sequence[nn.Module]) -> bool:
+        """Whether this join keeps exactly the sharded models ``roots`` in step (their runtimes now)."""
+        return [state_of(r) for r in roots] == self.states
 
     # ------------------------------------------------------------------ evaluation steps
     def begin_step(self) -> None:

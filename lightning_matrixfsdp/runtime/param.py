@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
 from lightning_matrixfsdp.runtime.tags import tag_param
-from lightning_matrixfsdp.runtime.tp import local_data
-from lightning_matrixfsdp.runtime.tp_comm import as_dtensor, local_fragment
+from lightning_matrixfsdp.runtime.tp import as_dtensor, local_data
+from lightning_matrixfsdp.runtime.tp_comm import local_fragment
 
 
 def placeholder_shape(shape: tuple[int, ...]) -> tuple[int, ...]:

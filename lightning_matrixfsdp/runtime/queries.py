@@ -1,18 +1,28 @@
-"""Questions about a sharded model: its plan, its traffic, the no-sync switch, the
-``replica_split`` weight transfers (start, and wait until the replicas are equal), and
-which forwards a training loop schedules on every rank (the lone-forward check)."""
+"""Questions about a sharded model and what the layers above may do to it: its plan, its
+traffic, the no-sync switch, the ``replica_split`` weight transfers (start, wait, and
+settle until the replicas are equal), which forwards a training loop schedules on every
+rank (the lone-forward check), the groups a gradient norm sums over, the buffer
+broadcast, and releasing a forward left without backward.
+
+The one way into a sharded model's runtime state from outside ``runtime/``: the adapters,
+the optimizers and the checkpoints call these functions (and ``checkpoint_view``'s records),
+never the state object itself."""
 
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
 
+import torch.distributed as dist
 from torch import nn
+
+from lightning_matrixfsdp.runtime.comm import CommStats
 
 from lightning_matrixfsdp.runtime.consensus import PeerCheck, host_group
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import find_state, sharded_roots, state_of
+from lightning_matrixfsdp.runtime.tags import find_state, sharded_roots, state_of, tp_of
 
 
 def _state(module: nn.Module) -> MatrixFSDPState:
@@ -88,3 +98,70 @@ def scheduled_forwards(module: nn.Module) -> Iterator[None]:
         for root in sharded_roots(module):
             stack.enter_context(state_of(root).schedule.scheduled())
         yield
+
+
+def is_sharded_root(module: nn.Module) -> bool:
+    """True if ``matrix_shard`` sharded exactly ``module`` (not only a module inside it)."""
+    return state_of(module) is not None
+
+
+@dataclass(frozen=True)
+class NormGroups:
+    """Where a global norm of a sharded model's gradients is summed, and where it is counted."""
+
+    #: the owners' pieces: the shard group (HSDP replicas hold equal gradients), or the world
+    #: (None) under ``replica_split`` (one rank holds each gradient)
+    group: Optional[dist.ProcessGroup]
+    #: the tensor-parallel group (None without tensor parallelism) and its size
+    tp_group: Optional[dist.ProcessGroup]
+    tp_size: int
+    #: the model's traffic counters (the all-reduces count under ``clip``)
+    stats: CommStats
+
+
+def norm_groups(module: nn.Module) -> Optional[NormGroups]:
+    """The ``NormGroups`` of ``module`` or of the first sharded model inside it (None: none is)."""
+    st = find_state(module)
+    if st is None:
+        return None
+    return NormGroups(st.norm_group, st.mesh.tp_group, st.mesh.tp_size, st.stats)
+
+
+def tp_group_of(params: Iterable[Any]) -> Optional[dist.ProcessGroup]:
+    """The tensor-parallel group of the first TP-split parameter in ``params`` (None: no
+    parameter is a TP fragment). Every TP rank's fragment carries it, on every rank alike."""
+    for p in params:
+        fragment = tp_of(p)
+        if fragment is not None:
+            return fragment.tp.group
+    return None
+
+
+def release_unfinished(module: nn.Module) -> None:
+    """Release what a forward without backward left materialized in every sharded model inside
+    ``module`` (``StochasticWeightAveraging``'s BatchNorm epoch skips backward). Local."""
+    for root in sharded_roots(module):
+        state_of(root).release_unfinished()
+
+
+def wait_replicas(module: nn.Module) -> None:
+    """``replica_split``: finish the weight transfers in flight of every sharded model inside
+    ``module`` (local). No-op without ``replica_split``."""
+    for root in sharded_roots(module):
+        state_of(root).wait_replicas()
+
+
+def settle_replicas(module: nn.Module) -> None:
+    """``replica_split``: every replica of every sharded model inside ``module`` holds the current
+    weights and nothing is left to send (the weights sent are not sent again), so an evaluation
+    forward, which some ranks may skip under the uneven-inputs join, sends nothing. Collective
+    over the replicas. No-op without ``replica_split``."""
+    for root in sharded_roots(module):
+        state_of(root).settle_replicas(clear=True)
+
+
+def broadcast_buffers(module: nn.Module, only_if_due: bool = False) -> None:
+    """Every sharded model inside ``module`` takes global rank 0's buffers (collective; nothing
+    with ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would."""
+    for root in sharded_roots(module):
+        state_of(root).broadcast_buffers(only_if_due)

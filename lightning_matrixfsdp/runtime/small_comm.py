@@ -2,7 +2,7 @@
 
 None of these is on a unit's data path. The training-step ones (:func:`all_reduce_norm`
 for the global-norm clip, :func:`gather_ints` for the sequence check and the evaluation
-join) move a few scalars; the rest (:func:`gather_objects`, :func:`broadcast_object`,
+join) move a few scalars; the rest (:func:`any_rank`, :func:`gather_objects`, :func:`broadcast_object`,
 :func:`barrier`, :func:`monitored_barrier`, :func:`gloo_subgroups`) run at setup, around
 checkpoints, or on an error path. Only the clip is counted in :class:`~comm.CommStats`
 (under ``clip``): the others are not model traffic.
@@ -52,6 +52,16 @@ def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup] = None
     work = dist.all_gather(rows, mine, group=group, async_op=True)
     wait_all([work], mine.device.type == "cpu", what)
     return [r.tolist() for r in rows]
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank of the world (the same answer on every rank; the
+    local flag without an initialized process group). The adapters' optimizer check agrees with it."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized():
+        t = t.to(comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(int(t.item()))
 
 
 def gather_objects(obj: object, group: Optional[dist.ProcessGroup] = None) -> list:

@@ -4,20 +4,21 @@ After ``parallelize_module`` a parameter is a DTensor on the TP mesh: ``Shard(0)
 ``Shard(1)`` (rowwise) or ``Replicate()``. Owner sharding then works on each TP rank's local
 fragment over the data-parallel group; this file reads the split, refuses what the runtime
 cannot serve (before any communication), and gives every fragment's size along the split
-dimension, so each rank knows the others' fragments without asking. Nothing here
-communicates (``tp_comm.py`` does).
+dimension, so each rank knows the others' fragments without asking; and a fragment as a DTensor
+over the same storage (:func:`as_dtensor`, :func:`fragment_dtensor`: what a unit registers in
+forward, what a checkpoint hands DCP). Nothing here communicates (``tp_comm.py`` does).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
-__all__ = ["TPLayout", "chunk_sizes", "read_layout"]
+__all__ = ["TPLayout", "as_dtensor", "chunk_sizes", "fragment_dtensor", "read_layout"]
 
 
 def chunk_sizes(n: int, parts: int) -> tuple[int, ...]:
@@ -110,3 +111,22 @@ def local_data(p: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return p.to_local() if isinstance(p, DTensor) else p
+
+
+def as_dtensor(local: torch.Tensor, spec: tuple[Any, tuple, torch.Size, tuple[int, ...]]) -> torch.Tensor:
+    """The DTensor over ``local`` (same storage) with ``spec`` = (TP mesh, placements, global shape,
+    global stride): what a unit registers in forward, as ``parallelize_module`` placed it."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = spec
+    with torch.no_grad():
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def fragment_dtensor(local: torch.Tensor, mesh: Any, dim: int, shape: Sequence[int]) -> torch.Tensor:
+    """``local`` (same storage) as TP fragment ``Shard(dim)`` of a contiguous tensor of global
+    ``shape``: how checkpoints hand a fragment to DCP (one chunk of the global tensor)."""
+    from torch.distributed.tensor import Shard
+
+    shape = torch.Size(shape)
+    return as_dtensor(local, (mesh, (Shard(dim),), shape, torch.empty(shape, device="meta").stride()))

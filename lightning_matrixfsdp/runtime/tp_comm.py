@@ -21,8 +21,7 @@ import torch.distributed as dist
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup, nbytes, wait_all
 from lightning_matrixfsdp.runtime.tp import TPLayout
 
-__all__ = ["TP_PHASE", "TPFragment", "as_dtensor", "fragment_dtensor", "gather_to_steppers", "local_fragment",
-           "scatter_from_steppers"]
+__all__ = ["TP_PHASE", "TPFragment", "gather_to_steppers", "local_fragment", "scatter_from_steppers"]
 
 TP_PHASE = "tp"
 
@@ -123,28 +122,9 @@ def scatter_from_steppers(frags: Sequence[TPFragment], wholes: Sequence[Optional
 
 
 
-def as_dtensor(local: torch.Tensor, spec: tuple[Any, tuple, torch.Size, tuple[int, ...]]) -> torch.Tensor:
-    """The DTensor over ``local`` (same storage) with ``spec`` = (TP mesh, placements, global shape,
-    global stride): what a unit registers in forward, as ``parallelize_module`` placed it."""
-    from torch.distributed.tensor import DTensor
-
-    mesh, placements, shape, stride = spec
-    with torch.no_grad():
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-
-
-def fragment_dtensor(local: torch.Tensor, mesh: Any, dim: int, shape: Sequence[int]) -> torch.Tensor:
-    """``local`` (same storage) as TP fragment ``Shard(dim)`` of a contiguous tensor of global
-    ``shape``: how checkpoints hand a fragment to DCP (one chunk of the global tensor)."""
-    from torch.distributed.tensor import Shard
-
-    shape = torch.Size(shape)
-    return as_dtensor(local, (mesh, (Shard(dim),), shape, torch.empty(shape, device="meta").stride()))
-
-
 def local_fragment(g: Any, placements: tuple) -> torch.Tensor:
     """This TP rank's fragment of a DTensor gradient in the parameter's placements (a ``Partial``
-    gradient is reduced over the TP group first, by DTensor)."""
+    gradient is reduced over the TP group first, by DTensor: why it lives here)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(g, DTensor):

@@ -317,7 +317,7 @@ def _cli(root: Path) -> dict:
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.cli import cli_main
 
-    yaml = Path(__file__).parents[1] / "examples" / "tensor_parallel.yaml"
+    yaml = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.yaml"
     cli = cli_main(["fit", "--config", str(yaml), "--trainer.max_steps=2", f"--trainer.default_root_dir={root / 'cli'}"])
     t = cli.trainer
     tp = mf.get_comm_stats(cli.model).get("tp", {})

@@ -58,7 +58,18 @@ def _clip(mesh) -> dict:
     coef = min(0.05 / (want.item() + 1e-6), 1.0)
     scaled = all(torch.allclose(p.grad, before[n] * coef, rtol=1e-6, atol=0)
                  for n, p in model.named_parameters() if p.grad is not None)
-    return {"total": total.item(), "want": want.item(), "scaled": scaled, "clipped": coef < 1}
+    # A list of the parameters with only the norm group (what the strategies' clips pass): the clip
+    # finds the TP group from the TP fragments among them.
+    from lightning_matrixfsdp.runtime import norm_groups
+
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            p.grad.copy_(before[n])
+    listed = mf.clip_grad_norm_(list(model.parameters()), 0.05, group=norm_groups(model).group)
+    list_scaled = all(torch.allclose(p.grad, before[n] * coef, rtol=1e-6, atol=0)
+                      for n, p in model.named_parameters() if p.grad is not None)
+    return {"total": total.item(), "want": want.item(), "scaled": scaled, "clipped": coef < 1,
+            "list_total": listed.item(), "list_scaled": list_scaled}
 
 
 def _refusals(mesh) -> dict:
