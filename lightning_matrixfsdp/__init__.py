@@ -32,7 +32,7 @@ from lightning_matrixfsdp.checkpoint import (
     save_sharded,
 )
 from lightning_matrixfsdp.strategy import MatrixFSDPStrategy, register
-from lightning_matrixfsdp.from_checkpoint import load_from_checkpoint
+from lightning_matrixfsdp.from_checkpoint import install_directory_loading, load_from_checkpoint
 from lightning_matrixfsdp.fabric import MatrixFSDPFabricStrategy, register_fabric
 from lightning_matrixfsdp.pretrained import PretrainedWeights
 
@@ -40,6 +40,7 @@ __version__ = "0.1.0"
 
 register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 register_fabric()  # and Fabric(strategy="matrix_fsdp")
+install_directory_loading()  # and MyModule.load_from_checkpoint(a checkpoint directory)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
            "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
