@@ -44,6 +44,7 @@ from lightning_matrixfsdp.checkpoint import (
     sharded_optimizer_state_dict,
     write_checkpoint,
 )
+from lightning_matrixfsdp.checkpoint.agree import agree
 from lightning_matrixfsdp.clip_plugin import install_clip_group, with_global_norm_clip
 from lightning_matrixfsdp.model_compat import convert_sync_batchnorm, refuse_pruning
 from lightning_matrixfsdp.optim.routing import route_optimizer
@@ -146,6 +147,9 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         assert self.lightning_module is not None and self.shard_mesh is not None
         self.lightning_module._device_mesh = self.shard_mesh.device_mesh  # configure_model's self.device_mesh
         track_copies(self.lightning_module)  # callbacks' setup copies it (weight averaging): sharded like it
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:  # rank 0 makes the log directories: its failure is raised on every rank
+            agree(_start_loggers, trainer.loggers)
 
     @property
     @override
@@ -420,6 +424,15 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # load_checkpoint already restored the optimizer states
+
+
+def _start_loggers(loggers: list[Any]) -> None:
+    """What Lightning's setup does on rank 0 only, then waits in a barrier (a failure there, e.g. an
+    unwritable log directory, left the other ranks to die in it): create each logger's experiment,
+    Weights & Biases first as Lightning orders them. Lightning then finds them created."""
+    for logger in sorted(loggers, key=lambda lg: type(lg).__name__ != "WandbLogger"):
+        if hasattr(logger, "experiment"):
+            _ = logger.experiment
 
 
 def register(registry: Any = None) -> None:
