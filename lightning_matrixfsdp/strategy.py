@@ -238,6 +238,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         module = self.lightning_module
         if module is not None:  # replica_split: updated weights on their way, after the step
             replicas_after_step(module, optimizer)
+            if self.async_saver is not None:  # once: the first save's host buffer, in the background
+                self.async_saver.reserve(module, self.optimizers)
         self._telemetry.end_step(self.root_device)
         if self.is_global_zero and module is not None:
             self._telemetry.log(module.trainer, self._sharded_roots())

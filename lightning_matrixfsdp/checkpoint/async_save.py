@@ -46,7 +46,7 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import optimizer_class, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.save import DirSave, PathLike, finish_dir, prepare_dir, remove_entry
-from lightning_matrixfsdp.checkpoint.staging import HostStaging
+from lightning_matrixfsdp.checkpoint.staging import HostStaging, aligned_bytes
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 from lightning_matrixfsdp.runtime.small_comm import gloo_subgroups
 
@@ -77,6 +77,7 @@ class AsyncCheckpointer:
         self._accepting = False  # the background thread will still run what after_publish queues
         self._lock = threading.Lock()
         self._listed: Optional[int] = None  # this save's token in ``pending``
+        self._reserved = False
         _LIVE.add(self)
 
     @property
@@ -85,6 +86,21 @@ class AsyncCheckpointer:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ main thread
+    def reserve(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+        """Allocate (and pin) the host buffer for this rank's share of a save in the background,
+        once, so the first save stalls no longer than the later ones: call it when the optimizer
+        state exists (after the first step). The share: this rank's parameters (owned ones are
+        whole, the others empty), buffers and optimizer state. Local, no collective."""
+        if self._reserved:
+            return
+        self._reserved = True
+        tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
+        for opt in optimizers:
+            for state in unwrap_optimizer(opt).state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        cuda = any(t.is_cuda for t in tensors)
+        self.staging.reserve(aligned_bytes(tensors), cuda)
+
     def save_sharded(self, module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
                      extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> None:
         """``checkpoint.save_sharded`` (directory format), returning once the state is in host memory."""
