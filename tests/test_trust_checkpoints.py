@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist import OneLaunch
+from helpers.dist import OneLaunch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -37,8 +37,8 @@ import torch
 from lightning.pytorch import Trainer
 from torch.distributed.checkpoint import FileSystemWriter
 import lightning_matrixfsdp as mf
-from lit import LitTiny, gather_full
-from models import batch_for
+from helpers.lit import LitTiny, gather_full
+from helpers.models import batch_for
 
 root = Path(sys.argv[1])
 real = FileSystemWriter.write_data
@@ -132,8 +132,8 @@ def test_a_pending_async_save_is_waited_for_by_any_reader_and_completes_at_exit(
 
 # ---------------------------------------------------------------------- one 2-process launch
 def _lit():
-    from lit import LitTiny
-    from models import batch_for
+    from helpers.lit import LitTiny
+    from helpers.models import batch_for
 
     class Lit(LitTiny):
         def training_step(self, batch, batch_idx):
@@ -161,8 +161,8 @@ def _pretrained(rank: int, root: Path) -> dict:
     from safetensors.torch import save_file
 
     import lightning_matrixfsdp as mf
-    from lit import gather_full
-    from models import TinyLM
+    from helpers.lit import gather_full
+    from helpers.models import TinyLM
 
     file = root / "pretrained.safetensors"
     if rank == 0:
