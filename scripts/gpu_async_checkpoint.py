@@ -9,9 +9,14 @@ owner holds optimizer state, then, in one invocation, on the same state:
 
 * ``baseline``: the time of ``--steps`` training steps with no save running;
 * ``sync``: ``checkpoint.save_sharded`` (what a save costs today), ``--repeats`` times;
+* ``reserve``: ``AsyncCheckpointer.reserve``, what the strategies call after the first optimizer
+  step: the host buffer is allocated and pinned in the background while ``--steps`` training
+  steps run (each timed), then the time until it is ready (``--no-reserve`` skips this, to see
+  the first save allocate it itself);
 * ``async``: ``AsyncCheckpointer.save_sharded`` (``async_save=True``), ``--repeats`` times: the
-  stall (the call's return; the first call also allocates and pins the host buffer), then
-  training steps while the background write runs, each timed, and the time until published;
+  stall (the call's return; ``stall_first_s`` in the summary is the first save's, which
+  allocated the host buffer unless it was reserved), then training steps while the background
+  write runs, each timed, and the time until published;
 * ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of the same state dicts (a gloo
   group for its background work, as its documentation asks), likewise.
 
@@ -79,6 +84,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5, help="baseline steps")
     parser.add_argument("--max-overlap-steps", type=int, default=80)
+    parser.add_argument("--no-reserve", action="store_true", help="the first save allocates the host buffer")
     args = parser.parse_args()
 
     device = resolve_device("auto")  # cuda:LOCAL_RANK where CUDA is, else the CPU
@@ -133,6 +139,12 @@ def main() -> None:
 
     # ours: async_save=True
     saver = AsyncCheckpointer()
+    if not args.no_reserve:  # as the strategies do after the first optimizer step
+        t0 = time.perf_counter()
+        res["reserve_return_s"] = _timed(lambda: saver.reserve(model, [opt]), device)[0]
+        res["reserve_overlap_step_s"] = [_timed(step, device)[0] for _ in range(args.steps)]
+        res["reserved_bytes"] = saver.staging.nbytes  # waits for the allocation to finish
+        res["reserve_ready_after_s"] = time.perf_counter() - t0
     res["async"] = []
     snapshot: dict[str, Any] = {}
     for i in range(args.repeats):
@@ -194,6 +206,9 @@ def main() -> None:
                       "overlap_steps": len(overl),
                       "overlap_step_median_s": statistics.median(overl) if overl else None,
                       "overlap_slowdown": (statistics.median(overl) / base) if overl else None}
+    summary["reserved"] = not args.no_reserve
+    summary["reserve_ready_after_s"] = res.get("reserve_ready_after_s")
+    summary["first_save_allocated"] = res.get("reserved_bytes") != res["host_buffer_bytes"]
     result = {"preset": args.preset, "layers": cfg.model.n_layers, "world": world, "dtype": cfg.run.dtype,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
               "parameters": sum(global_numel(p) for p in model.parameters()), "summary": summary, "raw": res,

@@ -397,10 +397,11 @@ def test_load_from_checkpoint_reads_the_directory_model_checkpoint_wrote(dist_po
     dist_pools(2).run(_last_worker, str(tmp_path), timeout=300)
     ddp_path, our_path = tmp_path / "ddp" / "last.ckpt", tmp_path / "matrix_fsdp" / "last.ckpt"
     assert ddp_path.is_file() and our_path.is_dir()
-    # Lightning's own loader opens the path as one file and has no hook before that (docs/checkpointing.md)
-    with pytest.raises(IsADirectoryError):
-        LitHp.load_from_checkpoint(our_path)
     ddp = LitHp.load_from_checkpoint(ddp_path)
+    # Lightning's own classmethod reads the directory too (the package wraps its loader)
+    own = LitHp.load_from_checkpoint(our_path)
+    assert dict(own.hparams) == dict(ddp.hparams) and own.state_dict().keys() == ddp.state_dict().keys()
+    assert all(torch.equal(own.state_dict()[k], t) for k, t in ddp.state_dict().items())
     ours = mf.load_from_checkpoint(LitHp, our_path)  # one process, no process group
     assert type(ours) is LitHp and dict(ours.hparams) == dict(ddp.hparams) == {"tag": "trained", "scheduler": False}
     want = ddp.state_dict()

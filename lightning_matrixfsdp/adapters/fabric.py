@@ -185,6 +185,8 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         out = super().optimizer_step(optimizer, **kwargs)
         for module in self._modules:
             replicas_after_step(module, getattr(optimizer, "optimizer", optimizer))
+        if self.async_saver is not None and len(self._modules) == 1:  # once: the first save's host buffer
+            self.async_saver.reserve(self._modules[0], [optimizer])
         return out
 
     # ------------------------------------------------------------------ gradients

@@ -1,13 +1,21 @@
 """``load_from_checkpoint(cls, path)``: ``LightningModule.load_from_checkpoint`` for directories too.
 
 Lightning's ``cls.load_from_checkpoint(path)`` opens ``path`` as one file (``torch.load``)
-and has no hook before that: on the directory that ``save_distributed_checkpoint=True``
-(the default) writes, it stops with Lightning's own ``IsADirectoryError``. This helper
-reads such a directory in this process, without a process group or a GPU (what
-``python -m lightning_matrixfsdp.consolidate IN OUT --weights-only`` reads), and hands it
-to Lightning's own ``cls.load_from_checkpoint`` as an in-memory file, which Lightning
-accepts: hyper-parameters, ``on_load_checkpoint``, ``strict``, ``map_location`` and
-``**kwargs`` behave as for a file. Any other path goes to Lightning unchanged.
+and offers no hook before that (no strategy or checkpoint IO takes part in the classmethod):
+on the directory that ``save_distributed_checkpoint=True`` (the default) writes, it stopped
+with ``IsADirectoryError``. This helper reads such a directory in this process, without a
+process group or a GPU (what ``python -m lightning_matrixfsdp.consolidate IN OUT
+--weights-only`` reads), and hands it to Lightning's own ``cls.load_from_checkpoint`` as an
+in-memory file, which Lightning accepts: hyper-parameters, ``on_load_checkpoint``,
+``strict``, ``map_location`` and ``**kwargs`` behave as for a file. Any other path goes to
+Lightning unchanged.
+
+``install_directory_loading`` (run when the package is imported) lets Lightning's classmethod
+itself do the same: it wraps the loader Lightning's ``_load_from_checkpoint`` calls by name
+(``lightning.pytorch.core.saving.pl_load``), which then reads a local directory holding DCP's
+``.metadata`` as this helper does, and passes every other path to Lightning's loader as before.
+Where that name is missing (another Lightning version) nothing is wrapped and the helper above
+remains the way. Both wait for a save of the path still running in this process (``async_save``).
 """
 from __future__ import annotations
 
@@ -18,9 +26,10 @@ from typing import IO, Any, Optional, TypeVar, Union
 
 import torch
 
+import lightning_matrixfsdp.checkpoint.pending as pending_saves
 from lightning_matrixfsdp.checkpoint.consolidate import read_directory
 
-__all__ = ["load_from_checkpoint"]
+__all__ = ["install_directory_loading", "load_from_checkpoint"]
 
 T = TypeVar("T")
 
@@ -36,11 +45,43 @@ def load_from_checkpoint(cls: type[T], checkpoint_path: Union[str, os.PathLike, 
         raise TypeError(f"load_from_checkpoint(cls, path): cls must be a LightningModule or LightningDataModule "
                         f"class, got {cls!r} ({type(cls).__name__})")
     args = dict(map_location=map_location, hparams_file=hparams_file, strict=strict, weights_only=weights_only)
-    if not isinstance(checkpoint_path, (str, os.PathLike)) or not Path(checkpoint_path).is_dir():
+    if not _is_local_directory(checkpoint_path):
         return cls.load_from_checkpoint(checkpoint_path, **args, **kwargs)  # type: ignore[attr-defined]
-    ck = read_directory(Path(checkpoint_path), weights_only=True, safe=weights_only is not False, verify=verify)
+    buf = _directory_as_file(Path(checkpoint_path), weights_only, verify)  # type: ignore[arg-type]
+    return cls.load_from_checkpoint(buf, **args, **kwargs)  # type: ignore[attr-defined]
+
+
+def _is_local_directory(path: Any) -> bool:
+    """Whether ``path`` is a local directory, once a save of it in this process is complete."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+        return False
+    pending_saves.wait_for(path)
+    return Path(path).is_dir()
+
+
+def _directory_as_file(path: Path, weights_only: Optional[bool], verify: bool = True) -> io.BytesIO:
+    """The directory's weights and the rest of its checkpoint (no optimizer states), as a file in memory."""
+    ck = read_directory(path, weights_only=True, safe=weights_only is not False, verify=verify)
     buf = io.BytesIO()
     torch.save(ck, buf)
     del ck
     buf.seek(0)
-    return cls.load_from_checkpoint(buf, **args, **kwargs)  # type: ignore[attr-defined]
+    return buf
+
+
+def install_directory_loading() -> None:
+    """Make ``LightningModule.load_from_checkpoint(directory)`` read this package's (and DCP's)
+    checkpoint directories (see the module docstring). Idempotent."""
+    import lightning.pytorch.core.saving as saving
+
+    lightning_load = getattr(saving, "pl_load", None)
+    if lightning_load is None or getattr(lightning_load, "reads_directories", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
+        if _is_local_directory(path_or_url) and (Path(path_or_url) / ".metadata").is_file():
+            path_or_url = _directory_as_file(Path(path_or_url), weights_only)
+        return lightning_load(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load.reads_directories = True  # type: ignore[attr-defined]
+    saving.pl_load = pl_load

@@ -50,6 +50,7 @@ from lightning_matrixfsdp.checkpoint import (
     sharded_optimizer_state_dict,
     write_checkpoint,
 )
+from lightning_matrixfsdp.checkpoint.agree import agree
 from lightning_matrixfsdp.optim.routing import route_optimizer
 from lightning_matrixfsdp.runtime import broadcast_buffers, release_unfinished, settle_replicas, watch_lone_forwards
 from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
@@ -105,6 +106,9 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         assert self.lightning_module is not None and self.shard_mesh is not None
         self.lightning_module._device_mesh = self.shard_mesh.device_mesh  # configure_model's self.device_mesh
         track_copies(self.lightning_module)  # callbacks' setup copies it (weight averaging): sharded like it
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:  # rank 0 makes the log directories: its failure is raised on every rank
+            agree(_start_loggers, trainer.loggers)
 
     @property
     @override
@@ -193,6 +197,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         module = self.lightning_module
         if module is not None:  # replica_split: updated weights on their way, after the step
             replicas_after_step(module, optimizer)
+            if self.async_saver is not None:  # once: the first save's host buffer, in the background
+                self.async_saver.reserve(module, self.optimizers)
         self._telemetry.end_step(self.root_device)
         if self.is_global_zero and module is not None:
             self._telemetry.log(module.trainer, self._sharded_roots())
@@ -371,6 +377,15 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def checkpoint_io(self, io: Any) -> None:  # type: ignore[override]
         refuse_async_checkpoint_io(io, type(self).__name__)
         ModelParallelStrategy.checkpoint_io.fset(self, io)
+
+
+def _start_loggers(loggers: list[Any]) -> None:
+    """What Lightning's setup does on rank 0 only, then waits in a barrier (a failure there, e.g. an
+    unwritable log directory, left the other ranks to die in it): create each logger's experiment,
+    Weights & Biases first as Lightning orders them. Lightning then finds them created."""
+    for logger in sorted(loggers, key=lambda lg: type(lg).__name__ != "WandbLogger"):
+        if hasattr(logger, "experiment"):
+            _ = logger.experiment
 
 
 def register(registry: Any = None) -> None:

@@ -18,11 +18,18 @@ for a checkpoint that does not exist); ``wait`` completes everything. A failure 
 background work is kept and raised by the next ``wait`` (the next save, the end of
 ``fit``, a load), on every rank, naming the path and the cause; an agreed failure removes
 the partial as a synchronous save does, and a crash leaves only a hidden partial that the
-next save of that target removes. The process waits for a running save before it exits.
+next save of that target removes.
+
+Other readers: every save in the background is listed in ``pending.py`` while it runs (and,
+when it failed, until its failure is raised here), so a read of its path in this process
+waits for it, whatever object reads. At interpreter exit a pending save completes before
+Python stops accepting work for thread pools (the checksums use one): a failure nobody
+raised yet is printed to stderr; a save is never left half-written by the exit itself.
 """
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - imported before our exit hook is registered (see the end)
 import io
 import sys
 import threading
@@ -33,12 +40,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+import lightning_matrixfsdp.checkpoint.pending as pending_saves
 from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, on_group, world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import optimizer_class, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.save import DirSave, PathLike, finish_dir, prepare_dir, remove_entry
-from lightning_matrixfsdp.checkpoint.staging import HostStaging
+from lightning_matrixfsdp.checkpoint.staging import HostStaging, aligned_bytes
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 from lightning_matrixfsdp.runtime.small_comm import gloo_subgroups
 
@@ -68,6 +76,8 @@ class AsyncCheckpointer:
         self._after: list[Callable[[], None]] = []
         self._accepting = False  # the background thread will still run what after_publish queues
         self._lock = threading.Lock()
+        self._listed: Optional[int] = None  # this save's token in ``pending``
+        self._reserved = False
         _LIVE.add(self)
 
     @property
@@ -76,6 +86,21 @@ class AsyncCheckpointer:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ main thread
+    def reserve(self, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+        """Allocate (and pin) the host buffer for this rank's share of a save in the background,
+        once, so the first save stalls no longer than the later ones: call it when the optimizer
+        state exists (after the first step). The share: this rank's parameters (owned ones are
+        whole, the others empty), buffers and optimizer state. Local, no collective."""
+        if self._reserved:
+            return
+        self._reserved = True
+        tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
+        for opt in optimizers:
+            for state in unwrap_optimizer(opt).state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        cuda = any(t.is_cuda for t in tensors)
+        self.staging.reserve(aligned_bytes(tensors), cuda)
+
     def save_sharded(self, module: nn.Module, path: PathLike, optimizers: Iterable[torch.optim.Optimizer] = (),
                      extra: Optional[Mapping[str, Any]] = None, *, checksums: bool = True) -> None:
         """``checkpoint.save_sharded`` (directory format), returning once the state is in host memory."""
@@ -108,6 +133,7 @@ class AsyncCheckpointer:
             raise
         thread = threading.Thread(target=self._write, args=(job,), name=f"mfsdp-async-save:{path.name}")
         self._thread, self._accepting = thread, True
+        self._listed = pending_saves.add(path, self._wait_quietly)
         thread.start()
 
     def _stage(self, job: DirSave) -> None:
@@ -127,6 +153,13 @@ class AsyncCheckpointer:
                 return
         fn()
 
+    def _wait_quietly(self) -> Optional[BaseException]:
+        """For another reader of the path (``pending.wait_for``): wait, return the failure, keep it."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        return self._error
+
     def wait(self, collective: bool = True) -> None:
         """Complete the pending save and run what waited for it; raise its failure. ``collective``
         (every rank calls it, main thread): the ranks agree, so all raise alike."""
@@ -135,6 +168,9 @@ class AsyncCheckpointer:
             thread.join()
             self._thread = None
         err, self._error = self._error, None
+        if self._listed is not None:
+            pending_saves.remove(self._listed)
+            self._listed = None
         if not collective or world()[1] == 1:
             if err is not None:
                 raise err
@@ -167,7 +203,7 @@ class AsyncCheckpointer:
                 self._after.clear()
                 self._accepting = False
                 self._error = _named(e, job.path)
-            return
+            return  # stays listed in ``pending`` until ``wait`` raises the failure: readers see it too
         while True:
             with self._lock:
                 if not self._after:
@@ -178,6 +214,8 @@ class AsyncCheckpointer:
                 fn()
             except Exception as e:  # noqa: BLE001
                 self._error = CheckpointError(f"after publishing checkpoint {job.path}: {type(e).__name__}: {e}")
+        if self._error is None and self._listed is not None:
+            pending_saves.remove(self._listed)
 
 
 def _named(e: BaseException, path: Path) -> CheckpointError:
@@ -192,7 +230,6 @@ def _named(e: BaseException, path: Path) -> CheckpointError:
     return err
 
 
-@atexit.register
 def _complete_at_exit() -> None:
     """The process exits only with its saves complete; a failure nobody saw is printed."""
     for saver in list(_LIVE):
@@ -200,3 +237,14 @@ def _complete_at_exit() -> None:
             saver.close()
         except BaseException as e:  # noqa: BLE001 - at exit there is no caller left to raise to
             print(f"lightning_matrixfsdp: {e}", file=sys.stderr)
+
+
+# Python's exit first stops thread pools from taking work (``concurrent.futures`` registers that
+# with ``threading._register_atexit`` when it is imported, above), then joins the remaining
+# threads, then runs ``atexit``: a save still running would fail in its checksum pool. Registered
+# the same way after that import, this runs first (these hooks run last-in first-out).
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_complete_at_exit)
+else:  # an interpreter without it: at least the atexit stage
+    atexit.register(_complete_at_exit)

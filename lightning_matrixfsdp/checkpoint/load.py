@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
+import lightning_matrixfsdp.checkpoint.pending as pending_saves
 from lightning_matrixfsdp.checkpoint.agree import (
     agree,
     agreed_path,
@@ -88,6 +89,7 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     optimizers = [unwrap_optimizer(o) for o in optimizers]
     path = agreed_path(path, optimizers=len(optimizers), strict=bool(strict), weights_only=weights_only,
                        verify=bool(verify), reset_changed_roles=bool(reset_changed_roles), resume=bool(resume))
+    agree(pending_saves.wait_for, path)  # a save of it in the background (async_save) completes first
     kind = agree(_detect, path)
     index = build_index(module)
     load = _load_dir if kind == "dir" else _load_file
@@ -116,6 +118,7 @@ def open_dcp(src: Path, verify: bool = True) -> tuple[Any, Optional[dict[str, An
     its files against the sidecar's sizes (and checksums with ``verify``) in this process."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    pending_saves.wait_for(src)  # a save of it in the background (async_save) completes first
     if not (src / ".metadata").is_file():
         raise CheckpointCorruptError(f"{src} has no DCP '.metadata': not a distributed checkpoint, or incomplete")
     side = read_sidecar(src) if (src / SIDECAR_NAME).is_file() else None
@@ -149,6 +152,7 @@ def read_file(src: Path, verify: bool = True,
     Lightning checkpoint rather than a plain ``state_dict``, its layout record or None).
     Verified against the zip CRC-32s unless ``verify=False``; a file that is neither a
     Lightning checkpoint nor a plain ``state_dict`` raises :class:`CheckpointCorruptError`."""
+    pending_saves.wait_for(src)
     if verify:
         verify_zip(src, collective=False)
     try:
