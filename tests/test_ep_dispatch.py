@@ -1,6 +1,7 @@
 """Expert parallelism's token dispatch (``runtime/expert_dispatch.py``, ``runtime/ep_comm.py``).
 
-One launch of 4 gloo processes runs every scenario, at EP=4 (the whole world), EP=2 (two
+One task on the session's pool of 4 gloo processes (``dist_pools``: the processes, and their
+imports, are shared with the suite's other 4-process tests) runs every scenario, at EP=4 (the whole world), EP=2 (two
 groups of two: ranks {0,1} and {2,3}, so group ranks differ from global ranks) and EP=1
 (``group=None``), in float32 and float64. The oracle is written plainly here: the Mixtral
 expert loop over all E experts on every token of the group (each rank regenerates the others'
@@ -12,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _dist import OneLaunch
 
 E, H, I, K = 8, 8, 6, 2
 #: tokens per global rank: rank 1 has none, the others differ
@@ -108,8 +108,9 @@ def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid:
         "gate_up": diff(gate_up.grad, ref["gate_up"][pos * per:(pos + 1) * per]),
         "down": diff(down.grad, ref["down"][pos * per:(pos + 1) * per]),
         "grad_none": [n for n, p in (("gate_up", gate_up), ("down", down)) if p.grad is None],
-        "zero_experts": [e for e in range(per) if pos * per + e in avoid
-                         and not (gate_up.grad[e] == 0).all() | (down.grad[e] == 0).all()],
+        # experts no token reached whose gradient is not exactly zero (None is "grad_none")
+        "zero_experts": [e for e in range(per) if pos * per + e in avoid and None not in (gate_up.grad, down.grad)
+                         and not (bool((gate_up.grad[e] == 0).all()) and bool((down.grad[e] == 0).all()))],
         "out_value": out.detach().tolist(),  # lists: tensors do not outlive the worker
         "bytes": {"forward": after_forward, "forward+backward": after_backward},
         "bytes_formula": _bytes_formula(ranks, me, seed, dtype, avoid) if ep > 1 else None,
@@ -196,15 +197,20 @@ def worker(rank: int, world: int) -> dict:
     return res
 
 
-_LAUNCH = OneLaunch(worker, 4, timeout=300)
+@pytest.fixture(scope="module")
+def launch(dist_pools):
+    """Every rank's results of the one task (run by the first test that asks)."""
+    return dist_pools(4).run(worker, timeout=300)
+
+
 SCENARIOS = [(ep, dt, sc) for ep in ("ep4", "ep2", "ep1") for dt in (torch.float32, torch.float64)
              for sc in ("uneven", "idle_rank")]
 
 
 @pytest.mark.parametrize("ep,dtype,scenario", SCENARIOS)
-def test_dispatch_matches_the_plain_expert_loop(ep, dtype, scenario):
+def test_dispatch_matches_the_plain_expert_loop(ep, dtype, scenario, launch):
     """Output and gradients (hidden, router weights, local expert weights) equal the oracle."""
-    for rank, res in enumerate(_LAUNCH.results()):
+    for rank, res in enumerate(launch):
         r = res[(ep, dtype, scenario)]
         worst = {k: r[k] for k in ("out", "hidden", "weights", "gate_up", "down")}
         assert max(worst.values()) <= TOL[dtype], (rank, worst)
@@ -212,28 +218,28 @@ def test_dispatch_matches_the_plain_expert_loop(ep, dtype, scenario):
 
 
 @pytest.mark.parametrize("scenario", ["uneven", "idle_rank"])
-def test_experts_without_tokens_get_zero_gradients(scenario):
+def test_experts_without_tokens_get_zero_gradients(scenario, launch):
     """An expert no token reaches has a gradient of zeros (not None), also on a rank whose whole
     block is idle (EP=4, idle_rank: rank 1 gets no row)."""
-    for rank, res in enumerate(_LAUNCH.results()):
+    for rank, res in enumerate(launch):
         for ep in ("ep4", "ep2", "ep1"):
             r = res[(ep, torch.float64, scenario)]
             assert not r["grad_none"] and not r["zero_experts"], (rank, ep, r["grad_none"], r["zero_experts"])
 
 
 @pytest.mark.parametrize("ep", ["ep4", "ep2"])
-def test_bytes_equal_the_formula(ep):
-    for rank, res in enumerate(_LAUNCH.results()):
+def test_bytes_equal_the_formula(ep, launch):
+    for rank, res in enumerate(launch):
         for dtype in (torch.float32, torch.float64):
             for scenario in ("uneven", "idle_rank"):
                 r = res[(ep, dtype, scenario)]
                 assert r["bytes"] == r["bytes_formula"], (rank, dtype, scenario, r["bytes"], r["bytes_formula"])
 
 
-def test_output_is_the_same_across_ep_sizes():
+def test_output_is_the_same_across_ep_sizes(launch):
     """The same tokens give the same output at EP=1, 2 and 4 (within float32 noise; see the
     docs for what is bitwise)."""
-    for rank, res in enumerate(_LAUNCH.results()):
+    for rank, res in enumerate(launch):
         for dtype in (torch.float32, torch.float64):
             base = torch.tensor(res[("ep1", dtype, "uneven")]["out_value"], dtype=dtype).reshape(-1, H)
             for ep in ("ep2", "ep4"):
@@ -244,15 +250,15 @@ def test_output_is_the_same_across_ep_sizes():
 
 
 @pytest.mark.parametrize("ep", ["ep4", "ep2", "ep1"])
-def test_local_experts_see_the_canonical_order(ep):
+def test_local_experts_see_the_canonical_order(ep, launch):
     """Rows reach ``local_experts`` expert-major; inside an expert by source rank, then token, then slot."""
-    for rank, res in enumerate(_LAUNCH.results()):
+    for rank, res in enumerate(launch):
         r = res[(ep, "order")]
         assert r["ok"], (rank, r["got"], r["expected"])
 
 
-def test_refusals_raise_on_every_rank():
-    results = _LAUNCH.results()
+def test_refusals_raise_on_every_rank(launch):
+    results = launch
     for rank, res in enumerate(results):
         r = res["refusals"]
         assert "6 experts cannot be split into 4" in r["indivisible"], r
