@@ -80,8 +80,10 @@ def _bytes_formula(ranks: list[int], me: int, seed: int, dtype: torch.dtype, avo
     return {"forward": fwd, "forward+backward": both}
 
 
-def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid: tuple[int, ...] = ()) -> dict:
-    """One scenario on this rank: the dispatch beside the oracle; the largest differences."""
+def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid: tuple[int, ...] = (),
+         device: str = "cpu") -> dict:
+    """One scenario on this rank: the dispatch beside the oracle; the largest differences.
+    ``device``: where the dispatch runs (a GPU check over NCCL uses it); the oracle runs on CPU."""
     from lightning_matrixfsdp.runtime.comm import CommStats
     from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward, hf_experts
 
@@ -89,9 +91,9 @@ def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid:
     pos = ranks.index(me)
     per = E // ep
     gate_up, down = _experts(dtype)
-    gate_up = gate_up[pos * per:(pos + 1) * per].clone().requires_grad_()
-    down = down[pos * per:(pos + 1) * per].clone().requires_grad_()
-    d = _inputs(seed, me, dtype, avoid)
+    gate_up = gate_up[pos * per:(pos + 1) * per].to(device).clone().requires_grad_()
+    down = down[pos * per:(pos + 1) * per].to(device).clone().requires_grad_()
+    d = {k: v.to(device) for k, v in _inputs(seed, me, dtype, avoid).items()}
     hidden, weights = d["hidden"].clone().requires_grad_(), d["weights"].clone().requires_grad_()
     stats = CommStats()
     out = expert_parallel_forward(hidden, d["index"], weights, E, hf_experts(gate_up, down, F.silu), group,
@@ -100,7 +102,7 @@ def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid:
     (out * d["probe"]).sum().backward()
     after_backward = {p: (v["sent"], v["recv"]) for p, v in stats.snapshot().items() if p.startswith("ep_")}
     ref = _oracle(ranks, seed, dtype, avoid)
-    diff = lambda a, b: float((a.detach() - b).abs().max()) if a.numel() else 0.0  # noqa: E731
+    diff = lambda a, b: float((a.detach().cpu() - b).abs().max()) if a.numel() else 0.0  # noqa: E731
     return {
         "out": diff(out, ref["out"][pos]),
         "hidden": diff(hidden.grad, ref["hidden"][pos]),
@@ -111,7 +113,7 @@ def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid:
         # experts no token reached whose gradient is not exactly zero (None is "grad_none")
         "zero_experts": [e for e in range(per) if pos * per + e in avoid and None not in (gate_up.grad, down.grad)
                          and not (bool((gate_up.grad[e] == 0).all()) and bool((down.grad[e] == 0).all()))],
-        "out_value": out.detach().tolist(),  # lists: tensors do not outlive the worker
+        "out_value": out.detach().cpu().tolist(),  # lists: tensors do not outlive the worker
         "bytes": {"forward": after_forward, "forward+backward": after_backward},
         "bytes_formula": _bytes_formula(ranks, me, seed, dtype, avoid) if ep > 1 else None,
     }
