@@ -44,19 +44,25 @@ def _inputs(seed: int, rank: int, dtype: torch.dtype, avoid: tuple[int, ...] = (
             "probe": torch.randn(t, H, generator=g, dtype=torch.float64).to(dtype)}
 
 
-def _oracle(ranks: list[int], seed: int, dtype: torch.dtype, avoid: tuple[int, ...]) -> dict:
-    """The group's loss through a plain expert loop (Mixtral's) on all its ranks' tokens."""
-    gate_up, down = (p.clone().requires_grad_() for p in _experts(dtype))
-    data = [_inputs(seed, r, dtype, avoid) for r in ranks]
-    hid = [d["hidden"].clone().requires_grad_() for d in data]
-    wts = [d["weights"].clone().requires_grad_() for d in data]
-    x, idx, w = torch.cat(hid), torch.cat([d["index"] for d in data]), torch.cat(wts)
+def _plain_layer(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                 ) -> torch.Tensor:
+    """Mixtral's expert loop: every expert on the tokens routed to it, weighted, added up."""
     out = torch.zeros_like(x)
     for e in range(E):
         tok, slot = torch.where(idx == e)
         gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, down[e]) * w[tok, slot, None]
         out = out.index_add(0, tok, y)
+    return out
+
+
+def _oracle(ranks: list[int], seed: int, dtype: torch.dtype, avoid: tuple[int, ...]) -> dict:
+    """The group's loss through a plain expert loop (Mixtral's) on all its ranks' tokens."""
+    gate_up, down = (p.clone().requires_grad_() for p in _experts(dtype))
+    data = [_inputs(seed, r, dtype, avoid) for r in ranks]
+    hid = [d["hidden"].clone().requires_grad_() for d in data]
+    wts = [d["weights"].clone().requires_grad_() for d in data]
+    out = _plain_layer(torch.cat(hid), torch.cat([d["index"] for d in data]), torch.cat(wts), gate_up, down)
     loss = (out * torch.cat([d["probe"] for d in data])).sum()
     loss.backward()
     outs = out.detach().split([TOKENS[r] for r in ranks])
@@ -117,6 +123,36 @@ def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid:
         "bytes": {"forward": after_forward, "forward+backward": after_backward},
         "bytes_formula": _bytes_formula(ranks, me, seed, dtype, avoid) if ep > 1 else None,
     }
+
+
+def _two_layers(group, ranks: list[int], me: int) -> float:
+    """Two MoE layers in a row sharing the experts (float64): the backward's exchanges of the
+    second layer run before the first's on every rank. The largest difference to the oracle."""
+    from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward, hf_experts
+
+    dtype, pos, per = torch.float64, ranks.index(me), E // len(ranks)
+    full = [p.clone().requires_grad_() for p in _experts(dtype)]
+    mine = [p[pos * per:(pos + 1) * per].clone().requires_grad_() for p in _experts(dtype)]
+    data = {r: (_inputs(5, r, dtype), _inputs(6, r, dtype)) for r in ranks}
+    a, b = data[me]
+    hidden = a["hidden"].clone().requires_grad_()
+    x = hidden
+    for d in (a, b):
+        x = expert_parallel_forward(x, d["index"], d["weights"], E, hf_experts(*mine, F.silu), group)
+    (x * b["probe"]).sum().backward()
+
+    hid = torch.cat([data[r][0]["hidden"] for r in ranks]).requires_grad_()
+    y = hid
+    for layer in (0, 1):
+        cat = lambda key: torch.cat([data[r][layer][key] for r in ranks])  # noqa: E731
+        y = _plain_layer(y, cat("index"), cat("weights"), *full)
+    (y * torch.cat([data[r][1]["probe"] for r in ranks])).sum().backward()
+    start = sum(TOKENS[r] for r in ranks[:pos])
+    diffs = [(x.detach() - y.detach()[start:start + TOKENS[me]]).abs().max() if x.numel() else 0.0,
+             (hidden.grad - hid.grad[start:start + TOKENS[me]]).abs().max() if x.numel() else 0.0,
+             (mine[0].grad - full[0].grad[pos * per:(pos + 1) * per]).abs().max(),
+             (mine[1].grad - full[1].grad[pos * per:(pos + 1) * per]).abs().max()]
+    return max(float(v) for v in diffs)
 
 
 def _order(group, ranks: list[int], me: int) -> dict:
@@ -195,6 +231,7 @@ def worker(rank: int, world: int) -> dict:
             res[(name, dtype, "uneven")] = _run(group, ranks, rank, 1, dtype, avoid=(5,))
             res[(name, dtype, "idle_rank")] = _run(group, ranks, rank, 2, dtype, avoid=(2, 3))
         res[(name, "order")] = _order(group, ranks, rank)
+        res[(name, "two_layers")] = _two_layers(group, ranks, rank)
     res["refusals"] = _refusals(dist.group.WORLD, rank)
     return res
 
@@ -249,6 +286,13 @@ def test_output_is_the_same_across_ep_sizes(launch):
                 assert other.shape == base.shape
                 worst = float((other - base).abs().max()) if base.numel() else 0.0
                 assert worst <= TOL[dtype], (rank, ep, dtype, worst)
+
+
+@pytest.mark.parametrize("ep", ["ep4", "ep2", "ep1"])
+def test_two_layers_in_a_row(ep, launch):
+    """Two dispatches in one graph (the backward runs the second layer's exchanges first)."""
+    for rank, res in enumerate(launch):
+        assert res[(ep, "two_layers")] <= TOL[torch.float64], (rank, res[(ep, "two_layers")])
 
 
 @pytest.mark.parametrize("ep", ["ep4", "ep2", "ep1"])
