@@ -212,6 +212,8 @@ def _refusals(world_group, me: int) -> dict:
     if me == 3:
         neg[1, 1] = -1
     res["negative"] = attempt(lambda: expert_parallel_forward(d["hidden"], neg, d["weights"], E, keep, world_group))
+    mixed = d["hidden"].double() if me == 0 else d["hidden"]
+    res["dtypes"] = attempt(lambda: expert_parallel_forward(mixed, d["index"], d["weights"], E, keep, world_group))
     # the group still works after the refusals (every rank left the counts exchange)
     res["after"] = tuple(expert_parallel_forward(d["hidden"], d["index"], d["weights"], E, keep, world_group).shape)
     return res
@@ -316,6 +318,7 @@ def test_refusals_raise_on_every_rank(launch):
             assert "expert -1" in r["negative"], r
         else:
             assert "rank(s) [3]" in r["negative"], r
+        assert "disagree on the hidden size or dtype" in r["dtypes"] and "torch.float64" in r["dtypes"], r
         assert r["after"] == (TOKENS[rank], H)
 
 

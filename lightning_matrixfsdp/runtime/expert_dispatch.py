@@ -37,9 +37,14 @@ __all__ = ["LocalExperts", "expert_parallel_forward", "grouped_mm_available", "h
 #: (``counts[i]`` rows for local expert ``i``), returning ``[sum(counts), H]``.
 LocalExperts = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
-#: The header after the counts in each row of the counts exchange: status, H, element size.
+#: The header after the counts in each row of the counts exchange: status, H, dtype code.
 _HEADER = 3
 _OK, _BAD_SHAPES, _BAD_INDEX = 0, 1, 2
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + dtype.itemsize
 
 
 def _check_inputs(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int
@@ -70,10 +75,10 @@ def _refuse_if_any(received: torch.Tensor, status: int, message: Optional[str], 
             raise MatrixShardError(f"expert_parallel_forward, rank {sg.rank} of the expert-parallel group: {message}")
         raise MatrixShardError(f"expert_parallel_forward: rank(s) {bad} of the expert-parallel group refused their "
                                "inputs (their error names the cause); nothing was exchanged")
-    sizes = {(h, es) for _, h, es in head}
-    if len(sizes) > 1:
+    if len({(h, code) for _, h, code in head}) > 1:
+        names = [(h, str(_DTYPES[c]) if c < len(_DTYPES) else f"{c - len(_DTYPES)}-byte dtype") for _, h, c in head]
         raise MatrixShardError("expert_parallel_forward: the ranks of the expert-parallel group disagree on the "
-                               f"hidden size or element size of hidden: (H, bytes) per rank {[tuple(x[1:]) for x in head]}")
+                               f"hidden size or dtype of hidden: (H, dtype) per rank {names}")
 
 
 def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,7 @@ def expert_parallel_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top
         flat = top_k_index.reshape(-1).long()
         counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].cpu()
     h = int(hidden.shape[-1]) if hidden.dim() else 0
-    header = torch.tensor([[status, h, hidden.element_size()]], dtype=torch.long).expand(ep, _HEADER)
+    header = torch.tensor([[status, h, _dtype_code(hidden.dtype)]], dtype=torch.long).expand(ep, _HEADER)
     rows = torch.cat([counts.view(ep, per_rank), header], dim=1).to(hidden.device)
     received = exchange_counts(rows, sg, stats).cpu()
     _refuse_if_any(received, status, message, sg)
