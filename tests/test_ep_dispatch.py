@@ -329,3 +329,18 @@ def test_hf_experts_refuses_mismatched_counts():
     gate_up, down = _experts(torch.float32)
     with pytest.raises(MatrixShardError, match="one count per local expert"):
         hf_experts_forward(torch.zeros(3, H), [1, 2], gate_up, down, F.silu)
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch.nn.functional.grouped_mm is missing")
+def test_hf_experts_grouped_mm_forward_matches_the_loop():
+    """The grouped-GEMM path's forward (its offsets, the transposes, gate/up) against the loop, on
+    CPU, where torch 2.13 runs grouped_mm's forward (its backward only on CUDA; GPU run: docs)."""
+    from lightning_matrixfsdp.runtime.expert_dispatch import hf_experts_forward
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(4, 16, 8, generator=g), torch.randn(4, 8, 8, generator=g)  # 16-byte strides
+    x, counts = torch.randn(16, 8, generator=g), [5, 0, 3, 8]
+    with torch.no_grad():
+        loop = hf_experts_forward(x, counts, gate_up, down, F.silu, grouped_mm=False)
+        grouped = hf_experts_forward(x, counts, gate_up, down, F.silu, grouped_mm=True)
+    torch.testing.assert_close(grouped, loop)

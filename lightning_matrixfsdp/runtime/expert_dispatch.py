@@ -179,7 +179,8 @@ def hf_experts_forward(x: torch.Tensor, counts: list[int], gate_up_proj: torch.T
     if grouped_mm is None:
         grouped_mm = grouped_mm_available(x, gate_up_proj, down_proj)
     if grouped_mm:
-        offs = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0).to(x.device)
+        # int32 on the device (cumsum of integers gives int64, which grouped_mm refuses)
+        offs = torch.cumsum(torch.tensor(counts), 0).to(x.device, torch.int32)
         gate, up = F.grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return F.grouped_mm(act_fn(gate) * up, down_proj.transpose(-2, -1), offs=offs)
     outs, start = [], 0
