@@ -157,7 +157,7 @@ def expert_parallel_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top
 
 # ------------------------------------------------------------------ the Hugging Face expert layout
 def grouped_mm_available(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether ``torch.nn.functional.grouped_mm`` (public since torch 2.11) serves these tensors:
+    """Whether ``torch.nn.functional.grouped_mm`` (public in torch 2.11 and 2.13) serves these tensors:
     CUDA, bfloat16 throughout, the sizes multiples of 8 (its 16-byte alignment). Its CPU
     backward fails for some layouts in torch 2.13, so the CPU always takes the loop."""
     return (hasattr(F, "grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
