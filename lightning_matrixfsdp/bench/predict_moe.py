@@ -92,9 +92,14 @@ def edp_all_reduce(c: Cluster, nbytes: float, ep: int, edp: int) -> float:
 
 
 # ---------------------------------------------------------------- the layout of one configuration
-def _layout(s: MoEShape, c: Cluster, ep: int | None) -> tuple[int, int]:
+def _layout(s: MoEShape, c: Cluster, ep: int | str | None) -> tuple[int, int]:
+    """(EP, EDP); EP defaults to one node's GPUs (at most E), ``"world"`` is as wide as E and N allow."""
     n = c.world
+    if ep == "world":
+        ep = math.gcd(s.experts, n)
     ep = ep or min(s.experts, c.gpus_per_node, n)
+    if not isinstance(ep, int):
+        raise PredictError(f"expert-parallel size must be an integer or 'world', got {ep!r}")
     if ep < 1 or n % ep:
         raise PredictError(f"expert-parallel size EP={ep} must divide the world size {n} "
                            f"({c.nodes} nodes x {c.gpus_per_node} GPUs)")
@@ -135,7 +140,7 @@ def _dense_totals(s: MoEShape) -> tuple[list[tuple[int, ...]], int, int]:
 
 
 # ---------------------------------------------------------------- one row
-def predict_moe_mode(mode: str, s: MoEShape, c: Cluster, ep: int | None = None) -> dict[str, Any]:
+def predict_moe_mode(mode: str, s: MoEShape, c: Cluster, ep: int | str | None = None) -> dict[str, Any]:
     """Forward, backward and optimizer-step ms, their components, bytes moved per GPU per step and
     the peak memory of the busiest GPU for ``mode`` on ``c``."""
     if mode not in MOE_MODES:
@@ -159,30 +164,25 @@ def predict_moe_mode(mode: str, s: MoEShape, c: Cluster, ep: int | None = None) 
     dense_link = [max(unit_comm(coll, lay, c)) for lay in plan.units]
     busiest = [max(lay.owned_bytes(r) for r in range(n)) if ours else lay.nbytes for lay in plan.units]
     copy = [2 * b / (c.hbm_gbs * 1e9) if n > 1 else 0.0 for b in busiest]
-    # the experts' weights: FSDP2 gathers them over EDP; ours reduces their gradients over EDP
-    exp_gather = edp_ring(c, exp_layer_bytes, ep, edp)
-    ready = [0.0] * len(units)
-    rep = None
-    if ours:
-        mat_f, red_b = dense_link, dense_link
-        mat_b = [x if u.fqn else 0.0 for x, u in zip(dense_link, units)]
-        grad_sync = exp_gather if mode == "ours_split" else edp_all_reduce(c, exp_layer_bytes, ep, edp)
-        rep = [[grad_sync if m else 0.0] for m in is_moe]
-        if mode == "ours_split":  # the steppers send each layer's experts back before its forward
-            t = 0.0
-            for u, m in enumerate(is_moe):
-                t += exp_gather if m else 0.0
-                ready[u] = t
-        exp_bytes = (2 if edp > 1 else 0) * exp_layer_bytes * (edp - 1) / edp * n_moe
-    else:
-        mat_f = [d + (exp_gather if m else 0.0) for d, m in zip(dense_link, is_moe)]
-        mat_b = [x if u.fqn else 0.0 for x, u in zip(mat_f, units)]
-        red_b = mat_f
-        exp_bytes = 3 * exp_layer_bytes * (edp - 1) / edp * n_moe
-    fwd = pipeline([x + y + z for x, y, z in zip(cf, copy, af)], mat_f, [0.0] * len(units), ready)
+    # the experts' weights: FSDP2 gathers them over EDP (and copies them out); ours reduces their
+    # gradients over EDP. Either runs on the same link as the unit's dense collective, after it.
+    ring = edp_ring(c, exp_layer_bytes, ep, edp)
+    exp_copy = 2 * exp_layer_bytes / (c.hbm_gbs * 1e9) if edp > 1 and not ours else 0.0
+    if mode == "ours":  # all-reduce under the backward; every replica steps
+        exp_f, exp_b, exp_r, passes_ = 0.0, 0.0, edp_all_reduce(c, exp_layer_bytes, ep, edp), 2
+    elif mode == "ours_split":  # reduce to the stepper; the stepped experts come back in the next forward
+        exp_f, exp_b, exp_r, passes_ = ring, 0.0, ring, 2
+    else:  # FSDP2: gathered in forward and again in backward, reduce-scattered
+        exp_f, exp_b, exp_r, passes_ = ring, ring, ring, 3
+    mat_f = [d + (exp_f if m else 0.0) for d, m in zip(dense_link, is_moe)]
+    mat_b = [(d + (exp_b if m else 0.0)) if u.fqn else 0.0 for d, m, u in zip(dense_link, is_moe, units)]
+    red_b = [d + (exp_r if m else 0.0) for d, m in zip(dense_link, is_moe)]
+    exp_bytes = passes_ * exp_layer_bytes * (edp - 1) / edp * n_moe
+    fwd = pipeline([x + y + z + (exp_copy if m else 0.0) for x, y, z, m in zip(cf, copy, af, is_moe)], mat_f,
+                   [0.0] * len(units))
     order = list(range(len(units)))[::-1]
-    bwd = pipeline([cb[u] + ab[u] + (copy[u] if units[u].fqn else 0.0) for u in order], [mat_b[u] for u in order],
-                   [red_b[u] for u in order], rep=[rep[u] for u in order] if rep and edp > 1 else None)
+    bwd = pipeline([cb[u] + ab[u] + (copy[u] + (exp_copy if is_moe[u] else 0.0) if units[u].fqn else 0.0)
+                    for u in order], [mat_b[u] for u in order], [red_b[u] for u in order])
     opt, ns_flops, opt_bytes, static, temp = _step(mode, s, c, plan, ep, edp)
     dense_bytes = sum(lay.nbytes for lay in plan.units) * (n - 1) / n
     dense_bytes = dense_bytes * 2 + sum(lay.nbytes for lay, u in zip(plan.units, units) if u.fqn) * (n - 1) / n
@@ -268,7 +268,7 @@ def _step(mode: str, s: MoEShape, c: Cluster, plan: Plan, ep: int, edp: int
 
 # ---------------------------------------------------------------- sweeps, table, command line
 def predict_moe(s: MoEShape, base: Cluster, nodes: Sequence[int], modes: Sequence[str] = MOE_MODES,
-                ep: int | None = None) -> list[dict[str, Any]]:
+                ep: int | str | None = None) -> list[dict[str, Any]]:
     """One row per (nodes, mode)."""
     return [predict_moe_mode(m, s, base.with_(nodes=k), ep) for k in nodes for m in modes]
 
@@ -299,7 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cluster", default="h200", choices=sorted(CLUSTERS))
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--ep", type=int, help="expert-parallel size (default: min(experts, GPUs per node))")
+    p.add_argument("--ep", type=lambda v: v if v == "world" else int(v),
+                   help="expert-parallel size, or 'world' (as wide as experts and GPUs allow); "
+                        "default: min(experts, GPUs per node)")
     p.add_argument("--modes", nargs="+", default=list(MOE_MODES), choices=MOE_MODES)
     p.add_argument("--seq-len", type=int)
     p.add_argument("--batch", type=int)
