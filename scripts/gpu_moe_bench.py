@@ -109,7 +109,7 @@ def _stack_blocks(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------- part: train
-def train(mode: str, preset: str, steps: int, warmup: int) -> dict:
+def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf16-mixed") -> dict:
     from lightning.pytorch import Callback, LightningModule, Trainer
     from torch.utils.data import DataLoader, Dataset
 
@@ -119,13 +119,15 @@ def train(mode: str, preset: str, steps: int, warmup: int) -> dict:
     cfg = MOE_PRESETS[preset]
     batch = 4 if preset == "h200" else 2
 
-    class Tokens(Dataset):
-        def __len__(self) -> int:
-            return batch * (warmup + steps)
+    class Steps(Dataset):
+        """Only drives the loop: each step's tokens come from its index (``training_step``), so the
+        two modes see the same batches whatever sampler the strategy puts on the loader."""
 
-        def __getitem__(self, i: int):
-            t = torch.randint(0, cfg.vocab_size, (cfg.seq_len + 1,), generator=torch.Generator().manual_seed(i))
-            return t[:-1], t[1:]
+        def __len__(self) -> int:
+            return warmup + steps
+
+        def __getitem__(self, i: int) -> int:
+            return i
 
     class Lit(LightningModule):
         def __init__(self) -> None:
@@ -133,7 +135,9 @@ def train(mode: str, preset: str, steps: int, warmup: int) -> dict:
             self.model = MoEDecoder(cfg)
 
         def training_step(self, b, i):
-            loss = self.model(*b)
+            t = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(i))
+            t = t.to(self.device)
+            loss = self.model(t[:, :-1], t[:, 1:])
             losses.append(float(loss.detach()))
             return loss
 
@@ -169,9 +173,9 @@ def train(mode: str, preset: str, steps: int, warmup: int) -> dict:
     strategy = (mf.MatrixFSDPStrategy(expert_stacks=EXPERT_STACKS, matrix_filter=is_muon_param, log_plan=False)
                 if mode == "ours" else "auto")
     trainer = Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, strategy=strategy,
-                      precision="bf16-mixed", max_steps=warmup + steps, logger=False, enable_checkpointing=False,
+                      precision=precision, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
-    trainer.fit(module, DataLoader(Tokens(), batch_size=batch))
+    trainer.fit(module, DataLoader(Steps(), batch_size=None))
     fb = [r[0] for r in timer.rows]
     opt = [r[1] for r in timer.rows]
     return {"mode": mode, "fwd_bwd_ms": statistics.median(fb), "opt_ms": statistics.median(opt),
@@ -262,7 +266,7 @@ def experts(preset: str, reps: int) -> dict:
 # ---------------------------------------------------------------- driver
 def _child(args: argparse.Namespace, part: list[str], path: Path) -> dict:
     cmd = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--part", *part, "--json", str(path)]
+           str(args.warmup), "--precision", args.precision, "--part", *part, "--json", str(path)]
     subprocess.run(cmd, check=True, timeout=args.part_timeout)
     return json.loads(path.read_text())
 
@@ -274,13 +278,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1, help="train plain, ours in turn this many times")
+    p.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision (both modes)")
     p.add_argument("--part-timeout", type=float, default=240.0)
     p.add_argument("--part", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:  # a child: one part, its JSON, nothing else
         if args.part[0] == "train":
-            res = train(args.part[1], args.preset, args.steps, args.warmup)
+            res = train(args.part[1], args.preset, args.steps, args.warmup, args.precision)
         else:
             res = experts(args.preset, args.steps)
         Path(args.json).write_text(json.dumps(res))
@@ -305,7 +310,8 @@ def main() -> None:
         "preset": args.preset, "config": MOE_PRESETS[args.preset].to_dict(),
         "parameters": count_moe_parameters(MOE_PRESETS[args.preset]),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+        "torch": torch.__version__, "precision": args.precision, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds,
         "train": train_rows,
         "ratios": {"total_ours_over_plain": o["total_ms"] / pl["total_ms"],
                    "opt_ours_over_plain": o["opt_ms"] / pl["opt_ms"],

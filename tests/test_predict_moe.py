@@ -197,3 +197,31 @@ def test_command_line_writes_the_rows(tmp_path, capsys):
     assert [(r["nodes"], r["mode"]) for r in rows] == [(k, m) for k in (1, 2) for m in MOE_MODES]
     assert "| deepseek-v3-lite | 2 | 8 x 2 | ours_split |" in capsys.readouterr().out
     assert bench_main(["predict", "moe", "--model", "mixtral-8x7b", "--ep", "3"]) == 2
+
+
+# ---------------------------------------------------------------- the one-GPU benchmark's MoE model
+def test_bench_moe_model_routes_each_token_to_its_top_k_experts():
+    """bench/moe_model.py's sorted dispatch against a per-token loop written plainly, and its
+    closed-form parameter count."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_matrixfsdp.bench.moe_model import MOE_PRESETS, MoEDecoder, MoEMLP, count_moe_parameters
+
+    cfg = MOE_PRESETS["tiny"]
+    assert sum(p.numel() for p in MoEDecoder(cfg).parameters()) == count_moe_parameters(cfg)["total"]
+    torch.manual_seed(0)
+    mlp = MoEMLP(cfg)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, cfg.hidden)
+    got = mlp(x).reshape(10, cfg.hidden)
+    flat = x.reshape(10, cfg.hidden)
+    gu, down, i = mlp.experts.gate_up_proj, mlp.experts.down_proj, cfg.expert_mlp
+    for t in range(10):
+        logits = flat[t] @ mlp.router.weight.T
+        top = logits.topk(cfg.top_k)
+        w = torch.softmax(top.values, dim=0)
+        want = sum(w[j] * (down[e] @ (F.silu(gu[e, :i] @ flat[t]) * (gu[e, i:] @ flat[t])))
+                   for j, e in enumerate(top.indices.tolist()))
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-6)

@@ -227,7 +227,8 @@ def _step(mode: str, s: MoEShape, c: Cluster, plan: Plan, ep: int, edp: int
     static = (3 * (m_elems / n + e_all / edp) + 4 * rest / n) * ELEM
     flops = sent = temp = 0.0
     if mode == "fsdp2_ep":
-        jobs = [(m, n, False) for m in mats] + [(m, edp, True) for m in expert_matrices(s) for _ in range(n_moe * local)]
+        jobs = [(m, n, False) for m in mats]
+        jobs += [(m, edp, True) for m in expert_matrices(s) for _ in range(n_moe * local)]
         for shape, span, expert in jobs:
             f, colls = stock_matrix_work(shape, s.ns_steps, span)
             flops += f
@@ -281,7 +282,7 @@ def moe_markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table (docs/moe-predictions.md)."""
     out = ["| model | nodes | EP x EDP | mode | compute ms | a2a ms | fwd ms | bwd ms | opt ms | total ms "
            "| token a2a GiB | dense weights GiB | expert weights GiB | opt NS TFLOP | opt sent GiB | peak GiB |",
-           "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| --- | ---: | --- | --- |" + " ---: |" * 12]
     for r in rows:
         out.append(f"| {r['model']} | {r['nodes']} | {r['ep']} x {r['edp']} | {r['mode']} | {r['compute_ms']:.0f} | "
                    f"{r['a2a_ms']:.0f} | {r['fwd_ms']:.0f} | {r['bwd_ms']:.0f} | {r['opt_ms']:.0f} | "

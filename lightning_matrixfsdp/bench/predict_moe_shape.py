@@ -122,7 +122,8 @@ def dense_units(s: MoEShape) -> tuple[UnitSpec, ...]:
     """What stays owner-sharded (or FSDP-sharded) over the whole world: the root (embedding, final
     norm, head: AdamW) and per layer its norms, attention, router, shared experts or dense MLP."""
     h = s.hidden
-    units = [UnitSpec("", (ParamSpec("embed.weight", (s.vocab, h), _DT, False), ParamSpec("norm.weight", (h,), _DT, False),
+    units = [UnitSpec("", (ParamSpec("embed.weight", (s.vocab, h), _DT, False),
+                           ParamSpec("norm.weight", (h,), _DT, False),
                            ParamSpec("head.weight", (s.vocab, h), _DT, False)))]
     for i in range(s.layers):
         p = f"layers.{i}."
@@ -133,7 +134,8 @@ def dense_units(s: MoEShape) -> tuple[UnitSpec, ...]:
             mats += [("mlp.router", (s.experts, h))]
             if s.shared_experts:
                 mats += _mlp("mlp.shared", s.shared_experts * s.expert_mlp, h)
-        params = [ParamSpec(p + "attn_norm.weight", (h,), _DT, False), ParamSpec(p + "mlp_norm.weight", (h,), _DT, False)]
+        params = [ParamSpec(p + "attn_norm.weight", (h,), _DT, False),
+                  ParamSpec(p + "mlp_norm.weight", (h,), _DT, False)]
         if s.kv_lora_rank:
             params.append(ParamSpec(p + "attn.kv_norm.weight", (s.kv_lora_rank,), _DT, False))
         params += [ParamSpec(p + n + ".weight", shape, _DT, True) for n, shape in mats]
