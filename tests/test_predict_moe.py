@@ -9,10 +9,10 @@ import json
 import pytest
 
 from lightning_matrixfsdp.bench.__main__ import main as bench_main
-from lightning_matrixfsdp.bench.cluster import Cluster, cluster
-from lightning_matrixfsdp.bench.predict_moe import MOE_MODES, a2a_seconds, edp_ring, predict_moe_mode
-from lightning_matrixfsdp.bench.predict_moe_shape import MOE_SHAPES, MoEShape, parameter_counts
-from lightning_matrixfsdp.bench.predict_shape import PredictError
+from lightning_matrixfsdp.bench.predict.cluster import Cluster, cluster
+from lightning_matrixfsdp.bench.predict.moe import MOE_MODES, a2a_seconds, edp_ring, predict_moe_mode
+from lightning_matrixfsdp.bench.predict.moe_shape import MOE_SHAPES, MoEShape, parameter_counts
+from lightning_matrixfsdp.bench.predict.shape import PredictError
 
 # hidden 8, 2 layers, 2 query heads / 1 KV head of 4, 4 experts of intermediate 6, top-2, vocab 10
 TINY = MoEShape("tiny", hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, experts=4, top_k=2, expert_mlp=6,
@@ -89,10 +89,10 @@ def test_expert_weight_bytes_by_hand():
 
 def test_ours_step_by_hand():
     """Busiest owner's dense Newton-Schulz and elementwise work plus every local expert, nothing sent."""
-    from lightning_matrixfsdp.bench.predict_moe import _plan
+    from lightning_matrixfsdp.bench.predict.moe import dense_plan
 
     c = toy(gpus_per_node=2)
-    plan = _plan(TINY, 2)
+    plan = dense_plan(TINY, 2)
     per = []
     for r in range(2):
         mine = [s for s in plan.shards() if s.owner == r]
