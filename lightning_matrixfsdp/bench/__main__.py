@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 -m lightning_matrixfsdp.bench --preset onenode
     python -m lightning_matrixfsdp.bench --preset tiny --nproc 2      # CPU, gloo
     python -m lightning_matrixfsdp.bench predict --help               # the step-time predictor
+    python -m lightning_matrixfsdp.bench predict moe --help           # the same for MoE under EP
 
 A preset fixes every default; the flags below override single fields.
 """
@@ -71,6 +72,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, in
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["predict", "moe"]:  # the MoE predictor (expert-parallel modes)
+        from .predict.moe import main as moe_main
+
+        return moe_main(argv[2:])
     if argv[:1] == ["predict"]:  # the analytic predictor: no GPU, no process group
         from .predict.cli import main as predict_main
 

@@ -2,5 +2,6 @@
 of each benchmark mode's step time and memory, no GPU and no process group needed.
 
 ``modes.py`` the modes, ``shape.py`` the workload, ``comm.py`` the communication, ``tp.py`` the
-tensor-parallel modes, ``cluster.py`` the cluster descriptions, ``cli.py`` the command line.
+tensor-parallel modes, ``moe.py`` and ``moe_shape.py`` the expert-parallel (MoE) modes and their
+workload, ``cluster.py`` the cluster descriptions, ``cli.py`` the command line.
 """
