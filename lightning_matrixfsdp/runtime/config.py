@@ -117,6 +117,9 @@ class MatrixFSDPConfig:
     broadcast_buffers: bool = _opt(True, check_bool)
     ns_steps: int = _opt(5, check_positive_int, SHARD)
     async_save: bool = _opt(False, check_bool, ADAPTER)
+    #: expert parallelism: each declared expert stack split over groups of this many data-parallel
+    #: ranks, every rank keeping its ``E / EP`` experts (docs/expert-parallel.md); 1: off
+    expert_parallel_size: int = _opt(1, check_positive_int)
 
     def __post_init__(self) -> None:
         for f in fields(self):

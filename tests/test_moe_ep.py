@@ -1,0 +1,255 @@
+"""Expert parallelism (``expert_parallel_size``) on a tiny Hugging Face Mixtral, CPU gloo, float32.
+
+The oracle is one process per rank that holds the whole model and is fed every rank's batch
+(DDP's loss: the mean of the ranks' losses), stepped by ``torch.optim.Muon`` on separate 2-D
+parameters (every dense matrix, and each expert's ``gate``, ``up`` and ``down`` matrices as
+parameters of their own) and ``torch.optim.AdamW`` on the rest. Written here, independent of
+the runtime. One launch per world size runs every scenario (``OneLaunch``).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import OneLaunch
+from equiv import count_collectives
+
+pytest.importorskip("transformers")
+
+STEPS = 10
+LR, WD, ADAM_LR = 0.02, 0.1, 0.01
+MAX_NORM = 0.5
+TOL = dict(rtol=2e-4, atol=2e-5)
+
+
+def tiny_mixtral(experts: int = 4, seed: int = 0):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=experts,
+                        num_experts_per_tok=2, max_position_embeddings=32, output_router_logits=True,
+                        router_aux_loss_coef=0.05, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(cfg).float()
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 64, (2, 8), generator=g)
+
+
+def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss  # the load-balancing loss included
+
+
+# ---------------------------------------------------------------------- the oracle
+class Oracle:
+    """The whole model in one process, each expert matrix a 2-D parameter of its own for Muon."""
+
+    def __init__(self, experts: int) -> None:
+        self.model = tiny_mixtral(experts)
+        self.pieces: list[tuple[torch.Tensor, slice, torch.nn.Parameter]] = []  # (stack, rows, matrix)
+        dense, rest = [], []
+        for name, p in self.model.named_parameters():
+            if p.ndim == 3:
+                half = p.shape[1] // 2
+                rows = [slice(0, half), slice(half, p.shape[1])] if name.endswith("gate_up_proj") else [slice(None)]
+                for e in range(p.shape[0]):
+                    for r in rows:
+                        self.pieces.append((p, (e, r), torch.nn.Parameter(p.data[e, r].clone())))
+            elif p.ndim == 2:
+                dense.append(p)
+            else:
+                rest.append(p)
+        self.muon = torch.optim.Muon(dense + [m for *_, m in self.pieces], lr=LR, weight_decay=WD)
+        self.adamw = torch.optim.AdamW(rest, lr=ADAM_LR, weight_decay=WD)
+
+    def step(self, batches: list[torch.Tensor], clip: bool) -> tuple[float, float]:
+        self.model.zero_grad()
+        loss = sum(loss_of(self.model, b) for b in batches) / len(batches)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM) if clip else torch.tensor(0.0)
+        for stack, (e, r), m in self.pieces:
+            m.grad = stack.grad[e, r].clone()
+        self.muon.step()
+        self.adamw.step()
+        with torch.no_grad():
+            for stack, (e, r), m in self.pieces:
+                stack[e, r] = m
+        return loss.item(), norm.item()
+
+
+# ---------------------------------------------------------------------- the sharded side
+def gathered(model) -> dict[str, torch.Tensor]:
+    """Every dense parameter whole (broadcast from its owner) and every local expert slice as held."""
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, shard_of, state_of
+
+    sg = state_of(model).sg
+    out = {}
+    for name, p in model.named_parameters():
+        if expert_slice_of(p) is not None:
+            out[name] = p.detach().clone()
+            continue
+        shard = shard_of(p)
+        t = p.data.clone() if is_owned(p) else torch.empty(shard.shape, dtype=p.dtype)
+        dist.broadcast(t, src=sg.g(shard.owner), group=sg.group)
+        out[name] = t
+    return out
+
+
+def sharded(experts: int, ep: int, **options):
+    import lightning_matrixfsdp as mf
+
+    model = tiny_mixtral(experts)
+    mf.matrix_shard(model, expert_parallel_size=ep, **options)
+    opt = mf.route_optimizer(mf.Muon(list(model.parameters()), lr=LR, weight_decay=WD, adamw_lr=ADAM_LR,
+                                     adamw_weight_decay=WD))
+    return model, opt
+
+
+def train_against_oracle(rank: int, world: int, experts: int, ep: int, clip: bool, **options) -> dict:
+    """``STEPS`` steps of the expert-parallel model beside the oracle; the largest differences."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of
+
+    model, opt = sharded(experts, ep, **options)
+    oracle = Oracle(experts)
+    worst = {"loss": 0.0, "norm": 0.0, "weights": 0.0, "expert_grad": 0.0}
+    step_calls = 0
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(model, batch(step, rank))
+        loss.backward()
+        norm = mf.clip_grad_norm_(model, MAX_NORM) if clip else torch.tensor(0.0)
+        with count_collectives() as seen:
+            opt.step()
+        step_calls += seen.calls
+        ref_loss, ref_norm = oracle.step([batch(step, r) for r in range(world)], clip)
+        losses = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(losses, loss.detach().reshape(1))
+        worst["loss"] = max(worst["loss"], abs(sum(x.item() for x in losses) / world - ref_loss))
+        worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm))
+        if step == 0:  # the expert gradients (after clipping, as the optimizer read them)
+            for name, p in model.named_parameters():
+                s = expert_slice_of(p)
+                if s is not None:
+                    ref = dict(oracle.model.named_parameters())[name].grad[s.first:s.first + s.count]
+                    worst["expert_grad"] = max(worst["expert_grad"], (p.grad - ref).abs().max().item())
+    ref_params = dict(oracle.model.named_parameters())
+    for name, t in gathered(model).items():
+        p = dict(model.named_parameters())[name]
+        s = expert_slice_of(p)
+        ref = ref_params[name].detach()
+        ref = ref[s.first:s.first + s.count] if s is not None else ref
+        worst["weights"] = max(worst["weights"], (t - ref).abs().max().item())
+    worst["step_collectives"] = step_calls
+    worst["moved"] = (ref_params["model.layers.0.mlp.experts.gate_up_proj"].detach()
+                      - tiny_mixtral(experts).model.layers[0].mlp.experts.gate_up_proj.detach()).abs().max().item()
+    return worst
+
+
+def expert_grads(rank: int, world: int, experts: int, ep: int) -> float:
+    """One backward: the largest difference of each local expert gradient from the oracle's
+    (sum over every token routed to the expert, divided by the data-parallel size)."""
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of
+
+    model, _ = sharded(experts, ep)
+    loss_of(model, batch(0, rank)).backward()
+    ref = tiny_mixtral(experts)
+    (sum(loss_of(ref, batch(0, r)) for r in range(world)) / world).backward()
+    refs = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        s = expert_slice_of(p)
+        if s is not None:
+            worst = max(worst, (p.grad - refs[name].grad[s.first:s.first + s.count]).abs().max().item())
+    return worst
+
+
+def refusals(rank: int, world: int) -> dict:
+    """Each refusal raises MatrixShardError on every rank, within seconds; the message of each."""
+    import lightning_matrixfsdp as mf
+
+    out = {}
+    cases = {
+        "indivisible_experts": lambda: mf.matrix_shard(tiny_mixtral(experts=3), expert_parallel_size=2),
+        "ep_not_dividing_world": lambda: mf.matrix_shard(tiny_mixtral(), expert_parallel_size=3),
+        "experts_differ": lambda: mf.matrix_shard(tiny_mixtral(experts=4 if rank == 0 else 2),
+                                                  expert_parallel_size=2),
+        "meta": lambda: mf.matrix_shard(_meta_mixtral(), expert_parallel_size=2),
+    }
+    for name, build in cases.items():
+        start = time.monotonic()
+        try:
+            build()
+            out[name] = ("no error", 0.0)
+        except mf.MatrixShardError as e:
+            out[name] = (str(e), time.monotonic() - start)
+        dist.barrier()
+    return out
+
+
+def _meta_mixtral():
+    with torch.device("meta"):
+        return tiny_mixtral()
+
+
+# ---------------------------------------------------------------------- launches
+def _world2(rank: int, world: int) -> dict:
+    return {
+        "ep2": train_against_oracle(rank, world, experts=4, ep=2, clip=True),
+        "refusals": refusals(rank, world),
+    }
+
+
+def _world4(rank: int, world: int) -> dict:
+    return {
+        "ep2_grads": expert_grads(rank, world, experts=4, ep=2),
+        "ep2": train_against_oracle(rank, world, experts=4, ep=2, clip=True),
+        "ep4": train_against_oracle(rank, world, experts=4, ep=4, clip=False),
+        "ep2_hsdp": train_against_oracle(rank, world, experts=4, ep=2, clip=True, shard_size=2),
+    }
+
+
+WORLD2 = OneLaunch(_world2, 2, timeout=200)
+WORLD4 = OneLaunch(_world4, 4, timeout=300)
+
+
+def _check_training(result: dict) -> None:
+    assert result["step_collectives"] == 0, "optimizer.step() communicated"
+    assert result["moved"] > 1e-3, "the weights did not train"
+    assert result["loss"] < 1e-4, result
+    assert result["norm"] < 1e-4, result
+    assert result["expert_grad"] < 1e-5, result
+    assert result["weights"] < 1e-4, result
+
+
+def test_ep2_world2_equals_one_process_oracle():
+    for r in WORLD2.results():
+        _check_training(r["ep2"])
+
+
+def test_refusals_on_every_rank_within_seconds():
+    results = [r["refusals"] for r in WORLD2.results()]
+    expected = {"indivisible_experts": "does not divide the 3 experts", "ep_not_dividing_world": "must divide",
+                "experts_differ": "differ across ranks", "meta": "meta device"}
+    for per_rank in results:
+        for name, words in expected.items():
+            message, seconds = per_rank[name]
+            assert words in message, (name, message)
+            assert seconds < 10, (name, seconds)
+
+
+def test_expert_gradient_is_divided_by_the_data_parallel_size():
+    # world 4, EP=2: the data-parallel size (4) differs from EP (2), so dividing by EP would fail here
+    for r in WORLD4.results():
+        assert r["ep2_grads"] < 1e-6, r["ep2_grads"]
+
+
+@pytest.mark.parametrize("scenario", ["ep2", "ep4", "ep2_hsdp"])
+def test_world4_equals_one_process_oracle(scenario):
+    for r in WORLD4.results():
+        _check_training(r[scenario]) if scenario != "ep4" else _check_training({**r[scenario], "norm": 0.0})
