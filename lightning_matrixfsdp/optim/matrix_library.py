@@ -44,10 +44,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_matrixfsdp.runtime.tags import tp_of
+from lightning_matrixfsdp.runtime.tags import stack_of, tp_of
 from lightning_matrixfsdp.runtime.tp_comm import gather_to_steppers, scatter_from_steppers
 
-from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, scalar_dtype
+from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, scalar_dtype, stack_pieces
 
 __all__ = ["LIBRARY_REQUIREMENT", "MatrixLibraryOptimizer"]
 
@@ -282,7 +282,8 @@ class MatrixLibraryOptimizer(TailOptimizer):
         tensor-parallel matrix are stepped whole on the matrix's TP stepper (its state whole
         there) and every TP rank takes its slice of the new weight."""
         split = [p for p in params if tp_of(p) is not None]
-        whole = [p for p in params if tp_of(p) is None]
+        stacks = [p for p in params if tp_of(p) is None and stack_of(p) is not None]
+        whole = [p for p in params if tp_of(p) is None and stack_of(p) is None]
         wholes: list[Any] = []
         if split:
             frags = [tp_of(p) for p in split]
@@ -298,6 +299,8 @@ class MatrixLibraryOptimizer(TailOptimizer):
         try:
             for p in whole:
                 self._step_one(inner, p, p)
+            for p in stacks:
+                self._step_stack(inner, p)
             for p, w in zip(split, wholes):
                 if w is not None:
                     self._step_one(inner, p, w)
@@ -310,11 +313,55 @@ class MatrixLibraryOptimizer(TailOptimizer):
             for p, piece in zip(split, new):
                 p.copy_(piece)
 
+    def _step_stack(self, inner: torch.optim.Optimizer, p: Tensor) -> None:
+        """One library step of every matrix of an expert stack (each block of each expert alone,
+        as a 2-D view of ``p`` with its gradient's view), its state kept per expert: every flat
+        entry stacked along a new leading dimension (``p.shape[0]``), under ``block{j}/`` when
+        the stack has several row blocks. The same update as one instance per 2-D matrix."""
+        blocks = len(stack_of(p).blocks)
+        state = self.state[p]
+        data, grad = p.detach(), p.grad
+        per_block: list[list[dict[str, Any]]] = [[] for _ in range(blocks)]
+        for i, ((e, rows, target), (_, _, g)) in enumerate(zip(stack_pieces(p, data), stack_pieces(p, grad))):
+            j = i % blocks
+            prefix = f"block{j}/" if blocks > 1 else ""
+            flat = {k[len(prefix):]: self._expert_entry(k[len(prefix):], v, e)
+                    for k, v in state.items() if k.startswith(prefix)}
+            target.grad = g
+            per_block[j].append(self._step_flat(inner, target, flat))
+        new: dict[str, Any] = {}
+        for j, experts in enumerate(per_block):
+            prefix = f"block{j}/" if blocks > 1 else ""
+            for key in experts[0]:
+                values = [x[key] for x in experts]
+                if isinstance(values[0], Tensor):
+                    new[prefix + key] = torch.stack(values)
+                elif all(v == values[0] for v in values):
+                    new[prefix + key] = values[0]  # a plain scalar alike for every expert (kept plain)
+                else:
+                    new[prefix + key] = torch.tensor(values)
+        self.state[p] = new
+
+    def _expert_entry(self, key: str, value: Any, e: int) -> Any:
+        """Expert ``e``'s entry of a stack's state, in fresh storage: CPU matmuls round by the
+        alignment of their inputs, and a slice of the stacked tensor sits at an offset; a factor
+        the library keeps column-major (LAPACK's outputs) is laid out so again. So the expert's
+        step rounds as the step of a matrix alone."""
+        if not isinstance(value, Tensor) or value.ndim == 0:
+            return value
+        entry = value[e]
+        if key.partition(".")[0] in self._column_major_state and entry.ndim == 2:
+            return entry.t().contiguous().t()
+        return entry.clone()
+
     def _step_one(self, inner: torch.optim.Optimizer, p: Tensor, target: Tensor) -> None:
         """One library step of ``target`` (``p`` itself, or the whole matrix of fragment ``p``)
         with the flat state kept under ``p``."""
+        self.state[p] = self._step_flat(inner, target, self.state[p])
+
+    def _step_flat(self, inner: torch.optim.Optimizer, target: Tensor, flat: dict[str, Any]) -> dict[str, Any]:
+        """One library step of ``target`` from the flat state ``flat``; returns the new flat state."""
         inner_group = inner.param_groups[0]
-        flat = self.state[p]
         inner_group["params"] = [target]
         inner.state.clear()
         if flat:
@@ -337,5 +384,5 @@ class MatrixLibraryOptimizer(TailOptimizer):
                 inner.step()
         finally:
             target.grad = grad
-        self.state[p] = self._pack(target, inner.state.pop(target), inner_group["step"])
+        return self._pack(target, inner.state.pop(target), inner_group["step"])
 

@@ -30,10 +30,10 @@ from .orthogonalize import (
     newton_schulz_batched,
     polar_express,
 )
-from lightning_matrixfsdp.runtime.tags import tp_of
+from lightning_matrixfsdp.runtime.tags import stack_of, tp_of
 from lightning_matrixfsdp.runtime.tp_comm import gather_to_steppers, scatter_from_steppers
 
-from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, is_matrix_role
+from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, is_matrix_role, stack_pieces
 
 __all__ = ["Muon", "ORTHOGONALIZERS", "adjust_lr", "uses_muon"]
 
@@ -203,6 +203,10 @@ class Muon(TailOptimizer):
         if split:  # fragments of tensor-parallel matrices: each orthogonalized whole, on one TP rank
             self._muon_tp(group, split)
             params = [p for p in params if tp_of(p) is None]
+        for p in params:
+            if stack_of(p) is not None:
+                self._muon_stack(group, p)
+        params = [p for p in params if stack_of(p) is None]
         for bucket in self._buckets(group, params):
             self._muon_bucket(group, bucket)
 
@@ -232,6 +236,54 @@ class Muon(TailOptimizer):
             if decay != 1:
                 p.mul_(decay)
             p.add_(piece.reshape(p.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], torch.Size(f.global_shape)))
+
+    def _muon_stack(self, group: dict[str, Any], p: Tensor) -> None:
+        """torch.optim.Muon's update of an expert stack as ``p.shape[0]`` independent matrices, each
+        as its row blocks (a fused gate/up: two matrices): the momentum, weight decay and update are
+        elementwise, so one op over the stack is each matrix's op; Newton-Schulz and the learning-rate
+        adjustment are per matrix, from that block's own (rows, cols). Bitwise torch.optim.Muon on
+        the separate 2-D matrices. With ``batch_shapes`` (on CUDA by default) or
+        ``orthogonalizer="batched"``, the matrices of one shape are orthogonalized as one batched
+        iteration (:meth:`_orthogonalize_batch`: where ``_buckets`` would batch separate matrices of
+        that shape, the same computation), otherwise one by one."""
+        lr = as_float(group["lr"])
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        update = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"],
+                                 FUSED_MOMENTUM)
+        pieces = stack_pieces(p, update)
+        results = self._orthogonalize_batch(group, [piece for _, _, piece in pieces])
+        decay = 1 - lr * group["weight_decay"]
+        if decay != 1:
+            p.mul_(decay)
+        for (e, rows, _), out in zip(pieces, results):
+            p[e, rows].add_(out, alpha=-adjust_lr(lr, group["adjust_lr_fn"], out.shape))
+
+    def _orthogonalize_batch(self, group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
+        """Orthogonalize separate 2-D matrices, batching those of one shape exactly where
+        :meth:`_buckets` would batch separate parameters of that shape (same limits)."""
+        name = group["orthogonalizer"]
+        batch = group.get("batch_shapes")
+        if name in ("newton_schulz", "fast") and batch is None:
+            batch = bool(updates) and updates[0].device.type == "cuda"
+        batching = name == "batched" or (name in ("newton_schulz", "fast") and batch)
+        aliased = not group["nesterov"]
+        results: list[Any] = [None] * len(updates)
+        stacks: dict[torch.Size, list[int]] = defaultdict(list)
+        for i, u in enumerate(updates):
+            small = min(u.shape) < SYMMETRIC_MIN_ROWS or name == "batched"
+            if batching and small and not (aliased and u.dtype == torch.bfloat16):
+                stacks[u.shape].append(i)
+            else:
+                results[i] = self.orthogonalize(group, [u])[0]
+        for shape, members in stacks.items():
+            per_stack = max(1, BATCH_MAX_ELEMENTS // max(1, shape.numel()))
+            for k in range(0, len(members), per_stack):
+                chunk = members[k:k + per_stack]
+                for i, out in zip(chunk, self.orthogonalize(group, [updates[i] for i in chunk])):
+                    results[i] = out
+        return results
 
     def _ortho_dtype(self, group: dict[str, Any], dtype: torch.dtype) -> torch.dtype:
         """The dtype the group's orthogonalizer returns for updates of ``dtype`` (a 2 x 2 probe,

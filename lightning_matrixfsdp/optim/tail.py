@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_matrixfsdp.runtime.placement import RoleKind
-from lightning_matrixfsdp.runtime.tags import role_of
+from lightning_matrixfsdp.runtime.tags import role_of, stack_of
 
 __all__ = [
     "TailOptimizer",
@@ -48,6 +48,7 @@ __all__ = [
     "keeps_whole_tp_state",
     "scalar_dtype",
     "split_by_role",
+    "stack_pieces",
 ]
 
 Routed = list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]
@@ -57,11 +58,26 @@ Routed = list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]
 
 
 def is_matrix_role(p: Tensor) -> bool:
-    """True if ``p`` goes to the matrix optimizer: its role tag if any, else ``ndim == 2``."""
+    """True if ``p`` goes to the matrix optimizer: its role tag if any, else ``ndim == 2`` or
+    an expert-stack tag (``runtime/tags.stack_of``)."""
     role = role_of(p)
     if role is None:
-        return p.ndim == 2
+        return p.ndim == 2 or stack_of(p) is not None
     return role is RoleKind.MATRIX
+
+
+def stack_pieces(p: Tensor, t: Tensor) -> list[tuple[int, slice, Tensor]]:
+    """The matrices an expert stack ``p`` is stepped as, cut from ``t`` (its update, gradient or
+    itself, shaped like ``p``): ``(expert, row slice, view)`` for every expert of ``p.shape[0]``
+    (a local slice of the experts included) and every row block of its declaration."""
+    stack = stack_of(p)
+    out = []
+    for e in range(p.shape[0]):
+        start = 0
+        for rows in stack.blocks:
+            out.append((e, slice(start, start + rows), t[e, start:start + rows]))
+            start += rows
+    return out
 
 
 def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool = False) -> Routed:
@@ -85,6 +101,13 @@ def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool =
             if p.grad.is_sparse:
                 raise RuntimeError(f"{who} does not support sparse gradients")
             if is_matrix_role(p):
+                stack = stack_of(p)
+                if stack is not None:  # every optimizer here steps a stack as its experts' matrices
+                    if p.ndim != 3 or p.shape[1] != stack.rows:
+                        raise ValueError(f"{who}: a parameter of size {tuple(p.size())} carries the expert-stack "
+                                         f"declaration {stack} (three dimensions, {stack.rows} rows per expert)")
+                    matrices.append(p)
+                    continue
                 if p.ndim < 2 or (p.ndim > 2 and not flattens):
                     hint = (" (flatten_conv=True made this kernel a matrix role; of this library's optimizers "
                             "only Muon trains such roles, as their (shape[0], -1) matrix)" if p.ndim > 2 else "")

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from lightning_matrixfsdp.runtime.experts import ExpertStackError, check_expert_stacks
 from lightning_matrixfsdp.runtime.options import (
     MatrixShardError,
     check_backend,
@@ -71,6 +72,14 @@ def _parallel_size(value: Any, name: str) -> Union[int, str]:
     return int(value)
 
 
+def _expert_stacks(value: Any, name: str) -> Any:
+    """``expert_stacks``: patterns frozen into a sorted tuple of (pattern, blocks) (runtime/experts.py)."""
+    try:
+        return check_expert_stacks(value, name)
+    except ExpertStackError as err:
+        raise MatrixShardError(str(err)) from None
+
+
 def _adapter_default_bool(value: Any, name: str) -> Optional[bool]:
     """``None``: the adapter's own default (``accumulation_no_sync``: off for the Trainer, on for Fabric)."""
     return None if value is None else check_bool(value, name)
@@ -117,6 +126,9 @@ class MatrixFSDPConfig:
     broadcast_buffers: bool = _opt(True, check_bool)
     ns_steps: int = _opt(5, check_positive_int, SHARD)
     async_save: bool = _opt(False, check_bool, ADAPTER)
+    #: the user's expert stacks, beside the automatic ones (runtime/experts.py: patterns, a
+    #: dict {pattern: blocks}, or a callable (fqn, param) -> ExpertStack | bool | None)
+    expert_stacks: Any = _opt(None, _expert_stacks)
     #: expert parallelism: each declared expert stack split over groups of this many data-parallel
     #: ranks, every rank keeping its ``E / EP`` experts (docs/expert-parallel.md); 1: off
     expert_parallel_size: int = _opt(1, check_positive_int)

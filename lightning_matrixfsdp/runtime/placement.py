@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Optional, Sequence
 
+from lightning_matrixfsdp.runtime.experts import ExpertStack
+
 
 class RoleKind(str, Enum):
     """What gets an owner: one 2D matrix, or the packed non-matrix tail of a unit."""
@@ -65,6 +67,8 @@ class ParamSpec(_Sized):
     dtype: str
     is_matrix: bool
     requires_grad: bool = True
+    #: an expert stack (a matrix role stepped as ``stack.num_experts`` matrices), or None
+    stack: Optional[ExpertStack] = None
 
 
 @dataclass(frozen=True)
@@ -92,11 +96,16 @@ class MatrixShard(_Sized):
     owner: int
     segment_offset: int
     requires_grad: bool = True
+    #: the expert-stack declaration of a stacked matrix role (None: an ordinary parameter)
+    stack: Optional[ExpertStack] = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
         d["role"] = self.role.value
+        d.pop("stack")
+        if self.stack is not None:  # absent otherwise, so the layouts (and digests) of earlier plans stay valid
+            d["stack"] = self.stack.to_dict()
         return d
 
     @staticmethod
@@ -105,6 +114,7 @@ class MatrixShard(_Sized):
             fqn=d["fqn"], unit=d["unit"], shape=tuple(d["shape"]), dtype=d["dtype"],
             role=RoleKind(d["role"]), owner=int(d["owner"]),
             segment_offset=int(d["segment_offset"]), requires_grad=bool(d["requires_grad"]),
+            stack=ExpertStack.from_dict(d["stack"]) if d.get("stack") else None,
         )
 
 
@@ -282,6 +292,10 @@ class Plan:
             f"imbalance (max/avg): memory {self.memory_imbalance:.3f}, "
             f"optimizer compute {self.compute_imbalance:.3f}; max unit gamma {self.max_gamma:.3f}"
         )
+        if self.options.get("roles"):  # matrix_shard's classification: every parameter, and the rule that decided
+            lines.append("roles (parameter: role, why):")
+            lines += [f"  {pattern}{f' (x{n})' if n > 1 else ''}: {role}, {why}"
+                      for pattern, n, role, why in self.options["roles"]]
         return "\n".join(lines)
 
 

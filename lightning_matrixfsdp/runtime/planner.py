@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, UnitLayout, UnitSpec
+from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, UnitLayout, UnitSpec
 from lightning_matrixfsdp.runtime.replicas import assign_steppers
 from lightning_matrixfsdp.runtime.roles import Role, newton_schulz_flops, role_cost, unit_roles
 
@@ -52,8 +52,9 @@ def _layouts(units: Sequence[UnitSpec], roles: list[list[Role]], owners: dict[st
         shards = []
         for p in unit.params:
             o = owner_of[p.fqn]
+            stack = p.stack if kind_of[p.fqn] is RoleKind.MATRIX else None
             shards.append(MatrixShard(p.fqn, unit.fqn, tuple(p.shape), p.dtype, kind_of[p.fqn], o,
-                                      offsets[o], p.requires_grad))
+                                      offsets[o], p.requires_grad, stack))
             offsets[o] += p.numel
         layouts.append(UnitLayout(unit.fqn, world, tuple(shards)))
     return layouts

@@ -9,14 +9,15 @@ the stepping-replica assignment (``replicas.py``) both price roles here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
+from lightning_matrixfsdp.runtime.experts import ExpertStack
 from lightning_matrixfsdp.runtime.placement import ParamSpec, RoleKind, UnitSpec
 
 __all__ = ["Role", "newton_schulz_flops", "role_cost", "unit_roles"]
 
 
-def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> int:
+def newton_schulz_flops(shape: Sequence[int], steps: int = 5, stack: Optional[ExpertStack] = None) -> int:
     """FLOPs of ``steps`` Newton-Schulz iterations on an m x n matrix (m <= n).
 
     Each iteration forms ``A = X X^T`` (2 m^2 n), ``B = b A + c A A`` (2 m^3) and
@@ -58,7 +59,7 @@ def role_cost(kind: RoleKind, params: Sequence[ParamSpec], ns_steps: int = 5) ->
             continue
         if kind is RoleKind.MATRIX:
             nbytes += 3 * p.nbytes  # param, grad, momentum
-            flops += newton_schulz_flops(p.shape, ns_steps)
+            flops += newton_schulz_flops(p.shape, ns_steps, p.stack)
         else:
             nbytes += 4 * p.nbytes  # param, grad, exp_avg, exp_avg_sq
             flops += 12 * p.numel  # AdamW's elementwise update

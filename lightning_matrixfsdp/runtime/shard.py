@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.checks import check_model
+from lightning_matrixfsdp.runtime.classify import RoleChoice, classify, describe_roles
 from lightning_matrixfsdp.runtime.collectives import make_collective
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
 from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig, bind_options, options_signature
@@ -162,7 +163,8 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
                      replicate=mesh.replicate_size, replica_split=config.replica_split)
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
-                        replica_split_reason=choice.replica_split_reason)  # printed; not in the digest
+                        replica_split_reason=choice.replica_split_reason,  # printed; not in the digest
+                        roles=describe_roles(collected.roles))
     tp_plan = None
     if mesh.tp_size > 1:  # the owners from global shapes (above); the TP steppers and this rank's fragments
         tp_plan = tensor_parallel_plan(collected, plan, mesh, config.ns_steps)
@@ -191,6 +193,7 @@ class Collected:
     specs: list[UnitSpec]
     params: dict[str, nn.Parameter]
     registrations: dict[str, list[tuple[nn.Module, str]]]
+    roles: dict[str, RoleChoice]
 
 
 def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
@@ -218,20 +221,16 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
                 regs.setdefault(id(p), []).append((mod, pname))
     # expert-parallel slices are local: no unit materializes or reduces them (expert_parallel.py)
     param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if expert_slice_of(p) is None}
-
-    def is_matrix(fqn: str, p: nn.Parameter) -> bool:
-        if p.ndim < 2 or (p.ndim > 2 and not config.flatten_conv):
-            return False
-        return bool(config.matrix_filter(fqn, p)) if config.matrix_filter is not None else True
+    roles = classify(module, config)  # every parameter's role, and why (runtime/classify.py)
 
     specs = []
     for uname, _ in units:
         params = tuple(ParamSpec(first_fqn[pid], tuple(p.shape), str(p.dtype).replace("torch.", ""),
-                                 is_matrix(first_fqn[pid], p), p.requires_grad)
+                                 roles[first_fqn[pid]].is_matrix, p.requires_grad, roles[first_fqn[pid]].stack)
                        for pid, p in param_objs.items() if unit_of_param[pid] == uname)
         specs.append(UnitSpec(uname, params))
     return Collected(units, specs, {first_fqn[pid]: p for pid, p in param_objs.items()},
-                     {first_fqn[pid]: r for pid, r in regs.items()})
+                     {first_fqn[pid]: r for pid, r in regs.items()}, roles)
 
 
 def tensor_parallel_plan(collected: Collected, plan: Plan, mesh: MeshInfo, ns_steps: int) -> TPPlan:

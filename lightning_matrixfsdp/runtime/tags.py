@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_matrixfsdp.runtime.experts import ExpertStack
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
 
 _SHARD = "_mfsdp_shard"
@@ -28,6 +29,7 @@ _VIEW = "_mfsdp_view"
 _TP = "_mfsdp_tp"
 _TP_SHAPE = "_mfsdp_tp_shape"
 _EXPERTS = "_mfsdp_expert_slice"
+_STACK = "_mfsdp_stack"
 
 
 # ---------------------------------------------------------------------- parameters
@@ -36,6 +38,28 @@ def tag_param(p: Any, shard: MatrixShard, owned: bool) -> None:
     setattr(p, _SHARD, shard)
     setattr(p, _ROLE, shard.role.value)
     setattr(p, _OWNED, bool(owned))
+    stack = getattr(shard, "stack", None)
+    if stack is not None:
+        tag_stack(p, stack)
+
+
+def tag_stack(p: Any, stack: Optional[ExpertStack]) -> None:
+    """Mark ``p`` as an expert stack (None removes the mark). The optimizers step a marked
+    tensor as ``p.shape[0]`` independent matrices of shape ``p.shape[1:]``, each split into
+    ``stack.blocks`` along dim 1, whatever ``p.shape[0]`` is (a local slice of the experts
+    carries the whole stack's declaration)."""
+    if stack is None:
+        if _STACK in getattr(p, "__dict__", {}):
+            delattr(p, _STACK)
+        return
+    if not isinstance(stack, ExpertStack):
+        raise TypeError(f"tag_stack takes an ExpertStack or None, got {type(stack).__name__}")
+    setattr(p, _STACK, stack)
+
+
+def stack_of(p: Any) -> Optional[ExpertStack]:
+    """The expert-stack declaration of ``p``, or None (an ordinary parameter)."""
+    return getattr(p, _STACK, None)
 
 
 def tag_tp(p: Any, fragment: Any) -> None:
@@ -62,7 +86,7 @@ def tp_of(p: Any) -> Optional[Any]:
 def untag_param(p: Any) -> None:
     """Remove the placement marks (``full_model``: the parameter reads as a plain one, also in
     a pickle taken meanwhile; ``tag_param`` puts them back)."""
-    for name in (_SHARD, _ROLE, _OWNED):
+    for name in (_SHARD, _ROLE, _OWNED, _STACK):
         if name in getattr(p, "__dict__", {}):
             delattr(p, name)
 

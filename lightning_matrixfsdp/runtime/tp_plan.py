@@ -52,7 +52,7 @@ def assign_tp_steppers(plan: Plan, layouts: Mapping[str, TPLayout], tp_size: int
         for s in unit.shards:
             lay = layouts.get(s.fqn)
             if s.role is RoleKind.MATRIX and s.requires_grad and lay is not None and lay.split:
-                roles.append((-newton_schulz_flops(s.shape, ns_steps), ui, s.fqn, s.owner))
+                roles.append((-newton_schulz_flops(s.shape, ns_steps, s.stack), ui, s.fqn, s.owner))
     loads = [[0] * tp_size for _ in range(plan.world)]
     steppers: dict[str, int] = {}
     for neg_flops, _, fqn, owner in sorted(roles):
@@ -74,7 +74,7 @@ def localize(plan: Plan, layouts: Mapping[str, TPLayout], tp_rank: int) -> Plan:
             lay = layouts.get(s.fqn)
             shape = lay.local_shape(tp_rank) if lay is not None else s.shape
             local = MatrixShard(s.fqn, s.unit, tuple(shape), s.dtype, s.role, s.owner, offsets[s.owner],
-                                s.requires_grad)
+                                s.requires_grad, s.stack)
             offsets[s.owner] += local.numel
             shards.append(local)
         units.append(UnitLayout(unit.fqn, unit.world, tuple(shards)))

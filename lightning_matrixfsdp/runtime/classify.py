@@ -1,0 +1,156 @@
+"""Which role each parameter gets (matrix or AdamW tail), and why: one rule list, in order.
+
+``shard.collect`` asks :func:`classify` once per model; the plan printout shows every
+parameter's role with the rule that decided it (:func:`describe_roles`). The rules:
+
+1. a declared expert stack (``experts.py``: automatic for known layouts, or the
+   ``expert_stacks`` option) is a matrix role stepped per expert, unless an explicit
+   ``matrix_filter`` rejects it; ``flatten_conv=True`` with a declared stack is refused
+   (flattening would orthogonalize E experts as one matrix);
+2. fewer than two dimensions: tail;
+3. more than two dimensions, not a stack: a matrix role as its ``(shape[0], -1)`` matrix
+   under ``flatten_conv`` (and the filter), else the tail, with a warning naming it
+   (a 3-D parameter never goes to AdamW silently);
+4. two dimensions: an explicit ``matrix_filter`` decides; without one, the Muon recipe:
+   ``nn.Embedding`` weights and the output head (Hugging Face ``get_output_embeddings()``,
+   or the last ``nn.Linear`` projecting to an embedding's vocabulary; a head tied to an
+   embedding is that embedding) go to the tail, every other matrix is a matrix role.
+
+Pure: no communication, no tensors moved.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks
+from lightning_matrixfsdp.runtime.options import MatrixShardError
+
+__all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_tail"]
+
+
+class UndeclaredStackWarning(UserWarning):
+    """A parameter of more than two dimensions that is neither a declared expert stack nor
+    flattened (``flatten_conv``): it trains with the AdamW tail."""
+
+
+@dataclass(frozen=True)
+class RoleChoice:
+    """One parameter's role and the rule that chose it."""
+
+    is_matrix: bool
+    stack: Optional[ExpertStack]
+    reason: str
+
+    @property
+    def role(self) -> str:
+        if not self.is_matrix:
+            return "adamw"
+        return "stack" if self.stack is not None else "matrix"
+
+
+def _output_head(module: nn.Module) -> tuple[Optional[nn.Parameter], str]:
+    """The output head's weight and how it was found, or (None, "")."""
+    get = getattr(module, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            head = get()
+        except Exception:  # noqa: BLE001 - a model's own method failing means: no known head
+            head = None
+        weight = getattr(head, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            return weight, "output head (get_output_embeddings())"
+    vocab = {m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)}
+    last = None
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and m.out_features in vocab:
+            last = m
+    if last is not None:
+        return last.weight, "output head (the last nn.Linear projecting to an embedding's vocabulary)"
+    return None, ""
+
+
+def recipe_tail(module: nn.Module) -> dict[int, str]:
+    """id(parameter) -> why the Muon recipe keeps it on AdamW: embeddings and the output head."""
+    out: dict[int, str] = {}
+    head, why = _output_head(module)
+    if head is not None:
+        out[id(head)] = why
+    for m in module.modules():
+        if isinstance(m, nn.Embedding) and isinstance(m.weight, nn.Parameter):
+            prior = out.get(id(m.weight))
+            out[id(m.weight)] = f"{prior}, tied to an nn.Embedding" if prior else "nn.Embedding weight"
+    return out
+
+
+def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
+    """fqn (first name of each parameter) -> its :class:`RoleChoice`, from ``config``'s
+    ``matrix_filter``, ``flatten_conv`` and ``expert_stacks``. Refuses ``flatten_conv`` with a
+    declared stack and a stack declaration that does not fit; warns once per undeclared
+    parameter of more than two dimensions."""
+    try:
+        stacks = declared_stacks(module, config.expert_stacks)
+    except ExpertStackError as err:
+        raise MatrixShardError(str(err)) from None
+    if stacks and config.flatten_conv:
+        fqn, (stack, why) = next(iter(sorted(stacks.items())))
+        raise MatrixShardError(
+            f"flatten_conv=True would orthogonalize the expert stack {fqn!r} ({stack.describe()}; {why}) as one "
+            f"flattened matrix, mixing its experts; expert stacks are stepped per expert without flatten_conv: set "
+            f"flatten_conv=False ({len(stacks)} declared stack(s) in this model)")
+    filt = config.matrix_filter
+    recipe: dict[int, str] = {}  # the Muon recipe's default comes in the next commit
+    out: dict[str, RoleChoice] = {}
+    undeclared = []
+    for fqn, p in module.named_parameters():
+        if fqn in stacks:
+            stack, why = stacks[fqn]
+            if filt is not None and not filt(fqn, p):
+                out[fqn] = RoleChoice(False, None, f"expert stack ({why}) rejected by matrix_filter")
+            else:
+                out[fqn] = RoleChoice(True, stack, f"expert stack, {stack.describe()} ({why})")
+        elif p.ndim < 2:
+            out[fqn] = RoleChoice(False, None, f"{p.ndim}-D")
+        elif p.ndim > 2:
+            if not config.flatten_conv:
+                undeclared.append(f"{fqn} {tuple(p.shape)}")
+                out[fqn] = RoleChoice(False, None, f"{p.ndim}-D, neither a declared expert stack nor flattened "
+                                                   "(warned)")
+            elif filt is not None and not filt(fqn, p):
+                out[fqn] = RoleChoice(False, None, f"{p.ndim}-D, rejected by matrix_filter")
+            else:
+                out[fqn] = RoleChoice(True, None, f"flatten_conv: its (shape[0], -1) matrix")
+        elif filt is not None:
+            ok = bool(filt(fqn, p))
+            out[fqn] = RoleChoice(ok, None, f"matrix_filter {'accepts' if ok else 'rejects'} it")
+        elif id(p) in recipe:
+            out[fqn] = RoleChoice(False, None, f"Muon recipe default: {recipe[id(p)]} on AdamW "
+                                               "(pass matrix_filter to decide yourself)")
+        else:
+            out[fqn] = RoleChoice(True, None, "2-D")
+    if undeclared:
+        warnings.warn(
+            f"{len(undeclared)} parameter(s) of more than two dimensions are neither declared expert stacks nor "
+            f"flattened, so they train with AdamW, not as matrices: {', '.join(undeclared[:8])}"
+            f"{' ...' if len(undeclared) > 8 else ''}. Declare a stack of expert matrices [E, m, n] with "
+            "expert_stacks={'<fqn pattern>': blocks} (docs/moe.md), or set flatten_conv=True for convolution "
+            "kernels", UndeclaredStackWarning, stacklevel=4)
+    return out
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+def describe_roles(roles: dict[str, RoleChoice]) -> list[list[Any]]:
+    """Every parameter's role and why, as rows ``[fqn pattern, count, role, reason]``: fqns
+    that differ only in their layer indices (``layers.*.``) and share role and reason are one row."""
+    rows: dict[tuple[str, str, str], int] = {}
+    for fqn, choice in roles.items():
+        key = (_INDEX.sub("*", fqn), choice.role, choice.reason)
+        rows[key] = rows.get(key, 0) + 1
+    return [[pattern, n, role, reason] for (pattern, role, reason), n in rows.items()]
