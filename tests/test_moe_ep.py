@@ -1,4 +1,4 @@
-"""Expert parallelism (``expert_parallel_size``) on a tiny Hugging Face Mixtral, CPU gloo, float32.
+"""Expert parallelism (``expert_parallel_size``) on a tiny Hugging Face Mixtral, CPU gloo, float64.
 
 The oracle is one process per rank that holds the whole model and is fed every rank's batch
 (DDP's loss: the mean of the ranks' losses), stepped by ``torch.optim.Muon`` on separate 2-D
@@ -22,7 +22,11 @@ pytest.importorskip("transformers")
 STEPS = 10
 LR, WD, ADAM_LR = 0.02, 0.1, 0.01
 MAX_NORM = 0.5
-TOL = dict(rtol=2e-4, atol=2e-5)
+#: float64: Muon's Newton-Schulz runs in bfloat16 (torch's and ours), where a float32 difference in the
+#: last bit of a gradient (the experts' outputs are summed in another order than Hugging Face's loop)
+#: can flip a rounding and the trajectories drift apart; float64's differences flip none.
+DTYPE = torch.float64
+TOL = 1e-9
 
 
 def tiny_mixtral(experts: int = 4, seed: int = 0):
@@ -31,9 +35,9 @@ def tiny_mixtral(experts: int = 4, seed: int = 0):
     cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=experts,
                         num_experts_per_tok=2, max_position_embeddings=32, output_router_logits=True,
-                        router_aux_loss_coef=0.05, tie_word_embeddings=False)
+                        router_aux_loss_coef=0.05, tie_word_embeddings=False, experts_implementation="eager")
     torch.manual_seed(seed)
-    return MixtralForCausalLM(cfg).float()
+    return MixtralForCausalLM(cfg).to(DTYPE)
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -49,21 +53,22 @@ def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
 class Oracle:
     """The whole model in one process, each expert matrix a 2-D parameter of its own for Muon."""
 
-    def __init__(self, experts: int) -> None:
+    def __init__(self, experts: int, matrices: set[str]) -> None:
+        """``matrices``: the names Muon steps (the rest: AdamW), as the sharded run chose them."""
         self.model = tiny_mixtral(experts)
         self.pieces: list[tuple[torch.Tensor, slice, torch.nn.Parameter]] = []  # (stack, rows, matrix)
         dense, rest = [], []
         for name, p in self.model.named_parameters():
-            if p.ndim == 3:
+            if name not in matrices:
+                rest.append(p)
+            elif p.ndim == 3:
                 half = p.shape[1] // 2
                 rows = [slice(0, half), slice(half, p.shape[1])] if name.endswith("gate_up_proj") else [slice(None)]
                 for e in range(p.shape[0]):
                     for r in rows:
                         self.pieces.append((p, (e, r), torch.nn.Parameter(p.data[e, r].clone())))
-            elif p.ndim == 2:
-                dense.append(p)
             else:
-                rest.append(p)
+                dense.append(p)
         self.muon = torch.optim.Muon(dense + [m for *_, m in self.pieces], lr=LR, weight_decay=WD)
         self.adamw = torch.optim.AdamW(rest, lr=ADAM_LR, weight_decay=WD)
 
@@ -100,6 +105,14 @@ def gathered(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def matrix_names(model) -> set[str]:
+    """The parameters the sharded run steps with Muon (matrix roles and expert stacks)."""
+    from lightning_matrixfsdp.runtime.tags import role_of, stack_of
+
+    return {n for n, p in model.named_parameters()
+            if stack_of(p) is not None or (role_of(p) is not None and role_of(p).value == "matrix")}
+
+
 def sharded(experts: int, ep: int, **options):
     import lightning_matrixfsdp as mf
 
@@ -116,7 +129,7 @@ def train_against_oracle(rank: int, world: int, experts: int, ep: int, clip: boo
     from lightning_matrixfsdp.runtime.tags import expert_slice_of
 
     model, opt = sharded(experts, ep, **options)
-    oracle = Oracle(experts)
+    oracle = Oracle(experts, matrix_names(model))
     worst = {"loss": 0.0, "norm": 0.0, "weights": 0.0, "expert_grad": 0.0}
     step_calls = 0
     for step in range(STEPS):
@@ -128,7 +141,7 @@ def train_against_oracle(rank: int, world: int, experts: int, ep: int, clip: boo
             opt.step()
         step_calls += seen.calls
         ref_loss, ref_norm = oracle.step([batch(step, r) for r in range(world)], clip)
-        losses = [torch.zeros(1) for _ in range(world)]
+        losses = [torch.zeros(1, dtype=loss.dtype) for _ in range(world)]
         dist.all_gather(losses, loss.detach().reshape(1))
         worst["loss"] = max(worst["loss"], abs(sum(x.item() for x in losses) / world - ref_loss))
         worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm))
@@ -221,10 +234,10 @@ WORLD4 = OneLaunch(_world4, 4, timeout=300)
 def _check_training(result: dict) -> None:
     assert result["step_collectives"] == 0, "optimizer.step() communicated"
     assert result["moved"] > 1e-3, "the weights did not train"
-    assert result["loss"] < 1e-4, result
-    assert result["norm"] < 1e-4, result
-    assert result["expert_grad"] < 1e-5, result
-    assert result["weights"] < 1e-4, result
+    assert result["loss"] < 1e-5, result  # Hugging Face computes the loss in float32 (its last bits)
+    assert result["norm"] < TOL, result
+    assert result["expert_grad"] < TOL, result
+    assert result["weights"] < TOL, result
 
 
 def test_ep2_world2_equals_one_process_oracle():
@@ -246,7 +259,7 @@ def test_refusals_on_every_rank_within_seconds():
 def test_expert_gradient_is_divided_by_the_data_parallel_size():
     # world 4, EP=2: the data-parallel size (4) differs from EP (2), so dividing by EP would fail here
     for r in WORLD4.results():
-        assert r["ep2_grads"] < 1e-6, r["ep2_grads"]
+        assert r["ep2_grads"] < TOL, r["ep2_grads"]
 
 
 @pytest.mark.parametrize("scenario", ["ep2", "ep4", "ep2_hsdp"])

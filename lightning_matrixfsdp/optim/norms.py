@@ -141,7 +141,8 @@ def _clip_expert_parallel(params: list[torch.Tensor], max_norm: float, norm_type
         combined = all_reduce_norm(local, maximum=maximum, group=group, stats=stats)
     mine, _ = _partial_norm(experts, norm_type, device)
     combined = _combine(combined, all_reduce_norm(mine, maximum=maximum, group=None, stats=stats), norm_type)
-    total = _total_norm(combined, norm_type)
+    # in the gradients' dtype, as torch returns it (float64 gradients keep a float64 coefficient)
+    total = _total_norm(combined, norm_type, grads[0].dtype if grads else torch.float32)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
                            "it cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
@@ -343,16 +344,16 @@ def _magnitudes(g: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x).double().pow(2).sum(-1).sqrt() if x.is_complex() else x.double().abs()
 
 
-def _total_norm(combined: torch.Tensor, p: float) -> torch.Tensor:
+def _total_norm(combined: torch.Tensor, p: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     # torch.where instead of Python branches: no host synchronization on an accelerator.
     if p == math.inf or p == -math.inf:
         value, nan, any_grad = combined[0], combined[1], combined[2]
         value = value if p > 0 else -value
         value = torch.where(any_grad > 0, value, torch.zeros_like(value))  # no gradient anywhere: 0, as torch
-        return torch.where(nan > 0, torch.full_like(value, math.nan), value).float()
+        return torch.where(nan > 0, torch.full_like(value, math.nan), value).to(dtype)
     if p == 0:
-        return combined[0].float()
+        return combined[0].to(dtype)
     total = combined[0] ** (1.0 / p)
     if p < 0:
         total = torch.where(combined[1] > 0, total, torch.zeros_like(total))
-    return total.float()
+    return total.to(dtype)

@@ -3,10 +3,11 @@
 :func:`prepare_experts` runs in ``matrix_shard`` before the units are collected: it finds the
 experts modules (``expert_seams.py``), refuses what cannot work (on every rank, from one
 agreement gathered before any other collective), creates the groups (``expert_comm.py``),
-keeps on each rank its ``E/EP`` experts of global rank 0's stacks as a *local* parameter
-``[E/EP, ...]`` (the same ``nn.Parameter`` object, marked with an :class:`ExpertSlice`), and
-installs the dispatching forward. Local parameters enter no unit: they are never
-materialized and never reduced to an owner.
+marks each stacked parameter with this rank's :class:`ExpertSlice` (marked parameters enter
+no unit: they are never materialized and never reduced to an owner) and installs the
+dispatching forward. Once the roles are known, :meth:`ExpertParallel.split` keeps on each rank
+its ``E/EP`` experts of global rank 0's stacks as a *local* parameter ``[E/EP, ...]`` (the
+same ``nn.Parameter`` object).
 
 :class:`ExpertParallel` is their gradient's way to DDP's mean: backward accumulates each
 rank's local gradient aside (a hook on the parameter), and the end-of-backward flush sums it
@@ -37,7 +38,7 @@ from lightning_matrixfsdp.runtime.expert_seams import ExpertSeam, find_seams, in
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.small_comm import gather_objects
-from lightning_matrixfsdp.runtime.tags import expert_slice_of, tag_expert_slice
+from lightning_matrixfsdp.runtime.tags import expert_slice_of, tag_expert_slice, tag_stack
 
 __all__ = ["ExpertParallel", "ExpertSlice", "prepare_experts"]
 
@@ -70,10 +71,12 @@ class ExpertSlice:
 class ExpertParallel:
     """The local expert parameters of a sharded model and their gradients' way to DDP's mean."""
 
-    def __init__(self, params: dict[str, nn.Parameter], groups: ExpertGroups, stats: CommStats) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], groups: ExpertGroups, stats: CommStats,
+                 device: Optional[torch.device]) -> None:
         self.params = params
         self.groups = groups
         self.stats = stats
+        self.device = device
         #: this backward's local gradient of each parameter (by id), summed over its uses
         self._local: dict[int, torch.Tensor] = {}
         self._handles = [p.register_hook(self._take(p)) for p in params.values() if p.requires_grad]
@@ -86,6 +89,18 @@ class ExpertParallel:
             # over micro-batches as for the owners' parameters)
             return torch.zeros_like(grad)
         return hook
+
+    def split(self, stacks: dict[str, Any]) -> None:
+        """Keep this rank's experts of global rank 0's stacks (collective: one scatter per stack),
+        on the sharding device, each marked with its whole stack's declaration (``stacks``: fqn ->
+        ``ExpertStack`` or None, from the roles ``classify`` gave the whole tensors), so the
+        optimizers step the ``E/EP`` local experts as matrices of their own."""
+        rank0 = dist.get_rank() == 0
+        for fqn, p in self.params.items():
+            s = expert_slice_of(p)
+            local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
+            p.data = local.to(self.device if self.device is not None else p.device)
+            tag_stack(p, stacks.get(fqn))
 
     def finish_backward(self, sync: bool = True) -> None:
         """End of backward (collective, the same on every rank): the local gradients summed over
@@ -178,11 +193,7 @@ def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional
             if expert_slice_of(p) is not None:
                 continue  # registered twice: split once
             fqn = f"{s.fqn}.{n}" if s.fqn else n
-            shape = tuple(p.shape)
-            local = rank0_slices(p.data if dist.get_rank() == 0 else None, shape, p.dtype, groups, stats)
-            target = device if device is not None else p.device
-            p.data = local.to(target)
-            tag_expert_slice(p, ExpertSlice(fqn, shape, groups.ep_rank * count, count, groups))
+            tag_expert_slice(p, ExpertSlice(fqn, tuple(p.shape), groups.ep_rank * count, count, groups))
             params[fqn] = p
         install_forward(s, dispatch, groups.ep_group, fused=hf_experts_forward)
-    return ExpertParallel(params, groups, stats)
+    return ExpertParallel(params, groups, stats, device)

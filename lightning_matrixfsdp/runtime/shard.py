@@ -160,6 +160,8 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     choice = resolve(config.collective, config.replica_split, mesh)
     config = config.updated(collective=choice.collective, replica_split=choice.replica_split)
     collected = collect(module, config)  # 1. specs
+    if experts is not None:  # this rank's experts, declared stacks as the whole tensors were classified
+        experts.split({fqn: r.stack for fqn, r in collected.roles.items() if r.is_matrix})
     plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
                      replicate=mesh.replicate_size, replica_split=config.replica_split)
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
