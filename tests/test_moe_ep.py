@@ -205,6 +205,83 @@ def refusals(rank: int, world: int) -> dict:
     return out
 
 
+def checkpoints(rank: int, world: int) -> dict:
+    """Save at EP=2 after 3 steps (a directory and a consolidated file); then: resume at EP=2 (bitwise
+    the uninterrupted run), load at EP=1 (no expert parallelism) and keep training (the same run in
+    float64), the consolidated file and the safetensors export in Hugging Face's keys and layout."""
+    import os
+    import shutil
+    import tempfile
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.checkpoint import save_sharded
+    from lightning_matrixfsdp.checkpoint.export import export_safetensors
+
+    box = [tempfile.mkdtemp(prefix="moe_ep_") if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    root = box[0]
+
+    def run(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+
+    def whole(model) -> dict[str, torch.Tensor]:
+        """Every parameter whole on every rank (expert slices gathered over the expert-parallel group)."""
+        from lightning_matrixfsdp.runtime.tags import expert_slice_of
+
+        out = gathered(model)
+        for name, p in model.named_parameters():
+            s = expert_slice_of(p)
+            if s is not None:
+                parts = [torch.empty_like(out[name]) for _ in range(world)]
+                dist.all_gather(parts, out[name])
+                out[name] = torch.cat(parts[:s.groups.ep_size])  # the first expert-parallel group's ranks
+        return out
+
+    out = {}
+    model, opt = sharded(4, 2)
+    run(model, opt, range(3))
+    save_sharded(model, os.path.join(root, "dir"), [opt])
+    save_sharded(model, os.path.join(root, "file.ckpt"), [opt], full=True)
+    at_save = whole(model)
+    run(model, opt, range(3, 6))
+    uninterrupted = whole(model)
+
+    resumed, ropt = sharded(4, 2)
+    run(resumed, ropt, range(1))  # some other state first: the load must replace it all
+    mf.load_sharded(resumed, os.path.join(root, "dir"), [ropt])
+    run(resumed, ropt, range(3, 6))
+    got = whole(resumed)
+    out["resume_ep2_bitwise"] = all(torch.equal(got[k], uninterrupted[k]) for k in got)
+
+    plain, popt = sharded(4, 1)
+    mf.load_sharded(plain, os.path.join(root, "dir"), [popt])
+    loaded = whole(plain)
+    out["load_ep1_weights_equal"] = all(torch.equal(loaded[k], at_save[k]) for k in loaded)
+    run(plain, popt, range(3, 6))
+    got = whole(plain)
+    out["ep1_continues"] = max((got[k] - uninterrupted[k]).abs().max().item() for k in got)
+
+    if rank == 0:
+        ck = torch.load(os.path.join(root, "file.ckpt"), map_location="cpu", weights_only=False)
+        sd = ck["state_dict"]
+        reference = tiny_mixtral(4)
+        reference.load_state_dict(sd)  # Hugging Face's own keys and shapes, no EP anywhere
+        out["file_equal"] = all(torch.equal(sd[k], at_save[k]) for k in at_save)
+        export_safetensors(os.path.join(root, "dir"), os.path.join(root, "hf"))
+        from safetensors.torch import load_file
+
+        st = load_file(os.path.join(root, "hf", "model.safetensors"))
+        out["safetensors_equal"] = sorted(st) == sorted(at_save) and all(torch.equal(st[k], at_save[k])
+                                                                          for k in at_save)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def _meta_mixtral():
     with torch.device("meta"):
         return tiny_mixtral()
@@ -215,6 +292,7 @@ def _world2(rank: int, world: int) -> dict:
     return {
         "ep2": train_against_oracle(rank, world, experts=4, ep=2, clip=True),
         "refusals": refusals(rank, world),
+        "checkpoints": checkpoints(rank, world),
     }
 
 
@@ -260,6 +338,15 @@ def test_expert_gradient_is_divided_by_the_data_parallel_size():
     # world 4, EP=2: the data-parallel size (4) differs from EP (2), so dividing by EP would fail here
     for r in WORLD4.results():
         assert r["ep2_grads"] < TOL, r["ep2_grads"]
+
+
+def test_checkpoints_resume_at_ep2_and_load_without_expert_parallelism():
+    for rank, r in enumerate(WORLD2.results()):
+        c = r["checkpoints"]
+        assert c["resume_ep2_bitwise"] and c["load_ep1_weights_equal"], c
+        assert c["ep1_continues"] < TOL, c
+        if rank == 0:
+            assert c["file_equal"] and c["safetensors_equal"], c
 
 
 @pytest.mark.parametrize("scenario", ["ep2", "ep4", "ep2_hsdp"])

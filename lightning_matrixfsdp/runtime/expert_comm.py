@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.comm import CommStats, PendingOp, comm_device, nbytes
 
-__all__ = ["ExpertGroups", "expert_groups", "rank0_slices", "start_replica_sum"]
+__all__ = ["ExpertGroups", "expert_groups", "expert_mesh", "rank0_slices", "start_replica_sum"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +59,16 @@ def expert_groups(ep_size: int) -> ExpertGroups:
             if rank in ranks:
                 replica_group = group
     return ExpertGroups(ep_group, rank % ep_size, ep_size, replica_group, rank // ep_size, world // ep_size, world)
+
+
+def expert_mesh(groups: ExpertGroups) -> object:
+    """This rank's expert-parallel group as a 1-D DeviceMesh ``("expert",)``: a local expert slice
+    is then a ``Shard(0)`` DTensor chunk of its whole stack, which is how checkpoints hand it to DCP
+    (wrapping the existing group: nothing is created)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(groups.ep_group, comm_device(groups.ep_group).type,
+                                 mesh=torch.tensor(groups.ep_ranks), mesh_dim_names=("expert",))
 
 
 def rank0_slices(full: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, groups: ExpertGroups,

@@ -32,7 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.comm import CommStats
-from lightning_matrixfsdp.runtime.expert_comm import ExpertGroups, expert_groups, rank0_slices, start_replica_sum
+from lightning_matrixfsdp.runtime.expert_comm import (
+    ExpertGroups,
+    expert_groups,
+    expert_mesh,
+    rank0_slices,
+    start_replica_sum,
+)
 from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward, hf_experts_forward
 from lightning_matrixfsdp.runtime.expert_seams import ExpertSeam, find_seams, install_forward
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
@@ -77,6 +83,8 @@ class ExpertParallel:
         self.groups = groups
         self.stats = stats
         self.device = device
+        #: the expert-parallel group as a DeviceMesh (checkpoints: each slice a DTensor chunk); set by ``split``
+        self.mesh: Any = None
         #: this backward's local gradient of each parameter (by id), summed over its uses
         self._local: dict[int, torch.Tensor] = {}
         self._handles = [p.register_hook(self._take(p)) for p in params.values() if p.requires_grad]
@@ -96,6 +104,7 @@ class ExpertParallel:
         ``ExpertStack`` or None, from the roles ``classify`` gave the whole tensors), so the
         optimizers step the ``E/EP`` local experts as matrices of their own."""
         rank0 = dist.get_rank() == 0
+        self.mesh = expert_mesh(self.groups)
         for fqn, p in self.params.items():
             s = expert_slice_of(p)
             local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
