@@ -9,10 +9,12 @@ the runtime. One launch per world size runs every scenario (``OneLaunch``).
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from _dist import OneLaunch
 from equiv import count_collectives
@@ -40,6 +42,71 @@ def tiny_mixtral(experts: int = 4, seed: int = 0):
     return MixtralForCausalLM(cfg).to(DTYPE)
 
 
+class GroupedExperts(torch.nn.Module):
+    """torchtitan's shape: stacked ``w1``/``w2``/``w3``, rows sorted by expert with their counts."""
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) / hidden ** 0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert.tolist()):
+            xe = x[start:start + n]
+            start += n
+            outs.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
+        return torch.cat(outs)
+
+
+class GroupedMoE(torch.nn.Module):
+    """A top-2 MoE block in torchtitan's shape: router, tokens sorted by expert, experts, unsorted."""
+
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = GroupedExperts(dim, 2 * dim, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.norm(x).reshape(-1, x.shape[-1])
+        weights, index = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)
+        order = torch.argsort(index.reshape(-1), stable=True)
+        counts = torch.bincount(index.reshape(-1), minlength=self.experts.num_experts)
+        y_sorted = self.experts(flat.repeat_interleave(2, dim=0)[order], counts)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        return x + (y.view(-1, 2, x.shape[-1]) * weights[..., None]).sum(1).view_as(x)
+
+
+class TinyGrouped(torch.nn.Module):
+    """A token model of two ``GroupedMoE`` blocks; ``parallelize_experts`` applied as in configure_model."""
+
+    def __init__(self, experts: int) -> None:
+        import lightning_matrixfsdp as mf
+
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.blocks = torch.nn.ModuleList(GroupedMoE(16, experts) for _ in range(2))
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        for block in self.blocks:
+            mf.parallelize_experts(block.experts)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(h)[:, :-1]
+        return SimpleNamespace(loss=F.cross_entropy(logits.reshape(-1, 64), labels[:, 1:].reshape(-1)))
+
+
+def tiny_grouped(experts: int = 4, seed: int = 0) -> TinyGrouped:
+    torch.manual_seed(seed)
+    return TinyGrouped(experts).to(DTYPE)
+
+
 def batch(step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, 64, (2, 8), generator=g)
@@ -53,9 +120,9 @@ def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
 class Oracle:
     """The whole model in one process, each expert matrix a 2-D parameter of its own for Muon."""
 
-    def __init__(self, experts: int, matrices: set[str]) -> None:
+    def __init__(self, experts: int, matrices: set[str], build=None) -> None:
         """``matrices``: the names Muon steps (the rest: AdamW), as the sharded run chose them."""
-        self.model = tiny_mixtral(experts)
+        self.model = (build or tiny_mixtral)(experts)
         self.pieces: list[tuple[torch.Tensor, slice, torch.nn.Parameter]] = []  # (stack, rows, matrix)
         dense, rest = [], []
         for name, p in self.model.named_parameters():
@@ -90,8 +157,10 @@ class Oracle:
 # ---------------------------------------------------------------------- the sharded side
 def gathered(model) -> dict[str, torch.Tensor]:
     """Every dense parameter whole (broadcast from its owner) and every local expert slice as held."""
+    from lightning_matrixfsdp.runtime import sync_replicas
     from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, shard_of, state_of
 
+    sync_replicas(model)  # HSDP's replica_split: the other replicas take the stepping replica's update
     sg = state_of(model).sg
     out = {}
     for name, p in model.named_parameters():
@@ -113,23 +182,23 @@ def matrix_names(model) -> set[str]:
             if stack_of(p) is not None or (role_of(p) is not None and role_of(p).value == "matrix")}
 
 
-def sharded(experts: int, ep: int, **options):
+def sharded(experts: int, ep: int, build=None, **options):
     import lightning_matrixfsdp as mf
 
-    model = tiny_mixtral(experts)
+    model = (build or tiny_mixtral)(experts)
     mf.matrix_shard(model, expert_parallel_size=ep, **options)
     opt = mf.route_optimizer(mf.Muon(list(model.parameters()), lr=LR, weight_decay=WD, adamw_lr=ADAM_LR,
                                      adamw_weight_decay=WD))
     return model, opt
 
 
-def train_against_oracle(rank: int, world: int, experts: int, ep: int, clip: bool, **options) -> dict:
+def train_against_oracle(rank: int, world: int, experts: int, ep: int, clip: bool, build=None, **options) -> dict:
     """``STEPS`` steps of the expert-parallel model beside the oracle; the largest differences."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.runtime.tags import expert_slice_of
 
-    model, opt = sharded(experts, ep, **options)
-    oracle = Oracle(experts, matrix_names(model))
+    model, opt = sharded(experts, ep, build, **options)
+    oracle = Oracle(experts, matrix_names(model), build)
     worst = {"loss": 0.0, "norm": 0.0, "weights": 0.0, "expert_grad": 0.0}
     step_calls = 0
     for step in range(STEPS):
@@ -159,8 +228,9 @@ def train_against_oracle(rank: int, world: int, experts: int, ep: int, clip: boo
         ref = ref[s.first:s.first + s.count] if s is not None else ref
         worst["weights"] = max(worst["weights"], (t - ref).abs().max().item())
     worst["step_collectives"] = step_calls
-    worst["moved"] = (ref_params["model.layers.0.mlp.experts.gate_up_proj"].detach()
-                      - tiny_mixtral(experts).model.layers[0].mlp.experts.gate_up_proj.detach()).abs().max().item()
+    start = dict((build or tiny_mixtral)(experts).named_parameters())
+    worst["moved"] = min((ref_params[n].detach() - start[n].detach()).abs().max().item()
+                         for n, p in ref_params.items() if p.ndim == 3)  # every expert stack trained
     return worst
 
 
@@ -291,6 +361,7 @@ def _meta_mixtral():
 def _world2(rank: int, world: int) -> dict:
     return {
         "ep2": train_against_oracle(rank, world, experts=4, ep=2, clip=True),
+        "grouped": train_against_oracle(rank, world, experts=4, ep=2, clip=True, build=tiny_grouped),
         "refusals": refusals(rank, world),
         "checkpoints": checkpoints(rank, world),
     }
@@ -321,6 +392,11 @@ def _check_training(result: dict) -> None:
 def test_ep2_world2_equals_one_process_oracle():
     for r in WORLD2.results():
         _check_training(r["ep2"])
+
+
+def test_grouped_experts_style_equals_one_process_oracle():
+    for r in WORLD2.results():
+        _check_training(r["grouped"])
 
 
 def test_refusals_on_every_rank_within_seconds():

@@ -162,7 +162,7 @@ def _agree(ep: int, seams: list[ExpertSeam], mesh: MeshInfo) -> None:
     if not seams:
         raise MatrixShardError(f"expert_parallel_size={ep} but the model has no experts module (a Hugging Face "
                                "experts module taking (hidden_states, top_k_index, top_k_weights), or one declared "
-                               "with lightning_matrixfsdp.expert_parallel); use expert_parallel_size=1")
+                               "with lightning_matrixfsdp.parallelize_experts); use expert_parallel_size=1")
     for s in seams:
         if s.num_experts % ep:
             raise MatrixShardError(f"expert_parallel_size={ep} does not divide the {s.num_experts} experts of "

@@ -6,7 +6,7 @@ Two seams are known:
   pinned transformers): ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``
   over stacked parameters ``[E, ...]``. Found by its signature, nothing to declare.
 - ``"grouped"``: a torchtitan-shaped ``GroupedExperts`` (``forward(x, num_tokens_per_expert)``,
-  ``x`` sorted by expert, stacked ``w1/w2/w3``), declared by :func:`expert_parallel` in
+  ``x`` sorted by expert, stacked ``w1/w2/w3``), declared by :func:`parallelize_experts` in
   ``configure_model`` (the parallel style).
 
 Under ``expert_parallel_size > 1`` ``matrix_shard`` keeps each seam's experts
@@ -26,14 +26,14 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
-__all__ = ["ExpertSeam", "expert_parallel", "find_seams", "install_forward"]
+__all__ = ["ExpertSeam", "parallelize_experts", "find_seams", "install_forward"]
 
 TOPK, GROUPED = "topk", "grouped"
-_STYLE = "_mfsdp_expert_style"  # a module mark: set by expert_parallel, read by find_seams
+_STYLE = "_mfsdp_expert_style"  # a module mark: set by parallelize_experts, read by find_seams
 _HF_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
-def expert_parallel(module: nn.Module) -> nn.Module:
+def parallelize_experts(module: nn.Module) -> nn.Module:
     """The parallel style for a torchtitan-shaped experts module (``GroupedExperts``): every
     parameter stacked ``[E, ...]`` over ``E = module.num_experts`` experts, and
     ``forward(x [N, H] sorted by expert, num_tokens_per_expert [E]) -> [N, H]`` computing expert
@@ -42,10 +42,10 @@ def expert_parallel(module: nn.Module) -> nn.Module:
     module; under ``expert_parallel_size=EP`` each rank then keeps ``E/EP`` experts and the rows
     travel to them. Without expert parallelism it changes nothing. Returns ``module``."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"expert_parallel expects an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"parallelize_experts expects an nn.Module, got {type(module).__name__}")
     names = _arg_names(type(module).forward)
     if len(names) != 2:
-        raise MatrixShardError(f"expert_parallel: {type(module).__name__}.forward takes {names}; the grouped "
+        raise MatrixShardError(f"parallelize_experts: {type(module).__name__}.forward takes {names}; the grouped "
                                "seam is forward(x, num_tokens_per_expert)")
     object.__setattr__(module, _STYLE, GROUPED)
     return module
