@@ -263,6 +263,7 @@ def refusals(rank: int, world: int) -> dict:
         "experts_differ": lambda: mf.matrix_shard(tiny_mixtral(experts=4 if rank == 0 else 2),
                                                   expert_parallel_size=2),
         "meta": lambda: mf.matrix_shard(_meta_mixtral(), expert_parallel_size=2),
+        "tensor_parallel": lambda: mf.matrix_shard(tiny_mixtral(), mesh=_tp_mesh(), expert_parallel_size=2),
     }
     for name, build in cases.items():
         start = time.monotonic()
@@ -285,6 +286,7 @@ def checkpoints(rank: int, world: int) -> dict:
 
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.checkpoint import save_sharded
+    from lightning_matrixfsdp.checkpoint.async_save import AsyncCheckpointer
     from lightning_matrixfsdp.checkpoint.export import export_safetensors
 
     box = [tempfile.mkdtemp(prefix="moe_ep_") if rank == 0 else None]
@@ -315,8 +317,12 @@ def checkpoints(rank: int, world: int) -> dict:
     run(model, opt, range(3))
     save_sharded(model, os.path.join(root, "dir"), [opt])
     save_sharded(model, os.path.join(root, "file.ckpt"), [opt], full=True)
+    saver = AsyncCheckpointer()
+    saver.save_sharded(model, os.path.join(root, "async"), [opt])  # written while training goes on
     at_save = whole(model)
     run(model, opt, range(3, 6))
+    saver.wait()
+    saver.close()
     uninterrupted = whole(model)
 
     resumed, ropt = sharded(4, 2)
@@ -325,6 +331,9 @@ def checkpoints(rank: int, world: int) -> dict:
     run(resumed, ropt, range(3, 6))
     got = whole(resumed)
     out["resume_ep2_bitwise"] = all(torch.equal(got[k], uninterrupted[k]) for k in got)
+    mf.load_sharded(resumed, os.path.join(root, "async"), [ropt])
+    got = whole(resumed)
+    out["async_equal"] = all(torch.equal(got[k], at_save[k]) for k in got)
 
     plain, popt = sharded(4, 1)
     mf.load_sharded(plain, os.path.join(root, "dir"), [popt])
@@ -350,6 +359,12 @@ def checkpoints(rank: int, world: int) -> dict:
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def _tp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
 def _meta_mixtral():
@@ -402,7 +417,8 @@ def test_grouped_experts_style_equals_one_process_oracle():
 def test_refusals_on_every_rank_within_seconds():
     results = [r["refusals"] for r in WORLD2.results()]
     expected = {"indivisible_experts": "does not divide the 3 experts", "ep_not_dividing_world": "must divide",
-                "experts_differ": "differ across ranks", "meta": "meta device"}
+                "experts_differ": "differ across ranks", "meta": "meta device",
+                "tensor_parallel": "with tensor parallelism"}
     for per_rank in results:
         for name, words in expected.items():
             message, seconds = per_rank[name]
@@ -416,10 +432,10 @@ def test_expert_gradient_is_divided_by_the_data_parallel_size():
         assert r["ep2_grads"] < TOL, r["ep2_grads"]
 
 
-def test_checkpoints_resume_at_ep2_and_load_without_expert_parallelism():
+def test_checkpoints_resume_at_ep2_async_and_load_without_expert_parallelism():
     for rank, r in enumerate(WORLD2.results()):
         c = r["checkpoints"]
-        assert c["resume_ep2_bitwise"] and c["load_ep1_weights_equal"], c
+        assert c["resume_ep2_bitwise"] and c["load_ep1_weights_equal"] and c["async_equal"], c
         assert c["ep1_continues"] < TOL, c
         if rank == 0:
             assert c["file_equal"] and c["safetensors_equal"], c
