@@ -111,6 +111,14 @@ class ExpertParallel:
             p.data = local.to(self.device if self.device is not None else p.device)
             tag_stack(p, stacks.get(fqn))
 
+    def describe(self) -> str:
+        """One line for the plan printout."""
+        g = self.groups
+        local = sum(p.numel() * p.element_size() for p in self.params.values())
+        return (f"expert_parallel: EP={g.ep_size} (groups of {g.ep_size} consecutive ranks; {g.replica_size} "
+                f"cop{'y' if g.replica_size == 1 else 'ies'} of each expert); {len(self.params)} stacked parameters "
+                f"split by expert, {local / 2**20:.2f} MiB of local experts per rank, outside the roles above")
+
     def finish_backward(self, sync: bool = True) -> None:
         """End of backward (collective, the same on every rank): the local gradients summed over
         the expert replicas and divided by the data-parallel size, added to ``.grad``; zeros
