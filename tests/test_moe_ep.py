@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _dist import OneLaunch
-from equiv import count_collectives
+from helpers.dist import OneLaunch
+from helpers.equiv import count_collectives
 
 pytest.importorskip("transformers")
 # the first test of each launch waits for the whole launch (a loaded 2-core machine: minutes)
