@@ -364,6 +364,32 @@ def test_finetune_hf_example_script_and_yaml_train_the_same(tmp_path: Path) -> N
     assert list((tmp_path / "runs" / "finetune_hf_cli").rglob("events.out.tfevents.*"))
 
 
+def test_moe_example_script_and_yaml_train_the_same_with_expert_parallelism(tmp_path: Path) -> None:
+    """examples/moe.py (Trainer) and examples/moe.yaml (LightningCLI) train the same tiny Mixtral with
+    expert_parallel_size=2 to the same losses; the script's Fabric loop trains it too, moving tokens."""
+    pytest.importorskip("transformers")
+    script = _run_example([sys.executable, str(ROOT / "examples" / "moe.py"), "--max-steps", "4",
+                           "--print-every", "2"], tmp_path)
+    cli = _run_example(["lightning-matrixfsdp", "fit", "--config", str(ROOT / "examples" / "moe.yaml"),
+                        "--trainer.max_steps", "4", "--trainer.val_check_interval", "4"], tmp_path)
+    assert sorted(script) == [(1, "train_loss"), (2, "train_loss"), (4, "train_loss"), (4, "val_loss")], script
+    assert all(math.isfinite(v) for v in script.values())
+    assert script[(4, "train_loss")] < script[(1, "train_loss")], script  # it learns
+    shared = set(script) & set(cli)
+    assert (4, "train_loss") in shared and (4, "val_loss") in shared, cli
+    assert {k: script[k] for k in shared} == {k: cli[k] for k in shared}
+
+    from conftest import clean_env
+
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "moe.py"), "--fabric", "--max-steps", "3"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    losses = [float(x) for x in re.findall(r"^step +\d+  loss (\S+)", proc.stdout, re.M)]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), proc.stdout[-2000:]
+    traffic = re.search(r"^traffic: (.*)$", proc.stdout, re.M)
+    assert traffic and "'ep_dispatch': {'sent': " in traffic.group(1), proc.stdout[-2000:]
+
+
 def test_hf_module_builds_from_config_or_a_saved_pretrained_directory(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from lightning_matrixfsdp.demos import HFCausalLM

@@ -38,6 +38,11 @@ class Entry:
     steps: bool = True              # this rank holds its optimizer state (owner, and its stepping replica)
     tp: Optional[Any] = None        # tensor parallelism: the key's TP split (``shape`` global, ``local`` a fragment)
     tp_stepper: Optional[int] = None  # the TP rank that steps the split matrix whole (holds whole-matrix state)
+    #: an expert stack under expert parallelism: this rank's chunk of the split in ``tp`` (None: the TP
+    #: rank's), its group's DeviceMesh, and the global ranks that write each chunk
+    part: Optional[int] = None
+    part_mesh: Any = None
+    part_sources: tuple[int, ...] = ()
 
 
 @dataclass
@@ -78,9 +83,16 @@ class KeyIndex:
         return {"data_parallel": size // self.tp_size, "tensor_parallel": self.tp_size}
 
     def fragment_shape(self, key: str) -> Optional[tuple[int, ...]]:
-        """This TP rank's fragment shape of a TP-split ``key`` (None: not split)."""
+        """This TP rank's fragment shape of a TP-split ``key`` (None: not split); for an expert
+        stack under expert parallelism, this rank's experts."""
         e = self.entries[self.entries[key].primary]
-        return tuple(e.tp.local_shape(self.tp_rank)) if e.tp is not None else None
+        return tuple(e.tp.local_shape(self.part(key))) if e.tp is not None else None
+
+    def part(self, key: str) -> int:
+        """Which chunk of split ``key`` this rank holds: its expert-parallel rank for an expert
+        stack, else its TP rank."""
+        e = self.entries[self.entries[key].primary]
+        return e.part if e.part is not None else self.tp_rank
 
     @property
     def tp_rank(self) -> int:
@@ -97,7 +109,8 @@ class KeyIndex:
 
     def _dtensor(self, key: str, local: torch.Tensor) -> Any:
         e = self.entries[self.entries[key].primary]
-        return fragment_dtensor(local, self.tp_mesh, e.tp.dim, e.tp.global_shape)
+        mesh = e.part_mesh if e.part_mesh is not None else self.tp_mesh
+        return fragment_dtensor(local, mesh, e.tp.dim, e.tp.global_shape)
 
     def fragment_request(self, key: str, dtype: torch.dtype) -> Any:
         """An empty DTensor of this TP rank's fragment of TP-split ``key``: DCP reads into it this
@@ -112,7 +125,8 @@ class KeyIndex:
         tp = self.entries[self.entries[key].primary].tp
         if tp is None:
             return whole
-        return whole.narrow(tp.dim, tp.offset(self.tp_rank), tp.sizes[self.tp_rank])
+        part = self.part(key)
+        return whole.narrow(tp.dim, tp.offset(part), tp.sizes[part])
 
     def holds_whole_state(self, key: str) -> bool:
         """Whether this rank holds the whole-matrix optimizer state (Shampoo's, SOAP's) of ``key``:
@@ -147,7 +161,7 @@ def build_index(module: nn.Module) -> KeyIndex:
             primary = first.setdefault(p.ident, key)
             key_of[p.ident] = primary
             entries[key] = Entry(key, p.shape, p.dtype, p.owner, p.owner_global, p.local, primary, p.role,
-                                 p.stepper, p.steps, p.tp, p.tp_stepper)
+                                 p.stepper, p.steps, p.tp, p.tp_stepper, p.part, p.part_mesh, p.part_sources)
         elif isinstance(v, torch.Tensor):
             primary = first.setdefault(id(v), key)
             key_of[id(v)] = primary

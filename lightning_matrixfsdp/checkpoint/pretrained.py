@@ -194,7 +194,7 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
     problems: list[str] = []
 
     def take(key: str, shape: tuple[int, ...], dtype: torch.dtype, dst: Optional[torch.Tensor],
-             tp: Any = None) -> None:
+             tp: Any = None, at: Optional[int] = None) -> None:
         e = layout[key]
         used.add(key)
         if e.shape != tuple(shape):
@@ -203,7 +203,8 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
             problems.append(f"{key!r}: {e.dtype} in {e.file.name}, {dtype} in the model (no cast between "
                             "integer and floating point)")
         elif dst is not None:  # a TP fragment (``shape`` is the global one) takes its slice of the whole
-            part = (tp.dim, tp.offset(tp_rank), tp.sizes[tp_rank]) if tp is not None else None
+            at = tp_rank if at is None else at  # an expert slice: its expert-parallel rank's chunk
+            part = (tp.dim, tp.offset(at), tp.sizes[at]) if tp is not None else None
             reads.append((e, key, dst, part))
 
     seen: set[int] = set()
@@ -219,7 +220,7 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
             missing.append(" = ".join(names))  # tied names: any one of them in the file loads it
             continue
         used.update(found[1:])  # a tie stored twice: the first name in model order wins, as a tie does
-        take(found[0], pv.shape, pv.dtype, pv.local, pv.tp)
+        take(found[0], pv.shape, pv.dtype, pv.local, pv.tp, pv.part)
     for key, buf in _persistent_buffers(module).items():
         if key.startswith(prefix):
             name = key[len(prefix):]

@@ -62,11 +62,13 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
 def tp_sources(index: KeyIndex) -> dict[str, list[Optional[int]]]:
     """For every TP-split key: the global rank that sends each TP fragment of its weight to rank 0
     (the same answer on every rank). ``{}`` without tensor parallelism. Collective under TP."""
+    # expert stacks under expert parallelism: chunk t from the first expert-parallel group's rank t (known)
+    experts = {k: list(e.part_sources) for k, e in index.entries.items() if e.primary == k and e.part is not None}
     if index.tp_size == 1:
-        return {}
+        return experts
     held = {k: index.tp_rank for k, e in index.entries.items()
-            if e.primary == k and e.tp is not None and e.local is not None}
-    return fragment_sources(held, index.tp_size, current_group())
+            if e.primary == k and e.tp is not None and e.local is not None and e.part is None}
+    return {**fragment_sources(held, index.tp_size, current_group()), **experts}
 
 
 def fragments_to_rank0(index: KeyIndex, key: str, local: Optional[torch.Tensor], sources: Optional[Sequence],
@@ -143,10 +145,10 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
         for p in g["params"]:
             key = index.key(p)
             e = index.entries[key]
-            mine = index.steps(key) if e.owner is not None else rank == 0
+            mine = index.steps(key) if e.owner is not None or e.part is not None else rank == 0
             if mine and p in optimizer.state:
                 params_of[key] = p
-                desc[key] = (index.tp_rank if e.tp is not None else None,
+                desc[key] = (index.part(key) if e.tp is not None else None,
                              {n: ("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("o", v)
                               for n, v in optimizer.state[p].items()})
     # Each key (each TP fragment of a split one) from the first rank of global rank 0's shard

@@ -19,7 +19,7 @@ from lightning_matrixfsdp.optim.routing import held
 from lightning_matrixfsdp.runtime.comm import CommStats, comm_device
 from lightning_matrixfsdp.runtime.small_comm import all_reduce_norm
 from lightning_matrixfsdp.runtime import norm_groups, tp_group_of
-from lightning_matrixfsdp.runtime.tags import shard_of, tp_shape_of
+from lightning_matrixfsdp.runtime.tags import expert_slice_of, shard_of, tp_shape_of
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -77,6 +77,8 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         return _clip_tensor_parallel(params, float(max_norm), norm_type, group, tp_group, error_if_nonfinite, stats)
+    if any(expert_slice_of(p) is not None for p in params):
+        return _clip_expert_parallel(params, float(max_norm), norm_type, group, error_if_nonfinite, stats)
     if _alone(group):
         # One rank holds every gradient whole (one device, or HSDP's replicas of a one-rank shard
         # group, whose gradients are equal): this is torch's own clipping, its fused kernels included.
@@ -125,6 +127,43 @@ def _clip_tensor_parallel(params: list[torch.Tensor], max_norm: float, norm_type
     return total
 
 
+def _clip_expert_parallel(params: list[torch.Tensor], max_norm: float, norm_type: float,
+                          group: Optional[dist.ProcessGroup], error_if_nonfinite: bool,
+                          stats: Optional[CommStats]) -> torch.Tensor:
+    """The global norm with expert parallelism: each expert counted once. The owners' pieces of
+    the other gradients are combined over the norm group, the local experts' over the world, where
+    only the first expert-parallel group contributes (the others hold equal copies). The same norm
+    as torch's over the whole gradients up to float32 rounding; every rank scales what it holds."""
+    grads = _owned_grads(params)
+    others = [p.grad for p in params if p.grad is not None and held(p) and expert_slice_of(p) is None]
+    experts = [p.grad for p in params if p.grad is not None and (s := expert_slice_of(p)) is not None
+               and s.first_replica]
+    device = grads[0].device if grads else comm_device(group)
+    local, maximum = _partial_norm(others, norm_type, device)
+    if _alone(group):
+        combined = local.to(comm_device(None))
+    else:
+        combined = all_reduce_norm(local, maximum=maximum, group=group, stats=stats)
+    mine, _ = _partial_norm(experts, norm_type, device)
+    combined = _combine(combined, all_reduce_norm(mine, maximum=maximum, group=None, stats=stats), norm_type)
+    # in the gradients' dtype, as torch returns it (float64 gradients keep a float64 coefficient)
+    total = _total_norm(combined, norm_type, grads[0].dtype if grads else torch.float32)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
+                           "it cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, p: float) -> torch.Tensor:
+    """Two groups' combined pieces (``_partial_norm``'s layout) as one."""
+    if p == math.inf or p == -math.inf:
+        return torch.stack([torch.maximum(a[0], b[0]), torch.maximum(a[1], b[1]), torch.maximum(a[2], b[2])])
+    return a + b
+
+
 @torch.no_grad()
 def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_separator: str = "/",
               group: Optional[dist.ProcessGroup] = None) -> dict[str, torch.Tensor]:
@@ -151,6 +190,10 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_
     if groups is not None and groups.tp_size > 1:
         present, each = _each_norm_tensor_parallel([p for _, p in named], norm_type, group, groups.tp_group,
                                                    groups.stats)
+        values = {i: each[i].to(named[i][1].device, named[i][1].dtype) for i in present}
+    elif any(expert_slice_of(p) is not None for _, p in named):
+        present, each = _each_norm_expert_parallel([p for _, p in named], norm_type, group,
+                                                   groups.stats if groups is not None else None)
         values = {i: each[i].to(named[i][1].device, named[i][1].dtype) for i in present}
     elif _alone(group):
         present = [i for i, (_, p) in enumerate(named) if p.grad is not None]
@@ -233,6 +276,30 @@ def _each_norm_tensor_parallel(params: Sequence[torch.Tensor], p: float, group: 
     return [i for i, flag in enumerate(both[1].tolist()) if flag > 0], norms
 
 
+def _each_norm_expert_parallel(params: Sequence[torch.Tensor], p: float, group: Optional[dist.ProcessGroup],
+                               stats: Optional[CommStats]) -> tuple[list[int], torch.Tensor]:
+    """:func:`_each_norm` with expert parallelism: the norm of each whole expert stack from the
+    first expert-parallel group's slices (``sum |g|^p`` in float64, or ``max |g|``, added or
+    maximized over the world); the other gradients' norms from their owners as usual."""
+    inf = math.isinf(p)
+    slices = [expert_slice_of(t) for t in params]
+    present, each = _each_norm(params, lambda g: g.norm(p), group, stats, keep=lambda i: slices[i] is None)
+    device = each.device
+    local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
+    for i, (t, s) in enumerate(zip(params, slices)):
+        if s is not None and s.first_replica and t.grad is not None:
+            local[0, i] = (t.grad.detach().abs().max().double() if inf else _magnitudes(t.grad).pow(p).sum()).to(device)
+            local[1, i] = 1.0
+    both = all_reduce_norm(local.flatten(), maximum=inf, group=None, stats=stats).view(2, len(params))
+    norms = each.clone()
+    at = [i for i, s in enumerate(slices) if s is not None]
+    if at:
+        idx = torch.tensor(at, dtype=torch.long, device=device)
+        norms[idx] = both[0, idx] if inf else both[0, idx].pow(1.0 / p)
+    found = [i for i in at if both[1, i].item() > 0]
+    return sorted(set(present) | set(found)), norms
+
+
 def _exact_total(params: Sequence[torch.Tensor], p: float, group: Optional[dist.ProcessGroup],
                  stats: Optional[CommStats]) -> torch.Tensor:
     """torch's total norm over the full gradients of ``params`` (the same list on every rank)."""
@@ -282,16 +349,16 @@ def _magnitudes(g: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x).double().pow(2).sum(-1).sqrt() if x.is_complex() else x.double().abs()
 
 
-def _total_norm(combined: torch.Tensor, p: float) -> torch.Tensor:
+def _total_norm(combined: torch.Tensor, p: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     # torch.where instead of Python branches: no host synchronization on an accelerator.
     if p == math.inf or p == -math.inf:
         value, nan, any_grad = combined[0], combined[1], combined[2]
         value = value if p > 0 else -value
         value = torch.where(any_grad > 0, value, torch.zeros_like(value))  # no gradient anywhere: 0, as torch
-        return torch.where(nan > 0, torch.full_like(value, math.nan), value).float()
+        return torch.where(nan > 0, torch.full_like(value, math.nan), value).to(dtype)
     if p == 0:
-        return combined[0].float()
+        return combined[0].to(dtype)
     total = combined[0] ** (1.0 / p)
     if p < 0:
         total = torch.where(combined[1] > 0, total, torch.zeros_like(total))
-    return total.float()
+    return total.to(dtype)

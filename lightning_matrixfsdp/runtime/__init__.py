@@ -2,7 +2,8 @@
 
 ``matrix_shard`` (shard.py) shards a model with a ``MatrixFSDPConfig`` (config.py);
 ``hsdp_mesh`` (mesh_comm.py) builds the ``(replicate, shard)`` mesh for HSDP, ``MeshInfo``
-(mesh.py) describes the groups; the queries (queries.py) read a sharded model's
+(mesh.py) describes the groups; ``parallelize_experts`` (expert_seams.py) is the parallel style of a
+user's own experts module under ``expert_parallel_size``; the queries (queries.py) read a sharded model's
 plan and traffic and switch gradient synchronization; ``full_model`` (full.py) gathers
 the whole model on one rank for a while.  The errors a training run can raise (errors.py)
 are importable from here too.
@@ -13,6 +14,7 @@ from lightning_matrixfsdp.runtime.errors import (
     RankDivergenceError,
     UnevenInputsError,
 )
+from lightning_matrixfsdp.runtime.expert_seams import parallelize_experts
 from lightning_matrixfsdp.runtime.full import full_model
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
@@ -41,7 +43,7 @@ from lightning_matrixfsdp.runtime.shard import matrix_shard
 
 __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "MatrixShard", "MatrixShardError",
            "MeshInfo", "Plan",
-           "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "get_comm_stats",
+           "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "parallelize_experts", "get_comm_stats",
            "get_plan", "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "scheduled_forwards",
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards",
            # what the adapters and optimizers ask of and do to a sharded model (queries.py)

@@ -22,7 +22,8 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import is_owned, state_of, tag_view, view_key
+from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, stack_of, state_of, tag_view, view_key
+from lightning_matrixfsdp.runtime.tp import TPLayout
 
 __all__ = ["ModelView", "ParamView", "RootView", "model_view_of", "tag_view", "view_key"]
 
@@ -46,6 +47,11 @@ class ParamView:
     #: (``runtime.tp.TPLayout``; ``shape`` is then the global shape, ``local`` this TP rank's fragment)
     tp: Optional[Any] = None
     tp_stepper: Optional[int] = None  # the TP rank that steps a split matrix whole (None: every TP rank its fragment)
+    #: expert parallelism: this rank's chunk of the split in ``tp`` (its expert-parallel rank; None: the
+    #: TP rank's), the DeviceMesh of its expert-parallel group, and the global ranks that write chunk t
+    part: Optional[int] = None
+    part_mesh: Any = None
+    part_sources: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,21 @@ class ModelView:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def _expert_views(prefix: str, experts: Any) -> dict[str, ParamView]:
+    """Expert parallelism's local slices: each the ``Shard(0)`` chunk of its whole stack held by
+    this expert-parallel rank (the split in ``tp``), written by the first expert-parallel group."""
+    out = {}
+    g = experts.groups
+    for fqn, p in experts.params.items():
+        s = expert_slice_of(p)
+        key = _join(prefix, fqn)
+        layout = TPLayout(fqn, 0, s.global_shape, (s.count,) * g.ep_size)
+        out[key] = ParamView(fqn, (key,), s.global_shape, p.dtype, None, None,  # type: ignore[arg-type]
+                             "matrix" if stack_of(p) is not None else "tail", p.detach(), None, True, id(p), layout,
+                             None, g.ep_rank, experts.mesh, tuple(range(g.ep_size)))
+    return out
 
 
 def model_view_of(module: nn.Module) -> ModelView:
@@ -109,4 +130,6 @@ def model_view_of(module: nn.Module) -> ModelView:
                              shard.role.value, resident.detach() if is_owned(resident) else None, stepper,
                              stepper is None or stepper == replica, id(resident), tp, tp_steppers.get(shard.fqn))
             params.update(dict.fromkeys(names, view))
+        if st.experts is not None:
+            params.update(_expert_views(prefix, st.experts))
     return ModelView(tuple(roots), MappingProxyType(params))

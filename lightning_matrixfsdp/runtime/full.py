@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.p2p_comm import gather_whole
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
@@ -183,6 +184,10 @@ def full_model(module: nn.Module, rank: Optional[int] = 0) -> Iterator[nn.Module
     states = [state_of(r) for r in roots]
     for st in states:
         _check_idle(st)
+        if st.experts is not None:  # the same on every rank: refused before any communication
+            raise MatrixShardError("full_model does not gather the local experts of expert_parallel_size > 1 yet "
+                                   "(each rank would see only its own); save a consolidated checkpoint "
+                                   "(save_sharded(..., full=True)) and load it into the unsharded model instead")
     held: list = []
     try:
         for root, st in zip(roots, states):

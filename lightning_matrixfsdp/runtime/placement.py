@@ -283,6 +283,8 @@ class Plan:
                          f"replica_split: {self.replica_split} ({self.options.get('replica_split_reason', '')})")
         if "tensor_parallel" in self.options:  # matrix_shard under TP: the TP steppers' balance
             lines.append(str(self.options["tensor_parallel"]))
+        if "expert_parallel" in self.options:  # matrix_shard under EP: the local experts, outside the plan
+            lines.append(str(self.options["expert_parallel"]))
         if self.steppers:
             per = ", ".join(f"replica {k}: " + " ".join(f"{f / 1e9:.3f}" for f in row)
                             for k, row in enumerate(self.replica_flops))

@@ -26,6 +26,7 @@ from lightning_matrixfsdp.runtime.consensus import (
     validate_schedule,
 )
 from lightning_matrixfsdp.runtime.copies import track_copies
+from lightning_matrixfsdp.runtime.expert_parallel import prepare_experts
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info
@@ -38,7 +39,7 @@ from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
-from lightning_matrixfsdp.runtime.tags import attach_state, tag_tp, tag_tp_shape
+from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_tp, tag_tp_shape
 from lightning_matrixfsdp.runtime.topology_comm import resolve
 from lightning_matrixfsdp.runtime.tp import local_data, read_layout
 from lightning_matrixfsdp.runtime.tp_comm import TPFragment
@@ -151,20 +152,29 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
         real = [p for p in module.parameters() if not p.is_meta]
         device = real[0].device if real else mesh.device
     device = torch.device(device)
+    # expert parallelism: each rank keeps its experts as local parameters, outside every unit
+    stats = CommStats()
+    experts = prepare_experts(module, config.expert_parallel_size, mesh, device, stats)
 
     # "auto" options resolved once, alike on every rank, before any other collective (runtime/topology.py)
     choice = resolve(config.collective, config.replica_split, mesh)
     config = config.updated(collective=choice.collective, replica_split=choice.replica_split)
     collected = collect(module, config)  # 1. specs
+    if experts is not None:  # this rank's experts, declared stacks as the whole tensors were classified
+        experts.split({fqn: r.stack for fqn, r in collected.roles.items() if r.is_matrix})
     plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
                      replicate=mesh.replicate_size, replica_split=config.replica_split)
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
                         replica_split_reason=choice.replica_split_reason,  # printed; not in the digest
                         roles=describe_roles(collected.roles))
+    if experts is not None:
+        plan.options["expert_parallel"] = experts.describe()  # printed; not in the digest
     tp_plan = None
     if mesh.tp_size > 1:  # the owners from global shapes (above); the TP steppers and this rank's fragments
         tp_plan = tensor_parallel_plan(collected, plan, mesh, config.ns_steps)
-    build_runtime(module, config, mesh, plan, collected, device, tp_plan)  # 3. the runtime
+    state = build_runtime(module, config, mesh, plan, collected, device, tp_plan, stats)  # 3. the runtime
+    if experts is not None:
+        state.attach_experts(experts)
     return module
 
 
@@ -213,7 +223,8 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
             first_fqn.setdefault(id(p), fqn)
             if (mod, pname) not in [(m, n) for m, n in regs.get(id(p), [])]:
                 regs.setdefault(id(p), []).append((mod, pname))
-    param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters()}
+    # expert-parallel slices are local: no unit materializes or reduces them (expert_parallel.py)
+    param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if expert_slice_of(p) is None}
     roles = classify(module, config)  # every parameter's role, and why (runtime/classify.py)
 
     specs = []
@@ -253,7 +264,8 @@ def agreed_options(config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, module:
 
 
 def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, collected: Collected,
-                  device: torch.device, tp_plan: Optional[TPPlan] = None) -> MatrixFSDPState:
+                  device: torch.device, tp_plan: Optional[TPPlan] = None,
+                  stats: Optional[CommStats] = None) -> MatrixFSDPState:
     """Agree on plan and options, take rank 0's values, and build the parameters, units and hooks.
     With tensor parallelism (``tp_plan``) the TP group agrees on the global plan and TP layouts
     first, and this rank's data-parallel group then runs the plan at its fragments' shapes."""
@@ -269,7 +281,7 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
         validate_schedule(plan, agreed, ShardGroup(replicate_pg))
 
     # -- every owner on global rank 0's values (DDP's broadcast at wrap), before non-owners drop theirs
-    stats = CommStats()
+    stats = CommStats() if stats is None else stats  # matrix_shard's (expert parallelism counted already)
     params = collected.params
     layouts = [shard for layout in plan.units for shard in layout.shards]
     if not any(p.is_meta for p in params.values()):

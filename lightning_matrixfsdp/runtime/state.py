@@ -42,6 +42,8 @@ class MatrixFSDPState(RefusePickle):
         self.requires_gradient_sync = True
         #: a backward ran with the reduction off since the last one that reduced
         self._unsynced = False
+        #: expert parallelism's local experts (``expert_parallel.ExpertParallel``; None without)
+        self.experts: Optional[Any] = None
 
     def _pickle_name(self) -> str:
         return "the runtime state on the root module"
@@ -92,6 +94,10 @@ class MatrixFSDPState(RefusePickle):
         if unit.module is self.root:
             self.schedule.root = unit
 
+    def attach_experts(self, experts: Any) -> None:
+        """Expert parallelism's local experts: their gradients finish with every backward."""
+        self.experts = experts
+
     # ------------------------------------------------------------------ end of backward
     def _end_of_backward(self) -> None:
         """Flush units whose gradients did not all arrive; same order on every rank."""
@@ -99,6 +105,8 @@ class MatrixFSDPState(RefusePickle):
             unit.flush()
         self._reduce_unsynced()
         self.schedule.drain_reduces()
+        if self.experts is not None:  # the local experts' gradients: summed over their replicas
+            self.experts.finish_backward(self.requires_gradient_sync)
         for unit in self.units:
             unit.end_iteration()
 

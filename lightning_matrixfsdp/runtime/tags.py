@@ -28,6 +28,7 @@ _STATE = "_mfsdp_state"
 _VIEW = "_mfsdp_view"
 _TP = "_mfsdp_tp"
 _TP_SHAPE = "_mfsdp_tp_shape"
+_EXPERTS = "_mfsdp_expert_slice"
 _STACK = "_mfsdp_stack"
 
 
@@ -132,8 +133,22 @@ def global_numel(p: Any) -> int:
         for s in whole:
             n *= int(s)
         return n
+    experts = getattr(p, _EXPERTS, None)
+    if experts is not None:  # this rank's experts of a stack: the whole stack over the expert-parallel group
+        return experts.global_numel
     shard = shard_of(p)
     return shard.numel if shard is not None else p.numel()
+
+
+def tag_expert_slice(p: Any, expert_slice: Any) -> None:
+    """Mark a parameter as this rank's slice of an expert stack under expert parallelism (an
+    ``expert_parallel.ExpertSlice``): local, never materialized nor reduced to an owner."""
+    setattr(p, _EXPERTS, expert_slice)
+
+
+def expert_slice_of(p: Any) -> Optional[Any]:
+    """The ``ExpertSlice`` of an expert-parallel parameter, or None."""
+    return getattr(p, _EXPERTS, None)
 
 
 def tag_view(t: Any, key: str) -> Any:
