@@ -4,7 +4,8 @@
 ``hsdp_mesh`` (mesh_comm.py) builds the ``(replicate, shard)`` mesh for HSDP, ``MeshInfo``
 (mesh.py) describes the groups; the queries (queries.py) read a sharded model's
 plan and traffic and switch gradient synchronization; ``full_model`` (full.py) gathers
-the whole model on one rank for a while.  The errors a training run can raise (errors.py)
+the whole model on one rank for a while; a plain ``state_dict()`` that would be partial is
+refused (state_dict_guard.py), ``local_state_dict`` gives this rank's part on purpose.  The errors a training run can raise (errors.py)
 are importable from here too.
 """
 from lightning_matrixfsdp.runtime.errors import (
@@ -30,9 +31,10 @@ from lightning_matrixfsdp.runtime.queries import (
     watch_lone_forwards,
 )
 from lightning_matrixfsdp.runtime.shard import matrix_shard
+from lightning_matrixfsdp.runtime.state_dict_guard import PartialStateDictError, local_state_dict
 
 __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "MatrixShard", "MatrixShardError",
-           "MeshInfo", "Plan",
+           "MeshInfo", "PartialStateDictError", "Plan",
            "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "get_comm_stats",
-           "get_plan", "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "scheduled_forwards",
+           "get_plan", "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "scheduled_forwards",
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards"]
