@@ -138,9 +138,8 @@ class Unit(RefusePickle):
         self._reentrant_pending = 0  # reentrant-checkpoint first passes whose recomputation is to come
         self._ready: set[int] = set()
         self.training_state = TrainingState.IDLE
-        # A second backward through a forward that ran before an earlier backward ended the
-        # iteration (two losses of one training_step, each given to manual_backward): its calls
-        # are of an older generation, and what it brings is reduced at its end (``flush``).
+        # A later backward through calls of an ended iteration (two losses of one forward, each
+        # given to backward): an older generation; what it brings is reduced by ``flush``.
         self._generation = getattr(self, "_generation", 0) + 1
         self._late = False
 
