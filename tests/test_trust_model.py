@@ -20,8 +20,8 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from lit import LitTiny, gather_full
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+from helpers.lit import LitTiny, gather_full
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 CLIP = 0.05
 
@@ -282,7 +282,7 @@ def _manual_scenario(rank: int, world: int, root: str) -> dict:
 def _retained_scenario(rank: int, world: int) -> dict:
     """matrix_shard alone: two backwards through one forward (retain_graph), against DDP written
     by hand (every backward's gradient all-reduced and averaged)."""
-    from oracle import allreduce_mean_grads
+    from helpers.oracle import allreduce_mean_grads
 
     def make() -> nn.Module:
         torch.manual_seed(0)
