@@ -383,21 +383,28 @@ def _tp_meta_scenario(rank: int, world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     tp_group = mesh["tensor_parallel"].get_group()
-    # the oracle, in this process alone: the unsplit model's storage, then each module's
-    # reset_parameters in module order (what meta-device initialization means), seed 5
-    with torch.device("meta"):
-        ref = Net()
-    ref.to_empty(device="cpu")
-    torch.manual_seed(5)
-    for m in ref.modules():
-        if any(True for _ in m.parameters(recurse=False)) and callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-    after_ref = torch.rand(3)
-    # ours: built on the meta device, the TP plan applied there, then sharded
+    tp_rank = mesh["tensor_parallel"].get_local_rank()
+
+    def one_process_init(seed: int) -> tuple[nn.Module, torch.Tensor]:
+        # the oracle, in this process alone: the unsplit model's storage, then each module's
+        # reset_parameters in module order (what meta-device initialization means)
+        with torch.device("meta"):
+            ref = Net()
+        ref.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        for m in ref.modules():
+            if any(True for _ in m.parameters(recurse=False)) and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+        return ref, torch.rand(3)  # and where the generator is afterwards
+
+    ref, _ = one_process_init(5)
+    _, after_ref = one_process_init(5 + 100 * tp_rank)
+    # ours: built on the meta device, the TP plan applied there, then sharded; TP rank 1 seeded
+    # otherwise, so its copies can only equal TP rank 0's if they came from there
     with mf.meta_init():
         model = Net()
     model = parallelize(model, mesh["tensor_parallel"])
-    torch.manual_seed(5)
+    torch.manual_seed(5 + 100 * tp_rank)
     mf.matrix_shard(model, mesh=mesh)
     after_ours = torch.rand(3)
     wrong, owned = [], []
