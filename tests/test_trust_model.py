@@ -5,7 +5,9 @@
   whole, ``local_state_dict`` this rank's part on purpose, checkpoints still work;
 * every manual-optimization API Lightning documents, each variant trained under DDP
   (``ddp_find_unused_parameters_true``) and ``matrix_fsdp`` in the same process group and
-  compared weight by weight.
+  compared weight by weight; two backwards through one forward at the runtime level;
+* (a second launch, 4 processes) meta-device initialization with tensor parallelism against a
+  one-process initialization of the unsplit model.
 """
 from __future__ import annotations
 
