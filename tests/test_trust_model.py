@@ -426,7 +426,53 @@ def _tp_meta_scenario(rank: int, world: int) -> dict:
     with torch.no_grad():
         loss, ref_loss = loss_of(model, x).item(), loss_of(ref, x).item()
     return {"wrong": wrong, "owned": owned, "generator": torch.equal(after_ref, after_ours), "loss": loss,
-            "ref_loss": ref_loss}
+            "ref_loss": ref_loss, "trainer": _tp_meta_trainer(ref, tp_group)}
+
+
+class _MetaTP(LightningModule):
+    """``Net`` built under the Trainer's ``init_module(empty_init=True)``, parallelized in configure_model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from helpers.tp_reference import Net
+
+        self.net = Net()
+
+    def configure_model(self) -> None:
+        from helpers.tp_reference import parallelize
+
+        parallelize(self.net, self.device_mesh["tensor_parallel"])
+
+    def training_step(self, x: torch.Tensor, i: int) -> torch.Tensor:  # never runs (max_steps=0)
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return _muon(self.parameters())
+
+
+def _tp_meta_trainer(ref: nn.Module, tp_group: Any) -> list:
+    """The same through the Trainer (set up by a fit of no step): the residents against ``ref``."""
+    from helpers.tp_reference import slice_of, whole_dim
+
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=mf.MatrixFSDPStrategy(tensor_parallel_size=2),
+                      max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0)
+    with trainer.init_module(empty_init=True):
+        lit = _MetaTP()
+    assert all(p.is_meta for p in lit.parameters())
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(lit, train_dataloaders=torch.utils.data.DataLoader(list(torch.zeros(8, 8)), batch_size=4))
+    want = dict(ref.named_parameters())
+    wrong = []
+    for name, p in lit.net.named_parameters():
+        if p.numel():
+            dim = whole_dim(name)
+            expect = want[name].detach() if dim is None else slice_of(want[name].detach(), dim, tp_group)
+            if p.shape != expect.shape or not torch.equal(p.detach(), expect):
+                wrong.append(name)
+    return wrong
 
 
 def test_meta_init_with_tensor_parallelism_equals_a_one_process_init(dist_pools):
@@ -444,3 +490,4 @@ def test_meta_init_with_tensor_parallelism_equals_a_one_process_init(dist_pools)
     assert names == {n for n, _ in Net().named_parameters()}
     for r in res:
         assert abs(r["loss"] - r["ref_loss"]) < 1e-5, (r["loss"], r["ref_loss"])
+        assert r["trainer"] == [], r["trainer"]  # Trainer(init_module(empty_init=True)) + configure_model
