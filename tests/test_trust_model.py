@@ -442,6 +442,9 @@ class _MetaTP(LightningModule):
         from helpers.tp_reference import parallelize
 
         parallelize(self.net, self.device_mesh["tensor_parallel"])
+        # the seed right before the strategy shards (and so initializes): whatever Lightning drew
+        # before configure_model in this process (a reused test worker) does not count
+        torch.manual_seed(5)
 
     def training_step(self, x: torch.Tensor, i: int) -> torch.Tensor:  # never runs (max_steps=0)
         return self.net(x).pow(2).mean()
@@ -460,7 +463,6 @@ def _tp_meta_trainer(ref: nn.Module, tp_group: Any) -> list:
     with trainer.init_module(empty_init=True):
         lit = _MetaTP()
     assert all(p.is_meta for p in lit.parameters())
-    torch.manual_seed(5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(lit, train_dataloaders=torch.utils.data.DataLoader(list(torch.zeros(8, 8)), batch_size=4))
