@@ -7,6 +7,7 @@ from lightning_matrixfsdp.runtime import (
     MatrixFSDPConfig,
     MatrixShard,
     MatrixShardError,
+    PartialStateDictError,
     Plan,
     RankDivergenceError,
     UnevenInputsError,
@@ -16,6 +17,7 @@ from lightning_matrixfsdp.runtime import (
     get_plan,
     hsdp_mesh,
     is_matrix_sharded,
+    local_state_dict,
     matrix_shard,
     set_requires_gradient_sync,
 )
@@ -53,7 +55,7 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "C
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
            "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_plan", "grad_norm",
-           "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "route_optimizer", "set_requires_gradient_sync"]
+           "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "PartialStateDictError", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo
 from lightning_matrixfsdp.optim.muon import Muon

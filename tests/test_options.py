@@ -168,3 +168,104 @@ def test_strategy_keeps_the_other_accepted_forms():
     assert s.param_dtype is torch.bfloat16 and s.reduce_dtype is torch.float32
     assert (s.planner, s.collective, s.shard_size, s.optimizer_factory) == ("cost_aware", "broadcast", 2,
                                                                             torch.optim.AdamW)
+
+
+# ---------------------------------------------------------------------- every option, every kind of bad value
+def _two_args(a, b):  # noqa: ANN001 - a callable of the wrong arity for the one-argument options
+    return True
+
+
+def _one_arg(a):  # noqa: ANN001
+    return True
+
+
+def _no_args():
+    return True
+
+
+# Every option of matrix_shard and both strategies -> values each must refuse at construction,
+# naming the option: strings where an enum, a bool or an int is expected, negative and zero sizes,
+# booleans and floats for ints, None where it is not allowed, callables of the wrong shape, objects
+# of the wrong kind. A new option without a row here fails test_the_bad_value_table_covers_every_option.
+BAD_VALUES: dict[str, list] = {
+    "wrap_policy": [5, 2.5, True, "Block", "pkg.mod.Block", _no_args, _one_arg, nn.Linear(2, 2), {nn.Linear, 3}],
+    "planner": [None, "fastest", "ROLE_GREEDY", 5, True, _one_arg, nn.Linear, nn.Linear(2, 2)],
+    "collective": [None, "nccl_magic", "Broadcast", 5, True, _no_args],
+    "matrix_filter": [5, "ndim==2", True, nn.Linear, _one_arg, nn.Linear(2, 2)],
+    "param_dtype": ["float13", "int32", 16, True, torch.int32, torch.complex64, float],
+    "reduce_dtype": ["float13", 16, 2.5, torch.int64, torch.bool],
+    "activation_checkpointing_policy": [5, True, "Block", "pkg.mod.Block", _no_args, _two_args, nn.Linear(2, 2)],
+    "optimizer": [5, "Muon", True, nn.Linear, nn.Linear(2, 2), _no_args, _two_args,
+                  torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)],
+    "reshard_after_forward": [None, "no", "False", 1, 0, 2.0],
+    "accumulation_no_sync": ["yes", 1, 0.0, "auto"],
+    "shard_size": [0, -2, True, False, 2.5, 2.0, "2", "auto", [2]],
+    "prefetch": [None, 1, "true", "auto"],
+    "zero_missing_grads": [None, 1, "yes"],
+    "save_distributed_checkpoint": [None, 1, "dir"],
+    "process_group_backend": [5, True, "", "ncll", "auto", "cpu:gloo,cuda:ncll", _no_args],
+    "timeout": [60, 60.0, "30m", True, timedelta(0), timedelta(seconds=-1)],
+    "tensor_parallel_size": [0, -1, True, 2.0, "2", "all", None],
+    "data_parallel_size": [0, -4, False, 1.5, "two", None],
+    "log_plan": [None, "false", 0],
+    "verify_checkpoints": [None, "yes", 1],
+    "reset_changed_roles": [None, "no", 0],
+    "replica_split": [None, "yes", "AUTO", 1, 0.0],
+    "flatten_conv": [None, "true", 1],
+    "broadcast_buffers": [None, "false", 0],
+    "ns_steps": [0, -5, True, 5.0, "5", None],
+    "async_save": [None, "background", 1],
+    "device": [True, 2.5, "gpu7", "cpu:x", -1, object()],
+    "mesh": ["cpu", 2, True, [0, 1], object()],
+}
+
+
+def _options_of(entry) -> set[str]:
+    import inspect
+
+    return {n for n in inspect.signature(entry).parameters if n not in ("module", "config")}
+
+
+ENTRIES = {"matrix_shard": mf.matrix_shard, "MatrixFSDPStrategy": mf.MatrixFSDPStrategy,
+           "MatrixFSDPFabricStrategy": mf.MatrixFSDPFabricStrategy}
+
+
+def test_the_bad_value_table_covers_every_option():
+    every = set().union(*(_options_of(e) for e in ENTRIES.values()))
+    assert every - set(BAD_VALUES) == set(), f"options without bad values in BAD_VALUES: {every - set(BAD_VALUES)}"
+    assert set(BAD_VALUES) - every == set(), f"rows for options that no entry point takes: {set(BAD_VALUES) - every}"
+
+
+def _construct(entry_name: str, option: str, value):
+    entry = ENTRIES[entry_name]
+    if entry_name == "matrix_shard":
+        return lambda: entry(TinyLM(layers=1), **{option: value})
+    return lambda: entry(**{option: value})
+
+
+PAIRS = [(e, o) for e in ENTRIES for o in sorted(BAD_VALUES) if o in _options_of(ENTRIES[e])]
+
+
+@pytest.mark.parametrize("entry_name,option", PAIRS, ids=[f"{e}-{o}" for e, o in PAIRS])
+def test_every_bad_value_is_refused_at_construction_naming_the_option(entry_name, option):
+    """Before: optimizer= took a zero-argument callable, an nn.Module class or instance (all
+    failing at setup), process_group_backend= any non-empty string ('ncll', 'auto'), and
+    tensor_parallel_size= refused numpy ints that shard_size= takes."""
+    for value in BAD_VALUES[option]:
+        with pytest.raises(mf.MatrixShardError) as info:
+            _construct(entry_name, option, value)()
+        msg = str(info.value)
+        assert isinstance(info.value, ValueError)
+        assert msg.startswith(f"{option}=") or f" {option}=" in msg or f"({option}=" in msg, (value, msg)
+        if not callable(value) and len(repr(value)) < 40:
+            assert repr(value) in msg, (value, msg)
+
+
+def test_parallel_sizes_take_integer_like_values_as_shard_size_does():
+    import numpy as np
+
+    s = mf.MatrixFSDPStrategy(tensor_parallel_size=np.int64(2), data_parallel_size=np.int32(1),
+                              shard_size=np.int64(1))
+    c = s.config
+    assert (c.tensor_parallel_size, c.data_parallel_size, c.shard_size) == (2, 1, 1)
+    assert all(type(v) is int for v in (c.tensor_parallel_size, c.data_parallel_size, c.shard_size))

@@ -211,8 +211,9 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg.get("sync") == "explicit":
             for o in s_opts:
                 start_replica_sync(sharded, o)
-            # state_dict() waits for the transfers started (and may be called on one rank alone)
-            sd = sharded.state_dict()
+            # state_dict() waits for the transfers started (and may be called on one rank alone);
+            # local_state_dict: this rank's part (a plain state_dict() of a partial model is refused)
+            sd = mf.local_state_dict(sharded)
             for n, p in oracle.named_parameters():
                 if sd[n].numel():
                     assert torch.equal(sd[n], p.detach()), f"step {step}: state_dict()[{n!r}] is stale"

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
-from lightning_matrixfsdp.runtime.checkpoint_view import RootView, model_view_of
+from lightning_matrixfsdp.runtime.checkpoint_view import RootView, local_state_dict, model_view_of
 from lightning_matrixfsdp.runtime.tp import fragment_dtensor
 
 __all__ = ["Entry", "KeyIndex", "build_index"]
@@ -155,7 +155,7 @@ def build_index(module: nn.Module) -> KeyIndex:
     extra: dict[str, Any] = {}
     first: dict[int, str] = {}
     key_of: dict[int, str] = {}
-    for key, v in module.state_dict(keep_vars=True).items():
+    for key, v in local_state_dict(module, keep_vars=True).items():  # this rank's tensors, on purpose
         p = view.params.get(key)
         if p is not None:
             primary = first.setdefault(p.ident, key)

@@ -5,7 +5,8 @@
 (mesh.py) describes the groups; ``parallelize_experts`` (expert_seams.py) is the parallel style of a
 user's own experts module under ``expert_parallel_size``; the queries (queries.py) read a sharded model's
 plan and traffic and switch gradient synchronization; ``full_model`` (full.py) gathers
-the whole model on one rank for a while.  The errors a training run can raise (errors.py)
+the whole model on one rank for a while; a plain ``state_dict()`` that would be partial is
+refused (state_dict_guard.py), ``local_state_dict`` gives this rank's part on purpose.  The errors a training run can raise (errors.py)
 are importable from here too.
 """
 from lightning_matrixfsdp.runtime.errors import (
@@ -40,11 +41,12 @@ from lightning_matrixfsdp.runtime.queries import (
     watch_lone_forwards,
 )
 from lightning_matrixfsdp.runtime.shard import matrix_shard
+from lightning_matrixfsdp.runtime.state_dict_guard import PartialStateDictError, local_state_dict
 
 __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "MatrixShard", "MatrixShardError",
-           "MeshInfo", "Plan",
+           "MeshInfo", "PartialStateDictError", "Plan",
            "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "parallelize_experts", "get_comm_stats",
-           "get_plan", "hsdp_mesh", "is_matrix_sharded", "matrix_shard", "scheduled_forwards",
+           "get_plan", "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "scheduled_forwards",
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards",
            # what the adapters and optimizers ask of and do to a sharded model (queries.py)
            "NormGroups", "broadcast_buffers", "is_sharded_root", "norm_groups", "release_unfinished",

@@ -8,7 +8,9 @@ them. Dependencies run one way: checkpoint imports this module, nothing here imp
 checkpoint.
 
 ``tag_view`` and ``view_key`` (the marks on ``state_dict`` tensors that stand for a
-sharded model tensor) are re-exported so that checkpoints import the runtime from here.
+sharded model tensor) and ``local_state_dict`` (a sharded model's ``state_dict`` as this rank
+holds it, which a plain ``state_dict()`` refuses: ``state_dict_guard``) are re-exported so that
+checkpoints import the runtime from here.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
+from lightning_matrixfsdp.runtime.state_dict_guard import local_state_dict
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, stack_of, state_of, tag_view, view_key
 from lightning_matrixfsdp.runtime.tp import TPLayout
 
-__all__ = ["ModelView", "ParamView", "RootView", "model_view_of", "tag_view", "view_key"]
+__all__ = ["ModelView", "ParamView", "RootView", "local_state_dict", "model_view_of", "tag_view", "view_key"]
 
 
 @dataclass(frozen=True)

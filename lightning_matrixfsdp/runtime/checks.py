@@ -33,10 +33,6 @@ def check_model(module: nn.Module, tensor_parallel: bool = False) -> None:
                 f"parameter {name!r} is a DTensor (tensor parallel or FSDP2), but the mesh has no tensor-parallel "
                 "dimension: for tensor parallelism pass Lightning's (data_parallel, tensor_parallel) mesh "
                 "(MatrixFSDPStrategy(tensor_parallel_size=T) gives configure_model one), else a plain model")
-        if DTensor and isinstance(p, DTensor) and p.is_meta:
-            raise MatrixShardError(
-                f"parameter {name!r} is a meta-device DTensor; with tensor parallelism build the model on a real "
-                "device (meta-device initialization is not supported with tensor parallelism yet)")
     for name, m in module.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             raise MatrixShardError(

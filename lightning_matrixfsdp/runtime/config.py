@@ -14,6 +14,7 @@ Which entry point reads a field is its ``where`` metadata: ``SHARD`` (``matrix_s
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 import inspect
+import operator
 from typing import Any, Callable, Iterable, Mapping, Optional, Union, get_type_hints
 
 import torch
@@ -64,12 +65,16 @@ def _parallel_size(value: Any, name: str) -> Union[int, str]:
     """A mesh dimension's size: a positive int or ``"auto"`` (Lightning's meaning, resolved at setup)."""
     if value == "auto" and isinstance(value, str):
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    try:  # ints and integer-like scalars (numpy), as shard_size takes them; not bools, floats or strings
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 1:
         raise MatrixShardError(
-            f"{name}={value!r} is not accepted; pass a positive int or \"auto\" (tensor_parallel_size: the "
-            "ranks one parallelize_module plan splits a matrix over, inside a node; data_parallel_size: the "
-            "rest of the world)")
-    return int(value)
+            f"{name}={value!r} ({type(value).__name__}) is not accepted; pass a positive int or \"auto\" "
+            "(tensor_parallel_size: the ranks one parallelize_module plan splits a matrix over, inside a node; "
+            "data_parallel_size: the rest of the world)")
+    return n
 
 
 def _expert_stacks(value: Any, name: str) -> Any:

@@ -200,8 +200,14 @@ def check_optimizer_factory(value: Any) -> Optional[Callable[..., Any]]:
     if isinstance(value, torch.optim.Optimizer):
         raise _refuse("optimizer", value, accepted, "an optimizer instance; the strategy builds the optimizer "
                       "over the sharded parameters itself")
+    if isinstance(value, nn.Module):
+        raise _refuse("optimizer", value, accepted, "an nn.Module, not an optimizer factory")
+    if isinstance(value, type) and not issubclass(value, torch.optim.Optimizer):
+        raise _refuse("optimizer", value, accepted, f"the class {value.__name__} is not a torch.optim.Optimizer")
     if not callable(value):
         raise _refuse("optimizer", value, accepted)
+    if not _takes(value, 1):
+        raise _refuse("optimizer", value, accepted, "the callable cannot be called with the parameters alone")
     return value
 
 
@@ -278,9 +284,23 @@ def check_device(value: Any) -> Optional[torch.device]:
 
 
 def check_backend(value: Any) -> Optional[str]:
-    if value is None or (isinstance(value, str) and value):
-        return value
-    raise _refuse("process_group_backend", value, "None or a torch.distributed backend name such as 'nccl' or 'gloo'")
+    """``None`` (Lightning's choice for the device), a backend torch.distributed knows (the built-in
+    ones and any registered with ``Backend.register_backend``: import its package first), or the
+    per-device form ``"cpu:gloo,cuda:nccl"``."""
+    import torch.distributed as dist
+
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    accepted = (f"None, a torch.distributed backend ({', '.join(map(repr, known))}; a third-party one once its "
+                "package registered it) or the per-device form 'cpu:gloo,cuda:nccl'")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _refuse("process_group_backend", value, accepted)
+    names = [part.split(":", 1)[1] if ":" in part else part for part in value.split(",")]
+    bad = [n for n in names if n.strip().lower() not in known]
+    if bad:
+        raise _refuse("process_group_backend", value, accepted, f"unknown backend {bad[0].strip()!r}")
+    return value
 
 
 def check_mesh(value: Any) -> Any:

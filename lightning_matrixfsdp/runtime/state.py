@@ -15,6 +15,7 @@ from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
+from lightning_matrixfsdp.runtime.state_dict_guard import refuse_partial_state_dict
 from lightning_matrixfsdp.runtime.sync import BufferSync
 from lightning_matrixfsdp.runtime.unit import Unit
 
@@ -212,8 +213,10 @@ class MatrixFSDPState(RefusePickle):
             unit.install_hooks()
         if self._root_handles:
             return
+        # a partial state_dict() is refused (state_dict_guard); registered first, before the wait below
+        self._root_handles = [self.root.register_state_dict_pre_hook(refuse_partial_state_dict)]
         if self.replicas is not None:
-            self._root_handles = [
+            self._root_handles += [
                 self.root.register_forward_pre_hook(self.before_root_forward, prepend=True),
                 # root.state_dict() reads resident tensors: the transfers already started land first
                 self.root.register_state_dict_pre_hook(self.wait_replicas),

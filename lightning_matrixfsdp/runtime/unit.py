@@ -138,6 +138,10 @@ class Unit(RefusePickle):
         self._reentrant_pending = 0  # reentrant-checkpoint first passes whose recomputation is to come
         self._ready: set[int] = set()
         self.training_state = TrainingState.IDLE
+        # A later backward through calls of an ended iteration (two losses of one forward, each
+        # given to backward): an older generation; what it brings is reduced by ``flush``.
+        self._generation = getattr(self, "_generation", 0) + 1
+        self._late = False
 
     @property
     def trainable(self) -> list[int]:
@@ -284,7 +288,8 @@ class Unit(RefusePickle):
             self._calls_without_grad_inputs += 1
             return None
         self._pending_input_grads += 1
-        outs = iter(PostBackward.apply(self._on_input_grads, *flat))
+        gen = self._generation
+        outs = iter(PostBackward.apply(lambda: self._on_input_grads(gen), *flat))
         ids = {id(t) for t in flat}
         mapping = {}
 
@@ -332,6 +337,8 @@ class Unit(RefusePickle):
     # ------------------------------------------------------------------ backward
     def _pre_backward_hook(self, *_: Any) -> None:
         self.schedule.begin_backward()
+        if self._forward_calls == 0:  # only calls of an ended iteration: a later backward through them
+            self._late = True
         if self.training_state is TrainingState.PRE_BACKWARD:
             return  # another output (or call) of this unit: still materialized, next one prefetched
         if self.training_state is TrainingState.IDLE:
@@ -360,11 +367,16 @@ class Unit(RefusePickle):
                         "(is the parameter used outside its unit's forward?); zero_missing_grads reduces "
                         "a unit as soon as the gradients of its inputs are done and cannot take later ones")
                 unit._ready.add(index)
+                if unit._forward_calls == 0:
+                    unit._late = True
                 unit._maybe_post_backward()
 
         return hook
 
-    def _on_input_grads(self) -> None:
+    def _on_input_grads(self, generation: int) -> None:
+        if generation != self._generation:  # a call of an ended iteration: reduced by the flush
+            self._late = True
+            return
         self._pending_input_grads -= 1
         self._maybe_post_backward()
 
@@ -388,8 +400,11 @@ class Unit(RefusePickle):
     # ------------------------------------------------------------------ end of backward (called by the root)
     def flush(self) -> None:
         """Reduce now if this unit ran forward but its backward did not reduce it (unused
-        parameters, inputs without gradients); the root calls it on every unit in order."""
-        if self._forward_calls > 0 and self.training_state is not TrainingState.POST_BACKWARD:
+        parameters, inputs without gradients), or if this backward went through calls of an
+        iteration an earlier backward ended (two losses of one forward, each given to backward:
+        each backward's gradients are reduced, as Lightning's DDP and FSDP2 do); the root calls it
+        on every unit in order."""
+        if (self._forward_calls > 0 or self._late) and self.training_state is not TrainingState.POST_BACKWARD:
             self.post_backward(flush=True)
 
     def end_iteration(self) -> None:
