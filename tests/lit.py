@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
 from models import TinyLM, lm_loss
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
+from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -69,6 +69,7 @@ class LitTiny(LightningModule):  # noqa: D101
             import lightning_matrixfsdp as mf
 
             a = ADAMW_DEFAULTS
+            mark_recipe_tail(self)  # a DDP run: embeddings and head on AdamW, as matrix_fsdp's default
             opt = mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
         if not self.scheduler:
             return opt

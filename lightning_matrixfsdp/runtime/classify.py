@@ -104,7 +104,7 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
             f"flattened matrix, mixing its experts; expert stacks are stepped per expert without flatten_conv: set "
             f"flatten_conv=False ({len(stacks)} declared stack(s) in this model)")
     filt = config.matrix_filter
-    recipe: dict[int, str] = {}  # the Muon recipe's default comes in the next commit
+    recipe = recipe_tail(module) if filt is None else {}
     out: dict[str, RoleChoice] = {}
     undeclared = []
     for fqn, p in module.named_parameters():
