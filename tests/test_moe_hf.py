@@ -10,6 +10,7 @@ AdamW on the rest (embeddings and head by the recipe default). Built from config
 from __future__ import annotations
 
 import copy
+import tempfile
 from typing import Any
 
 import pytest
@@ -109,11 +110,55 @@ def _scenario(rank: int, name: str) -> dict[str, Any]:
     return {"stacks": {k: (v.num_experts, v.blocks) for k, v in stacks.items()}, "plan": str(plan)}
 
 
-def worker(rank: int, world: int) -> dict[str, Any]:
-    return {name: _scenario(rank, name) for name in ("mixtral", "qwen3_moe")}
+def _checkpoint_scenario(rank: int, root: str, kind: str) -> dict[str, Any]:
+    """Stacks in checkpoints, without expert parallelism: a run saved after 2 steps (directory and
+    consolidated file), loaded into a fresh sharded model and optimizer, takes its third step
+    exactly as the uninterrupted run does (weights, and the optimizer state of each stack)."""
+    import lightning_matrixfsdp as mf
+    from equiv import EXACT, compare, full_params
+    from models import batch_for, lm_loss
+
+    def fresh():
+        torch.manual_seed(0)
+        model = build("mixtral")
+        mf.matrix_shard(model)
+        if kind == "muon":
+            opt = mf.Muon(model.parameters(), lr=0.02)
+        else:
+            opt = mf.SOAP(model.parameters(), lr=0.01, precondition_frequency=1)
+        return model, mf.route_optimizer(opt)
+
+    def step(model, opt, i):
+        idx = batch_for(i, rank)
+        lm_loss(model(idx).logits, idx).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    model, opt = fresh()
+    for i in range(2):
+        step(model, opt, i)
+    mf.save_sharded(model, f"{root}/{kind}_dir", [opt])
+    mf.save_sharded(model, f"{root}/{kind}_file.ckpt", [opt], full=True)
+    step(model, opt, 2)
+    want = full_params(model)
+    for source in (f"{root}/{kind}_dir", f"{root}/{kind}_file.ckpt"):
+        other, other_opt = fresh()
+        mf.load_sharded(other, source, [other_opt])
+        step(other, other_opt, 2)
+        compare(full_params(other), want, EXACT, f"resumed from {source}", 2)
+    owned = [p for p in model.parameters() if p.numel() and p.ndim == 3]
+    shapes = {k: tuple(v.shape) for p in owned for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+    return {"state_shapes": shapes}
 
 
-LAUNCHES = {2: OneLaunch(worker, 2, timeout=400), 4: OneLaunch(worker, 4, timeout=600)}
+def worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {name: _scenario(rank, name) for name in ("mixtral", "qwen3_moe")}
+    if world == 2:
+        out["checkpoint"] = {kind: _checkpoint_scenario(rank, root, kind) for kind in ("muon", "soap")}
+    return out
+
+
+LAUNCHES = {w: OneLaunch(worker, w, tempfile.mkdtemp(prefix=f"moe_hf_{w}_"), timeout=900) for w in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -130,3 +175,11 @@ def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int) -> None:
     assert "experts.gate_up_proj (x2): stack, expert stack, 4 experts, each as 2 blocks (12, 12)" in plan, plan
     assert "lm_head.weight: adamw, Muon recipe default" in plan, plan
     assert "embed_tokens.weight: adamw, Muon recipe default: nn.Embedding weight" in plan, plan
+
+
+def test_stacks_resume_from_checkpoints_without_expert_parallelism() -> None:
+    res = LAUNCHES[2].results()
+    for kind in ("muon", "soap"):
+        assert all(kind in r["checkpoint"] for r in res)
+    shapes = {k: v for r in res for k, v in r["checkpoint"]["soap"]["state_shapes"].items()}
+    assert any(k.startswith("block1/") and v[0] == 4 for k, v in shapes.items()), shapes  # per expert state
