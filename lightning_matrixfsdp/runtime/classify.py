@@ -14,7 +14,8 @@ parameter's role with the rule that decided it (:func:`describe_roles`). The rul
 4. two dimensions: an explicit ``matrix_filter`` decides; without one, the Muon recipe:
    ``nn.Embedding`` weights and the output head (Hugging Face ``get_output_embeddings()``,
    or the last ``nn.Linear`` projecting to an embedding's vocabulary; a head tied to an
-   embedding is that embedding) go to the tail, every other matrix is a matrix role.
+   embedding is that embedding) go to the tail, and so do the per-expert biases ``[E, out]`` of
+   Hugging Face experts modules; every other matrix is a matrix role.
 
 Pure: no communication, no tensors moved.
 """
@@ -28,7 +29,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks
+from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks, expert_biases
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
 __all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_tail"]
@@ -105,6 +106,7 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
             f"flatten_conv=False ({len(stacks)} declared stack(s) in this model)")
     filt = config.matrix_filter
     recipe = recipe_tail(module) if filt is None else {}
+    biases = expert_biases(module) if filt is None else {}
     out: dict[str, RoleChoice] = {}
     undeclared = []
     for fqn, p in module.named_parameters():
@@ -128,6 +130,8 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
         elif filt is not None:
             ok = bool(filt(fqn, p))
             out[fqn] = RoleChoice(ok, None, f"matrix_filter {'accepts' if ok else 'rejects'} it")
+        elif fqn in biases:
+            out[fqn] = RoleChoice(False, None, f"{biases[fqn]} on AdamW (pass matrix_filter to decide yourself)")
         elif id(p) in recipe:
             out[fqn] = RoleChoice(False, None, f"Muon recipe default: {recipe[id(p)]} on AdamW "
                                                "(pass matrix_filter to decide yourself)")
