@@ -247,3 +247,35 @@ def test_gpt_oss_is_not_guessed_its_stacks_warn_and_its_expert_biases_go_to_adam
     assert roles[base + "gate_up_proj"] == (False, None) and roles[base + "down_proj"] == (False, None)
     assert roles[base + "gate_up_proj_bias"] == (False, None) and roles[base + "down_proj_bias"] == (False, None)
     assert roles["model.layers.0.mlp.router.weight"] == (True, None)
+
+
+def test_tag_expert_stacks_outside_matrix_shard_and_the_untagged_warning():
+    """Plain DDP / one device: untagged 3-D experts would go to AdamW (warned); after
+    tag_expert_stacks our Muon steps each expert (gate and up apart) as torch.optim.Muon does."""
+    from lightning_matrixfsdp.runtime.classify import tag_expert_stacks
+
+    hf = pytest.importorskip("transformers")
+    cfg = hf.MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=3)
+    torch.manual_seed(0)
+    experts = hf.MixtralForCausalLM(cfg).model.layers[0].mlp.experts
+    grads = {n: torch.randn_like(p) for n, p in experts.named_parameters()}
+    for n, p in experts.named_parameters():
+        p.grad = grads[n].clone()
+    with pytest.warns(UserWarning, match=r"steps a parameter of size \(3, 12, 8\) with AdamW"):
+        Muon(experts.parameters(), lr=0.02).step()
+    stacks = tag_expert_stacks(experts)
+    assert stacks == {"gate_up_proj": ExpertStack(3, (6, 6)), "down_proj": ExpertStack(3, (8,))}
+    w = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    ours = Muon(experts.parameters(), lr=0.02)
+    separate = {(n, e, a): nn.Parameter(w[n][e, a:a + s.blocks[0]].clone())
+                for n, s in stacks.items() for e in range(3) for a in range(0, s.rows, s.blocks[0])}
+    ref = torch.optim.Muon(list(separate.values()), lr=0.02)
+    for (n, e, a), q in separate.items():
+        q.grad = grads[n][e, a:a + q.shape[0]].clone()
+    for n, p in experts.named_parameters():
+        p.grad = grads[n].clone()
+    ours.step()
+    ref.step()
+    for (n, e, a), q in separate.items():
+        assert torch.equal(dict(experts.named_parameters())[n].data[e, a:a + q.shape[0]], q.data), (n, e, a)

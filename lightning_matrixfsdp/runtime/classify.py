@@ -31,8 +31,9 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks, expert_biases
 from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.tags import tag_stack
 
-__all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_tail"]
+__all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_tail", "tag_expert_stacks"]
 
 
 class UndeclaredStackWarning(UserWarning):
@@ -145,6 +146,22 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
             "expert_stacks={'<fqn pattern>': blocks} (docs/moe.md), or set flatten_conv=True for convolution "
             "kernels", UndeclaredStackWarning, stacklevel=4)
     return out
+
+
+def tag_expert_stacks(module: nn.Module, expert_stacks: Any = None) -> dict[str, ExpertStack]:
+    """Tag the expert stacks of an unsharded model (plain DDP, one device), so this library's
+    Muon, Shampoo and SOAP step each expert as its own matrix there too (``matrix_shard`` tags
+    them itself). ``expert_stacks``: the option's forms. Returns fqn -> stack."""
+    from lightning_matrixfsdp.runtime.experts import check_expert_stacks
+
+    try:
+        stacks = declared_stacks(module, check_expert_stacks(expert_stacks))
+    except ExpertStackError as err:
+        raise MatrixShardError(str(err)) from None
+    params = dict(module.named_parameters())
+    for fqn, (stack, _) in stacks.items():
+        tag_stack(params[fqn], stack)
+    return {fqn: stack for fqn, (stack, _) in stacks.items()}
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
