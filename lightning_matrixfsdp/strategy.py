@@ -67,7 +67,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         planner: ``"role_greedy"``, ``"scope_greedy"`` or ``"cost_aware"``.
         collective: ``"p2p"``, ``"broadcast"`` or ``"padded_all_gather"``.
         matrix_filter: ``callable(fqn, param) -> bool``; 2D parameters it rejects
-            go to the AdamW tail (e.g. embeddings and the LM head).
+            go to the AdamW tail. ``None``: every 2D parameter except ``nn.Embedding``
+            weights and the output head (the Muon recipe; docs/moe.md).
         param_dtype / reduce_dtype: compute dtype of the unsharded buffers and
             dtype of the gradient reduction; resident weights keep theirs.
         activation_checkpointing_policy: module classes (or a callable) whose
@@ -102,6 +103,9 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         async_save: save checkpoint directories in the background: a save stalls training only
             to copy this rank's share into reused host buffers; the files, checksums and the
             atomic publish follow in a thread (docs/checkpointing.md, "Asynchronous saves").
+        expert_stacks: your own mixture-of-experts parameters ``[E, m, n]`` that are stacks of E
+            matrices, stepped per expert (fqn patterns, ``{pattern: blocks}`` or a callable);
+            Hugging Face experts and ``GroupedExperts`` are declared automatically (docs/moe.md).
         config: all of the above as one ``MatrixFSDPConfig`` instead of keywords (not both).
     """
 
