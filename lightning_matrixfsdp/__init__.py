@@ -31,10 +31,14 @@ from lightning_matrixfsdp.checkpoint import (
     meta_init,
     save_sharded,
 )
-from lightning_matrixfsdp.strategy import MatrixFSDPStrategy, register
-from lightning_matrixfsdp.from_checkpoint import load_from_checkpoint
-from lightning_matrixfsdp.fabric import MatrixFSDPFabricStrategy, register_fabric
-from lightning_matrixfsdp.pretrained import PretrainedWeights
+from lightning_matrixfsdp.adapters import (
+    MatrixFSDPFabricStrategy,
+    MatrixFSDPStrategy,
+    PretrainedWeights,
+    load_from_checkpoint,
+    register,
+    register_fabric,
+)
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """By hand, not in the suite: compiled blocks with tensor parallelism through inductor (the suite
 compiles with ``aot_eager``: inductor's first C++ build of a graph takes ~25 s per process on the
-CI machine). Runs ``tests/tp_compose.py``'s compiled-block scenario at world 4 = D 2 x T 2 (gloo,
+CI machine). Runs ``tests/helpers/tp_compose_scenarios.py``'s compiled-block scenario at world 4 = D 2 x T 2 (gloo,
 CPU) with ``backend="inductor"`` and prints, per rank, whether the losses and held fragments equal
 the eager reference's after 3 steps and the largest weight difference.
 
@@ -24,8 +24,8 @@ def _inductor(model) -> list:
 
 
 def worker(rank: int, world: int) -> dict:
-    import tp_compose
-    from tp_scenarios import _mesh
+    from helpers import tp_compose_scenarios as tp_compose
+    from helpers.tp_scenarios import _mesh
 
     tp_compose._compile_blocks = _inductor
     out = tp_compose.run(_mesh(), 3, compiled=True)
@@ -34,6 +34,6 @@ def worker(rank: int, world: int) -> dict:
 
 
 if __name__ == "__main__":
-    from _dist import run_distributed
+    from helpers.dist import run_distributed
 
     print(json.dumps(run_distributed(worker, 4, timeout=580), indent=1))

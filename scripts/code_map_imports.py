@@ -35,8 +35,8 @@ def main(check: bool) -> int:
     package, changed = "lightning_matrixfsdp", []
     for i, line in enumerate(lines):
         if line.startswith("**"):
-            folder = re.search(r"`(\w+)/`", line)
-            package = "lightning_matrixfsdp" + (f".{folder.group(1)}" if folder else "")
+            folder = re.search(r"`([\w/]+)/`", line)
+            package = "lightning_matrixfsdp" + (f".{folder.group(1).replace('/', '.')}" if folder else "")
         elif line.startswith("| `"):
             cells = [c.strip() for c in line.rstrip("\n").strip().strip("|").split(" | ")]
             files = re.findall(r"`([\w.]+\.py)`", cells[0])

@@ -21,7 +21,7 @@ def clean_env(**extra: str) -> dict:
 @pytest.fixture(scope="session")
 def dist_pools():
     """Lazily started gloo worker pools, one per world size, shared by the session."""
-    from _dist import DistPool
+    from helpers.dist import DistPool
 
     pools: dict[int, DistPool] = {}
 
@@ -40,7 +40,7 @@ def hf_pool():
     """Two gloo workers shared by the Hugging Face files (test_hf, test_pretrained,
     test_export_safetensors): transformers is imported once per worker for all three, and
     it stays out of the shared ``dist_pools``."""
-    from _dist import DistPool
+    from helpers.dist import DistPool
 
     workers = DistPool(2)
     yield workers

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from _dist import run_distributed
-from lit import LitTiny, gather_full
-from models import TinyLM, batch_for, lm_loss
+from helpers.dist import run_distributed
+from helpers.lit import LitTiny, gather_full
+from helpers.models import TinyLM, batch_for, lm_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -281,7 +281,7 @@ import torch
 import lightning_matrixfsdp as mf
 from torch.distributed.checkpoint import FileSystemWriter
 from lightning_matrixfsdp.checkpoint.async_save import AsyncCheckpointer
-from models import TinyLM
+from helpers.models import TinyLM
 
 target = sys.argv[1]
 model = mf.matrix_shard(TinyLM())

@@ -21,7 +21,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from lit import gather_full
+from helpers.lit import gather_full
 
 TIMEOUT = 240
 

@@ -1,6 +1,6 @@
 """Lightning's callbacks and CPU precisions under matrix_fsdp equal ``strategy="ddp"`` (issue 24's walk).
 
-Each scenario of ``tests/walk.py`` runs once per strategy on the same 2-process pool (one
+Each scenario of ``tests/helpers/walk_scenarios.py`` runs once per strategy on the same 2-process pool (one
 fit per strategy combines several callbacks); the tests below compare what each callback
 produced. With 2 ranks DDP's all-reduce (``g0/2 + g1/2``) and the owners' reduction
 (``(g0 + g1)/2``) round alike, so losses and weights are compared bitwise.
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from walk import PRECISIONS, WalkModule, run_scenario
+from helpers.walk_scenarios import PRECISIONS, WalkModule, run_scenario
 
 _cache: dict[str, tuple[dict, dict]] = {}
 

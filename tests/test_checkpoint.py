@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import _free_port
-from models import TinyLM, batch_for, lm_loss
+from helpers.dist import _free_port
+from helpers.models import TinyLM, batch_for, lm_loss
 
 MUON = dict(lr=0.02, weight_decay=0.1)
 # DCP without a process group (the world-1 cases in this process) says so on every call.

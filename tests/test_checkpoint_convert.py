@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule
 
-from models import TinyLM, batch_for, lm_loss
+from helpers.models import TinyLM, batch_for, lm_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 MUON = dict(lr=0.02, weight_decay=0.1)

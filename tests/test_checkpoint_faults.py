@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import TinyLM, batch_for, lm_loss
+from helpers.models import TinyLM, batch_for, lm_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 MUON = dict(lr=0.02, weight_decay=0.1)
@@ -310,7 +310,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import lightning_matrixfsdp as mf
 from lightning_matrixfsdp import checkpoint as C
-from models import TinyLM
+from helpers.models import TinyLM
 
 target = sys.argv[1]
 model = mf.matrix_shard(TinyLM())

@@ -11,7 +11,7 @@ import pickle
 
 import torch
 
-from models import TinyLM, batch_for, lm_loss
+from helpers.models import TinyLM, batch_for, lm_loss
 from test_checkpoint import assert_same_state, full_state
 
 MUON = dict(lr=0.02, weight_decay=0.1)
@@ -94,7 +94,7 @@ def _trainer_worker(rank, world, root):
     from lightning.pytorch import Trainer
 
     import lightning_matrixfsdp as mf
-    from lit import LitTiny
+    from helpers.lit import LitTiny
 
     def run(tail, steps, ckpt=None, **strategy_kw):
         torch.manual_seed(0)

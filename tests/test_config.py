@@ -16,9 +16,9 @@ from torch import nn
 
 import lightning_matrixfsdp as mf
 from lightning_matrixfsdp.runtime.config import ADAPTER, SHARD, MatrixFSDPConfig
-from models import Block, TinyLM
+from helpers.models import Block, TinyLM
 
-OPTIONS = dict(wrap_policy="models.Block", planner="scope_greedy", collective="broadcast", param_dtype="bf16",
+OPTIONS = dict(wrap_policy="helpers.models.Block", planner="scope_greedy", collective="broadcast", param_dtype="bf16",
                reduce_dtype="fp32", reshard_after_forward=False, prefetch=False, zero_missing_grads=True,
                flatten_conv=True, broadcast_buffers=False, replica_split=True)
 
@@ -94,7 +94,7 @@ def test_a_bad_value_is_refused_at_construction_with_the_keyword_message(option,
 
 
 def test_config_is_frozen_and_hashable():
-    config = MatrixFSDPConfig(wrap_policy=[Block, "models.Block"], planner="cost_aware")
+    config = MatrixFSDPConfig(wrap_policy=[Block, "helpers.models.Block"], planner="cost_aware")
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.planner = "role_greedy"  # type: ignore[misc]
     assert isinstance(config.wrap_policy, frozenset)  # a policy set cannot be changed in place either

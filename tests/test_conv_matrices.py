@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from equiv import full_params, make_sharded_optimizer
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads
+from helpers.equiv import full_params, make_sharded_optimizer
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads
 
 
 def conv_net() -> nn.Module:

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from lightning_matrixfsdp.bench import convergence
-from lightning_matrixfsdp.bench.convergence_report import plot
+from lightning_matrixfsdp.bench.convergence import grid as convergence
+from lightning_matrixfsdp.bench.convergence.report import plot
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.optim.orthogonalize import orthogonalize_with
 

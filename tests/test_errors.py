@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from models import TinyLM
+from helpers.models import TinyLM
 
 
 def test_invalid_planner_and_collective_names():

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from lit import LitTiny
-from models import lm_loss
+from helpers.lit import LitTiny
+from helpers.models import lm_loss
 
 # batches per rank, by world size: some ranks run out early, one has none at all
 COUNTS = {2: [5, 2], 3: [1, 4, 0]}

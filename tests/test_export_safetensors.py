@@ -5,7 +5,7 @@ weight equals the trained model's bit for bit.
 Tiny ``LlamaForCausalLM`` (tied embeddings) and ``GPT2LMHeadModel`` (tied, Conv1D), built from
 configs, train two steps under ``Trainer(strategy="matrix_fsdp")`` on 2 gloo processes and save a
 checkpoint directory and a consolidated file. The reference weights are gathered from the
-owners by broadcast (``tests/lit.gather_full``), not read back through the checkpoint code.
+owners by broadcast (``tests/helpers/lit.gather_full``), not read back through the checkpoint code.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-VOCAB, SEQ = 64, 16  # what tests/lit.TokenData produces
+VOCAB, SEQ = 64, 16  # what tests/helpers/lit.TokenData produces
 
 
 def build(name: str) -> torch.nn.Module:
@@ -40,8 +40,8 @@ def train_and_save(rank: int, world: int, name: str, root: str) -> Any:
     from lightning.pytorch import LightningModule, Trainer
 
     import lightning_matrixfsdp as mf
-    from lit import TokenData, gather_full
-    from models import lm_loss
+    from helpers.lit import TokenData, gather_full
+    from helpers.models import lm_loss
 
     class LitLM(LightningModule):
         def __init__(self) -> None:

@@ -1,8 +1,8 @@
 """Fabric(strategy="matrix_fsdp"): loops equal DDP Muon bitwise; checkpoints reshard and
 move between Fabric and the Trainer; setup order, precision and option errors.
 
-Every multi-rank case runs on gloo CPU processes with a hard timeout (tests/_dist.py);
-the reference is the plain DDP Muon oracle (tests/oracle.py), never our own code.
+Every multi-rank case runs on gloo CPU processes with a hard timeout (tests/helpers/dist.py);
+the reference is the plain DDP Muon oracle (tests/helpers/oracle.py), never our own code.
 """
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from equiv import full_params
-from models import TinyLM, batch_for, lm_loss
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
+from helpers.equiv import full_params
+from helpers.models import TinyLM, batch_for, lm_loss
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
 
 TIMEOUT = 300
 
 
 class Wrapper(nn.Module):
-    """The parameter names of tests/lit.py's LitTiny ("model.*"), so Trainer and Fabric
+    """The parameter names of tests/helpers/lit.py's LitTiny ("model.*"), so Trainer and Fabric
     checkpoints name the same tensors."""
 
     def __init__(self, **kw: Any) -> None:
@@ -175,7 +175,7 @@ def test_fabric_save_at_2_load_at_3_continues_like_the_oracle(tmp_path, dist_poo
 def _lit_fit(world: int, steps: int, ckpt_in: Optional[str], ckpt_out: str, root: str):
     from lightning.pytorch import Trainer
 
-    from lit import LitTiny
+    from helpers.lit import LitTiny
 
     lit = LitTiny()
     trainer = Trainer(accelerator="cpu", devices=world, strategy="matrix_fsdp", max_steps=steps, logger=False,

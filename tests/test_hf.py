@@ -3,7 +3,7 @@
 Models are built from tiny configs (no download). The wrap policy is each library's own
 decoder-layer class, given as a class or as its dotted import path (docs/huggingface.md).
 Every case trains the sharded model and an independent full-replica DDP Muon oracle
-(tests/oracle.py) on 2 gloo processes and compares losses, full gradients and parameters
+(tests/helpers/oracle.py) on 2 gloo processes and compares losses, full gradients and parameters
 at every step. Hugging Face models need ``use_cache=False`` under activation
 checkpointing; the last test shows what happens without it.
 """
@@ -30,7 +30,7 @@ LAYER = {  # each library's decoder layer, by import path (what a YAML config wo
     "litgpt": "litgpt.model.Block",
 }
 PACKAGE = {"llama": "transformers", "gpt2": "transformers", "litgpt": "litgpt"}
-VOCAB, SEQ = 64, 16  # what tests/models.batch_for and tests/lit.TokenData produce
+VOCAB, SEQ = 64, 16  # what tests/helpers/models.batch_for and tests/helpers/lit.TokenData produce
 
 
 def build(name: str, **kw: Any) -> torch.nn.Module:
@@ -92,9 +92,9 @@ def shard_worker(rank: int, world: int, cfg: dict) -> dict:
     """matrix_shard(model, wrap_policy=<library layer>) next to the oracle, step by step."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.runtime.tags import is_owned
-    from equiv import EXACT, close, compare, count_collectives, full_params, make_sharded_optimizer, maxdiff
-    from models import batch_for, lm_loss
-    from oracle import allreduce_mean_grads, oracle_optimizers
+    from helpers.equiv import EXACT, close, compare, count_collectives, full_params, make_sharded_optimizer, maxdiff
+    from helpers.models import batch_for, lm_loss
+    from helpers.oracle import allreduce_mean_grads, oracle_optimizers
 
     torch.manual_seed(0)
     sharded = build(cfg["model"], **cfg.get("config", {}))
@@ -176,9 +176,9 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     from lightning.pytorch import LightningModule, Trainer
 
     import lightning_matrixfsdp as mf
-    from lit import TokenData, gather_full
-    from models import lm_loss
-    from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, oracle_optimizers
+    from helpers.lit import TokenData, gather_full
+    from helpers.models import lm_loss
+    from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, oracle_optimizers
 
     use_cache = cfg.get("use_cache", "unset")
 
@@ -231,7 +231,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
         loss.backward()
         allreduce_mean_grads(oracle)
         if cfg.get("clip"):
-            from oracle import clip_global_norm
+            from helpers.oracle import clip_global_norm
 
             clip_global_norm(oracle, cfg["clip"])
         for o in opts:
@@ -289,7 +289,7 @@ def kv_cache_worker(rank: int, world: int, use_cache: bool) -> dict:
     """The strategy's checkpointing policy on a Hugging Face layer, with the model's KV cache on or off."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.runtime.options import check_checkpointing_policy
-    from models import batch_for, lm_loss
+    from helpers.models import batch_for, lm_loss
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)

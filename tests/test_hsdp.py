@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from equiv import equivalence_worker
+from helpers.equiv import equivalence_worker
 
 STEPS = 3
 
@@ -10,7 +10,7 @@ STEPS = 3
 @pytest.mark.parametrize("shard_size", [2, 1, 4], ids=["2x2", "4x1", "1x4"])
 def test_hsdp_matches_ddp_muon(shard_size, dist_pools):
     # float64: the replica all-reduce adds partial sums in another order than the
-    # oracle's flat sum (see tests/equiv.py for why float32 would drift).
+    # oracle's flat sum (see tests/helpers/equiv.py for why float32 would drift).
     res = dist_pools(4).run(equivalence_worker, {"steps": STEPS, "shard_size": shard_size, "dtype": torch.float64})
     for r in res:
         stats = r["stats"]

@@ -6,8 +6,8 @@ import weakref
 import torch
 
 import lightning_matrixfsdp as mf
-from equiv import check_memory_shape
-from models import TinyLM, batch_for, lm_loss
+from helpers.equiv import check_memory_shape
+from helpers.models import TinyLM, batch_for, lm_loss
 
 
 def test_a_dropped_model_is_freed():

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from _dist import run_distributed
-from lit import LitTiny, gather_full
-from models import lm_loss
+from helpers.dist import run_distributed
+from helpers.lit import LitTiny, gather_full
+from helpers.models import lm_loss
 
 WORLD = 2
 LONE_WAIT_S = 2  # MATRIX_FSDP_LONE_FORWARD_TIMEOUT in the workers; the process group's is 30 min

@@ -15,8 +15,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from lit import gather_full
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+from helpers.lit import gather_full
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 CLIP = 0.05
 
@@ -241,7 +241,7 @@ def test_gan_manual_optimization_equals_ddp(tmp_path, dist_pools):
 
 # ---------------------------------------------------------------------- clipping under HSDP
 def _clip_worker(rank: int, world: int, root: str) -> dict:
-    from lit import LitTiny
+    from helpers.lit import LitTiny
 
     out = {}
     for name, strategy in (("ddp", lambda: "ddp"), ("hsdp", lambda: mf.MatrixFSDPStrategy(shard_size=1)),

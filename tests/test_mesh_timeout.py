@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from helpers.dist import run_distributed
 from lightning_matrixfsdp.runtime.mesh_comm import hsdp_mesh, shard_and_replicate_groups
 
 SILENT_S = 12.0  # how long rank 1 stays away from the collective

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from _dist import OneLaunch
+from helpers.dist import OneLaunch
 
 pytest.importorskip("transformers")
 
@@ -44,7 +44,7 @@ class PerExpertMuon:
     of a fused ``gate_up_proj`` apart), on the other matrices as they are, AdamW on the rest."""
 
     def __init__(self, model: nn.Module) -> None:
-        from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, recipe_tail_ids
+        from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, recipe_tail_ids
 
         tail = recipe_tail_ids(model)
         self.links: list[tuple[nn.Parameter, int, int, int, nn.Parameter]] = []
@@ -77,10 +77,10 @@ class PerExpertMuon:
 
 def _scenario(rank: int, name: str) -> dict[str, Any]:
     import lightning_matrixfsdp as mf
-    from equiv import EXACT, close, compare, full_params, make_sharded_optimizer
+    from helpers.equiv import EXACT, close, compare, full_params, make_sharded_optimizer
     from lightning_matrixfsdp.runtime.tags import is_owned
-    from models import batch_for, lm_loss
-    from oracle import allreduce_mean_grads
+    from helpers.models import batch_for, lm_loss
+    from helpers.oracle import allreduce_mean_grads
 
     torch.manual_seed(0)
     sharded = build(name)
@@ -115,8 +115,8 @@ def _checkpoint_scenario(rank: int, root: str, kind: str) -> dict[str, Any]:
     consolidated file), loaded into a fresh sharded model and optimizer, takes its third step
     exactly as the uninterrupted run does (weights, and the optimizer state of each stack)."""
     import lightning_matrixfsdp as mf
-    from equiv import EXACT, compare, full_params
-    from models import batch_for, lm_loss
+    from helpers.equiv import EXACT, compare, full_params
+    from helpers.models import batch_for, lm_loss
 
     def fresh():
         torch.manual_seed(0)

@@ -306,9 +306,9 @@ def _load_owned_state(opt: torch.optim.Optimizer, saved: dict[str, dict[str, Any
 def _run_case(rank: int, case: str, resume: dict | None) -> dict[str, Any]:
     """Train the sharded model and the full-replica oracle side by side; compare every step."""
     import lightning_matrixfsdp as mf
-    from equiv import count_collectives, full_params
-    from models import TinyLM, batch_for, lm_loss
-    from oracle import allreduce_mean_grads, mark_recipe_tail
+    from helpers.equiv import count_collectives, full_params
+    from helpers.models import TinyLM, batch_for, lm_loss
+    from helpers.oracle import allreduce_mean_grads, mark_recipe_tail
 
     torch.manual_seed(0)
     oracle = TinyLM()

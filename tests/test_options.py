@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from equiv import make_sharded_optimizer
-from models import Block, TinyLM, batch_for, lm_loss
-from oracle import oracle_optimizers
+from helpers.equiv import make_sharded_optimizer
+from helpers.models import Block, TinyLM, batch_for, lm_loss
+from helpers.oracle import oracle_optimizers
 
 
 def _refused(call, option: str, value_repr: str) -> str:
@@ -117,10 +117,10 @@ def _units_of(model: nn.Module, classes: tuple[type, ...]) -> set[str]:
 
 ACCEPTED_WRAP = {
     "a bare class": Block,
-    "a dotted path": "models.Block",
+    "a dotted path": "helpers.models.Block",
     "a set of classes": {Block},
-    "a list of dotted paths": ["models.Block"],
-    "a tuple mixing both": (Block, "models.Block"),
+    "a list of dotted paths": ["helpers.models.Block"],
+    "a tuple mixing both": (Block, "helpers.models.Block"),
     "a frozenset": frozenset({Block}),
     "a callable": (lambda name, module: isinstance(module, Block)),
     "a bare library class": nn.Linear,

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_matrixfsdp.bench.cluster import Cluster, ClusterError, cluster
+from lightning_matrixfsdp.bench.predict.cluster import Cluster, ClusterError, cluster
 from lightning_matrixfsdp.bench.config import ModelConfig
 from lightning_matrixfsdp.bench.model import count_parameters
-from lightning_matrixfsdp.bench.predict import (
+from lightning_matrixfsdp.bench.predict.modes import (
     MODES, ModelShape, PredictError, all_params, backward_flops, forward_flops, pipeline, plan_for, predict,
     predict_mode, stock_matrix_work,
 )
-from lightning_matrixfsdp.bench.predict_cli import calibrate, calibration_table, main, paper_comparison
+from lightning_matrixfsdp.bench.predict.cli import calibrate, calibration_table, main, paper_comparison
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -111,7 +111,7 @@ def test_replica_split_exchange_costs_about_one_copy_per_link_whatever_the_repli
     """The chain and the broadcast: a GPU's replica bytes do not grow with R (a fan-in to the
     stepper would move R - 1 copies through its NICs), so the split's backward stays near plain
     HSDP's ring all-reduce from 2 to 16 nodes."""
-    from lightning_matrixfsdp.bench.cluster import cluster as make
+    from lightning_matrixfsdp.bench.predict.cluster import cluster as make
 
     c = make("a100-ib")
     assert c.replica_chain(100e6, 100e6, 16, 0, 0) == pytest.approx(c.replica_chain(100e6, 100e6, 2, 0, 0)
@@ -260,7 +260,7 @@ def test_stock_muon_model_matches_what_dtensor_issues(dist_pools):
 
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    from lightning_matrixfsdp.bench.predict_cli import plot_scaling
+    from lightning_matrixfsdp.bench.predict.cli import plot_scaling
 
     rows = predict(TINY, cluster("a100-ib"), [1, 2], ["fsdp2_muon", "matrix_fsdp", "matrix_fsdp_hsdp_split"])
     plot_scaling({"weak_hsdp": rows, "7b": rows, "32b": rows}, tmp_path / "p.png")
@@ -270,7 +270,7 @@ def test_plot(tmp_path):
 def test_stock_muon_bytes_match_the_bench_count_on_two_h200s():
     """The collectives of the model, counted with the bench's per-rank convention (bench/comm.py),
     against the bytes the bench counted for fsdp2_muon's optimizer step on 2 x H200."""
-    from lightning_matrixfsdp.bench.predict import shape_from_bench_config
+    from lightning_matrixfsdp.bench.predict.modes import shape_from_bench_config
 
     run = json.loads((RESULTS / "2026-11-30-h200x2-aa2fc35-onenode" / "bench_onenode_w2_cuda.json").read_text())
     shape, w = shape_from_bench_config(run["config"]), 2
@@ -287,7 +287,7 @@ def test_stock_muon_bytes_match_the_bench_count_on_two_h200s():
 def test_auto_is_within_3_percent_of_the_best_explicit_choice_everywhere():
     """collective="auto" / replica_split="auto", as the runtime's chooser resolves them on each
     preset cluster, against the best explicit choice: paper, 7b, 32b on a100-ib and h200, 1-16 nodes."""
-    from lightning_matrixfsdp.bench.predict_cli import auto_comparison
+    from lightning_matrixfsdp.bench.predict.cli import auto_comparison
 
     rows = auto_comparison()
     assert len(rows) == 3 * 2 * 5 * 2
@@ -308,7 +308,7 @@ ONE = ModelShape("one", hidden=8, mlp=8, layers=1, heads=2, seq_len=4, vocab=0, 
 def test_tp_modes_by_hand():
     """One block of six 8x8 matrices and two norms, T = 2 on one node of two GPUs (D = 1), the
     toy cluster's rates (1e3 FLOP/s, 1 B/s of HBM and NVLink, no latency)."""
-    from lightning_matrixfsdp.bench.predict_tp import local_shape, predict_tp_mode
+    from lightning_matrixfsdp.bench.predict.tp import local_shape, predict_tp_mode
 
     assert local_shape("blocks.0.attn.wq.weight", (8, 8), 2) == (4, 8)  # colwise
     assert local_shape("blocks.0.mlp.down.weight", (8, 16), 2) == (8, 8)  # rowwise
@@ -345,7 +345,7 @@ def test_tp_modes_by_hand():
 
 @pytest.mark.parametrize("name, nodes, per_group", [("a100-ib", 1, False), ("a100-ib", 2, True), ("h200", 3, False)])
 def test_tp_one_is_the_non_tp_prediction_exactly(name, nodes, per_group):
-    from lightning_matrixfsdp.bench.predict_tp import TP_BASE, predict_tp_mode
+    from lightning_matrixfsdp.bench.predict.tp import TP_BASE, predict_tp_mode
 
     shape, c = ModelShape("s", 512, 2048, 4, 8, 256, 1000), cluster(name, nodes=nodes)
     for mode, base in TP_BASE.items():
@@ -358,7 +358,7 @@ def test_tp_spreads_ours_but_repeats_the_duplicated_newton_schulz():
     """At a fixed world, ours' step stays near T = 1's (each matrix orthogonalized once, spread over
     the TP group) with zero DP bytes; duplicated's grows with T (every TP rank repeats it); the TP
     activation collectives grow with T; ours is the fastest TP mode at every T > 1."""
-    from lightning_matrixfsdp.bench.predict_tp import TP_MODES, predict_tp, tp_activation_seconds
+    from lightning_matrixfsdp.bench.predict.tp import TP_MODES, predict_tp, tp_activation_seconds
 
     c = cluster("a100-ib", nodes=2)
     rows = {(r["mode"], r["tp"]): r for r in predict_tp(SHAPES_7B, c, [2], TP_MODES, (1, 2, 4, 8))}
@@ -378,7 +378,7 @@ def test_tp_adds_gpus_to_one_batch_and_ours_divides_its_step_over_them():
     """A global batch of 16 sequences on 2 T nodes (one per TP group): ours' step halves each
     time T doubles (every matrix once, over all D T GPUs); duplicated's does not fall (each
     TP group repeats its D-th); ours ends fastest end to end."""
-    from lightning_matrixfsdp.bench.predict_tp import predict_tp_mode
+    from lightning_matrixfsdp.bench.predict.tp import predict_tp_mode
 
     rows = {(m, t): predict_tp_mode(m, SHAPES_7B, cluster("a100-ib", nodes=2 * t), t, per_group=True)
             for m in ("matrix_fsdp_tp", "megatron_dup_tp") for t in (1, 2, 4, 8)}
@@ -392,7 +392,7 @@ def test_tp_adds_gpus_to_one_batch_and_ours_divides_its_step_over_them():
 
 
 def test_tp_bad_sizes_are_refused():
-    from lightning_matrixfsdp.bench.predict_tp import predict_tp
+    from lightning_matrixfsdp.bench.predict.tp import predict_tp
 
     with pytest.raises(PredictError, match="T=3 must divide the GPUs per node"):
         predict_tp(TINY, cluster("a100-ib"), [1], tps=(3,))

@@ -50,8 +50,8 @@ def save(tmp: Path, model: str, shards: bool, **kw: Any) -> str:
 
 
 def _train(model: torch.nn.Module, rank: int, steps: int) -> list[float]:
-    from equiv import make_sharded_optimizer
-    from models import batch_for, lm_loss
+    from helpers.equiv import make_sharded_optimizer
+    from helpers.models import batch_for, lm_loss
 
     opts = make_sharded_optimizer(model, "ours")
     losses = []
@@ -212,8 +212,8 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import lightning_matrixfsdp as mf
-    from lit import TokenData, gather_full
-    from models import lm_loss
+    from helpers.lit import TokenData, gather_full
+    from helpers.models import lm_loss
 
     class Lit(LightningModule):
         def __init__(self, meta: bool) -> None:
@@ -278,7 +278,7 @@ def fabric_worker(rank: int, world: int, cfg: dict) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import lightning_matrixfsdp as mf
-    from models import batch_for, lm_loss
+    from helpers.models import batch_for, lm_loss
 
     fabric = Fabric(accelerator="cpu", devices=world,
                     strategy=mf.MatrixFSDPFabricStrategy(wrap_policy=LAYER["llama"], log_plan=False))

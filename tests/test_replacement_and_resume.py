@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import lr_scheduler as S
 
-from lit import LitTiny, gather_full
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+from helpers.lit import LitTiny, gather_full
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 STEPS = 6  # two batches per epoch: three epochs
 MODULE_LR = 0.1  # the module's SGD (replaced under matrix_fsdp)

@@ -1,6 +1,6 @@
 """``replica_split`` under HSDP: each role stepped by one replica, bitwise equal to DDP.
 
-The oracle (``tests/oracle.py``) is DDP on full replicas. With ``W = 1`` its flat
+The oracle (``tests/helpers/oracle.py``) is DDP on full replicas. With ``W = 1`` its flat
 rank-order sum is exactly what the stepping replica computes, so the comparison uses
 the oracle's own all-reduce. With ``W > 1`` the stepper adds the shard groups' partial
 sums in replica order, ``(g_0 + ... + g_{W-1}) + (g_W + ... ) + ...``: the oracle
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from equiv import count_collectives
-from models import TinyLM, batch_for, lm_loss
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
+from helpers.equiv import count_collectives
+from helpers.models import TinyLM, batch_for, lm_loss
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
 
 
 # ---------------------------------------------------------------------- pure: the assignment

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from lit import LitTiny
-from models import lm_loss
-from oracle import allreduce_mean_grads, clip_global_norm, oracle_optimizers
+from helpers.lit import LitTiny
+from helpers.models import lm_loss
+from helpers.oracle import allreduce_mean_grads, clip_global_norm, oracle_optimizers
 
 
 def _fit(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -75,8 +75,8 @@ def _fabric_loop(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     from lightning.fabric import Fabric
 
     import lightning_matrixfsdp as mf
-    from models import TinyLM, batch_for
-    from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+    from helpers.models import TinyLM, batch_for
+    from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
     fabric = Fabric(accelerator="cpu", devices=world, strategy=mf.MatrixFSDPFabricStrategy(
         shard_size=1, replica_split=True, log_plan=False))

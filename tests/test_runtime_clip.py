@@ -4,8 +4,8 @@ import csv
 import torch
 
 import lightning_matrixfsdp as mf
-from lit import trainer_worker
-from models import TinyLM, batch_for, lm_loss
+from helpers.lit import trainer_worker
+from helpers.models import TinyLM, batch_for, lm_loss
 
 
 def _clip_counted_worker(rank: int, world: int) -> dict:
@@ -33,7 +33,7 @@ def test_strategy_logs_clip_traffic(tmp_path, dist_pools):
     rows = [r for r in csv.DictReader(open(tmp_path / "csv" / "version_0" / "metrics.csv"))
             if r.get("matrix_fsdp/clip_MB")]
     assert len(rows) == 2, rows
-    from lit import LitTiny
+    from helpers.lit import LitTiny
 
     per_step = 2 * (4 * 8 + 2 * 8 * len(list(LitTiny().parameters())))  # sent + received, two all-reduces
     assert all(float(r["matrix_fsdp/clip_MB"]) == per_step / 2**20 for r in rows), rows

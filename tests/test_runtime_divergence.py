@@ -17,7 +17,7 @@ import torch
 
 import lightning_matrixfsdp as mf
 from conftest import clean_env
-from models import TinyLM, batch_for, lm_loss
+from helpers.models import TinyLM, batch_for, lm_loss
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -108,7 +108,7 @@ RUNTIME_SCRIPT = """
     import os, signal, sys, time
     import torch.distributed as dist
     import lightning_matrixfsdp as mf
-    from models import TinyLM, batch_for
+    from helpers.models import TinyLM, batch_for
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -126,7 +126,7 @@ LIGHTNING_SCRIPT = """
     import torch
     from lightning.pytorch import LightningModule, Trainer
     import lightning_matrixfsdp as mf
-    from models import TinyLM, batch_for, lm_loss
+    from helpers.models import TinyLM, batch_for, lm_loss
 
 
     class Lit(LightningModule):

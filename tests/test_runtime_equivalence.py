@@ -1,14 +1,14 @@
 """MatrixFSDP equals DDP Muon step by step (losses, full gradients, parameters, logits).
 
-Each case trains the sharded model and the plainly written oracle (tests/oracle.py)
-side by side in the same worker processes; see tests/equiv.py for what is compared
+Each case trains the sharded model and the plainly written oracle (tests/helpers/oracle.py)
+side by side in the same worker processes; see tests/helpers/equiv.py for what is compared
 and why the comparisons are exact in float32 and 1e-9 in float64.
 """
 import pytest
 import torch
 
-import equiv
-from equiv import equivalence_worker
+from helpers import equiv
+from helpers.equiv import equivalence_worker
 
 STEPS = 5
 
@@ -79,8 +79,8 @@ def _mixed_precision_worker(rank, world):
     import copy
 
     import lightning_matrixfsdp as mf
-    from models import TinyLM, batch_for, lm_loss
-    from oracle import allreduce_mean_grads, oracle_optimizers
+    from helpers.models import TinyLM, batch_for, lm_loss
+    from helpers.oracle import allreduce_mean_grads, oracle_optimizers
 
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float32)

@@ -2,7 +2,7 @@
 
 With one rank, the unsharded parameters share the resident weights' storage: a forward
 copies nothing, a reshard frees nothing, the gradient is not divided by 1; results stay
-equal to the plainly written optimizer (tests/oracle.py) bit for bit.
+equal to the plainly written optimizer (tests/helpers/oracle.py) bit for bit.
 """
 import copy
 
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import lightning_matrixfsdp as mf
-from models import TinyLM
-from equiv import make_sharded_optimizer
-from oracle import oracle_optimizers
+from helpers.models import TinyLM
+from helpers.equiv import make_sharded_optimizer
+from helpers.oracle import oracle_optimizers
 
 STEPS = 3
 

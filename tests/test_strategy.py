@@ -1,12 +1,12 @@
-"""MatrixFSDPStrategy under the Lightning Trainer equals DDP Muon (tests/lit.py replays the batches)."""
+"""MatrixFSDPStrategy under the Lightning Trainer equals DDP Muon (tests/helpers/lit.py replays the batches)."""
 
 import pytest
 import torch
 
 import lightning_matrixfsdp as mf
-from lit import trainer_worker
-from models import Block
-from oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+from helpers.lit import trainer_worker
+from helpers.models import Block
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 
 def _exact(res):
@@ -38,7 +38,7 @@ def test_instance_with_options_three_processes(dist_pools):
 def test_zero_missing_grads_with_experts_routed_per_rank(dist_pools):
     """MoE-style routing that differs between ranks trains under the strategy (it hangs
     without the option) and equals DDP with zeros for missing gradients."""
-    import equiv
+    from helpers import equiv
 
     res = dist_pools(2).run(trainer_worker, {"steps": 4, "model": {"experts": 2}, "route": equiv.route_by_rank,
                                              "strategy": {"zero_missing_grads": True}})
@@ -143,7 +143,7 @@ def _fsdp2_module_worker(rank, world):
     from lightning.pytorch import Trainer
     from torch.distributed.fsdp import fully_shard
 
-    from lit import LitTiny
+    from helpers.lit import LitTiny
 
     class FSDP2Module(LitTiny):
         def configure_model(self):
@@ -183,7 +183,7 @@ def test_plan_is_logged_and_a_second_import_is_harmless(caplog):
     assert StrategyRegistry["matrix_fsdp"]["strategy"] is mf.MatrixFSDPStrategy
     from lightning.pytorch import Trainer
 
-    from lit import LitTiny
+    from helpers.lit import LitTiny
 
     import torch.distributed as dist
 

@@ -92,7 +92,7 @@ def test_code_map_names_every_library_file():
     section = text[text.index("## Code map"):]
     skip = {"bench", "demos"}
     missing = [str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
-               if f.parent.name not in skip and f.name != "__init__.py" and f"`{f.name}`" not in section]
+               if not skip & set(f.relative_to(PKG).parts) and f.name != "__init__.py" and f"`{f.name}`" not in section]
     missing += [] if "`__init__.py`" in section else ["runtime/__init__.py"]
     assert not missing, f"docs/how-it-works.md's code map does not name: {missing}"
 
@@ -119,15 +119,15 @@ def _package_imports(path: Path, modules: set[str]) -> set[str]:
 
 def _code_map_rows() -> list[tuple[str, list[str], list[str]]]:
     """(package of the table, files of the row, names in its import column) for every row of
-    the code map's tables; a table's package is the first backticked ``folder/`` of the bold
-    line above it (none: the top level)."""
+    the code map's tables; a table's package is the first backticked ``folder/`` (or
+    ``folder/sub/``) of the bold line above it (none: the top level)."""
     text = (ROOT / "docs" / "how-it-works.md").read_text()
     section = text[text.index("## Code map"):]
     rows, package = [], "lightning_matrixfsdp"
     for line in section.splitlines():
         if line.startswith("**"):
-            folder = re.search(r"`(\w+)/`", line)
-            package = "lightning_matrixfsdp" + (f".{folder.group(1)}" if folder else "")
+            folder = re.search(r"`([\w/]+)/`", line)
+            package = "lightning_matrixfsdp" + (f".{folder.group(1).replace('/', '.')}" if folder else "")
         elif line.startswith("| `"):
             cells = line.strip().strip("|").split(" | ")
             files = re.findall(r"`([\w.]+\.py)`", cells[0])

@@ -18,15 +18,15 @@ float32): every scenario in one 4-process launch (``_results``), each test reads
   plan, compiled blocks: each bitwise the reference with the same options; ``grad_norm`` against
   norms of the gathered gradients; a TP group with different plans refused naming the TP group.
 
-The scenarios are written out in ``tp_scenarios.py`` and ``tp_compose.py``, the reference in
-``tp_reference.py``.
+The scenarios are written out in ``helpers/tp_scenarios.py`` and ``helpers/tp_compose_scenarios.py``, the reference in
+``helpers/tp_reference.py``.
 """
 from __future__ import annotations
 
 import pytest
 
-from _dist import OneLaunch
-from tp_scenarios import UNSPLIT_TOLERANCE, worker
+from helpers.dist import OneLaunch
+from helpers.tp_scenarios import UNSPLIT_TOLERANCE, worker
 
 
 _LAUNCH = OneLaunch(worker, 4, timeout=900)  # every test reads its part of the one launch
@@ -116,7 +116,7 @@ def test_checkpoint_resumes_shampoo_whole_matrix_state_on_the_tp_stepper_alone()
 
 
 def test_mesh_sizes_must_multiply_to_the_world():
-    from lightning_matrixfsdp.adapter_base import mesh_sizes
+    from lightning_matrixfsdp.adapters.shared import mesh_sizes
 
     assert mesh_sizes("auto", 1, 4, 4) == (4, 1)
     assert mesh_sizes("auto", "auto", 8, 4) == (2, 4)  # Lightning's "auto": TP over a node's processes
@@ -191,7 +191,7 @@ def test_a_tp_group_across_nodes_warns(monkeypatch):
 
 
 # ---------------------------------------------------------------- everything else keeps working with TP on
-# (the scenarios of tp_compose.py, run in the same launch)
+# (the scenarios of helpers/tp_compose_scenarios.py, run in the same launch)
 
 
 def _bitwise(name):
@@ -204,7 +204,7 @@ def _bitwise(name):
 def test_zero_missing_grads_with_tp_equals_the_reference_with_zeros():
     """The MLP (split matrices and biases) left out on one data-parallel rank at a time, and on both:
     the missing gradients count as zeros in the DP mean (the reference adds zeros), bit for bit."""
-    from tp_compose import skip_schedule
+    from helpers.tp_compose_scenarios import skip_schedule
 
     assert {len(skip_schedule(s, d)) for s in range(4) for d in range(2)} == {0, 1}  # the schedule skips
     _bitwise("zero_missing")

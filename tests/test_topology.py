@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lightning_matrixfsdp as mf
-from equiv import equivalence_worker
+from helpers.equiv import equivalence_worker
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.topology import RankPlace, TopologyError, choose, node_ids
 

@@ -17,8 +17,8 @@ float32), every scenario in one 4-process launch (``tp_export_scenarios.worker``
 """
 from __future__ import annotations
 
-from _dist import OneLaunch
-from tp_export_scenarios import worker
+from helpers.dist import OneLaunch
+from helpers.tp_export_scenarios import worker
 
 
 _LAUNCH = OneLaunch(worker, 4, timeout=600)  # every test reads its part of the one launch

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import pytest
 
-from _dist import OneLaunch
-from tp_lightning_scenarios import worker
+from helpers.dist import OneLaunch
+from helpers.tp_lightning_scenarios import worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

@@ -20,8 +20,8 @@ import tempfile
 
 import pytest
 
-from _dist import run_distributed
-from tp_reshard_scenarios import KINDS, load_at_one_process, worker
+from helpers.dist import run_distributed
+from helpers.tp_reshard_scenarios import KINDS, load_at_one_process, worker
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_the_wait_thread_is_stopped_at_exit():
-    from _dist import _free_port
+    from helpers.dist import _free_port
 
     env = {**__import__("os").environ, "PORT": str(_free_port())}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env)
@@ -61,7 +61,7 @@ def _stop_and_restart(rank: int, world: int) -> tuple[bool, bool]:
 def test_the_wait_thread_stops_as_test_suites_stop_leftover_threads():
     """Lightning's test suite calls ``stop()`` on a daemon thread a test left behind, then
     requires it to be gone; without the method the test fails ("Test left zombie thread")."""
-    from _dist import run_distributed
+    from helpers.dist import run_distributed
 
     for gone, restarted in run_distributed(_stop_and_restart, 1):
         assert gone and restarted

@@ -27,7 +27,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lit import LitTiny, gather_full
+from helpers.lit import LitTiny, gather_full
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -91,7 +91,7 @@ def _shared_dir() -> str:
 # ---------------------------------------------------------------------- EMA: training, validation swap, copy size
 def _ema_worker(rank: int, world: int) -> dict:
     import lightning_matrixfsdp as mf
-    from lit import SelfShardingLitTiny
+    from helpers.lit import SelfShardingLitTiny
 
     root = _shared_dir()
     ddp = _fit("ddp", "ema", os.path.join(root, "ddp"), epochs=2, val=2)
@@ -252,7 +252,7 @@ def test_sharded_copy_refuses_forward():
     (before: a segmentation fault, copying the freed unsharded buffers); the copy holds this
     rank's owned weights only, so its forward raises a clear error; the model runs on."""
     import lightning_matrixfsdp as mf
-    from models import TinyLM
+    from helpers.models import TinyLM
 
     torch.manual_seed(0)
     model = mf.matrix_shard(TinyLM())
@@ -270,7 +270,7 @@ def test_copy_of_a_meta_device_model_takes_its_initialized_values():
     values ``matrix_shard`` initialized, not meta tensors the averaging could not update."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
-    from models import TinyLM
+    from helpers.models import TinyLM
 
     with torch.device("meta"):
         model = TinyLM()

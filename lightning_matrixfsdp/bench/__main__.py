@@ -72,7 +72,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, in
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["predict"]:  # the analytic predictor: no GPU, no process group
-        from .predict_cli import main as predict_main
+        from .predict.cli import main as predict_main
 
         return predict_main(argv[1:])
     from .launch import launched_by_torchrun, spawn

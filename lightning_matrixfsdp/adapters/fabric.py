@@ -1,0 +1,282 @@
+"""``MatrixFSDPFabricStrategy``: owner-sharded ZeRO-3 for Lightning Fabric.
+
+``Fabric(strategy="matrix_fsdp")`` after ``import lightning_matrixfsdp``. The same
+runtime and options (``MatrixFSDPConfig``) as the Trainer's ``MatrixFSDPStrategy``; what
+both strategies share (the mixin and the helpers) is ``shared.py``'s. Order of setup (see ``docs/fabric.md``)::
+
+    model = fabric.setup_module(model)                   # shards the model
+    optimizer = lightning_matrixfsdp.Muon(model.parameters(), lr=0.02)
+    optimizer = fabric.setup_optimizers(optimizer)      # keeps what this rank owns
+
+``fabric.setup(model, optimizer)`` works too when the optimizer holds the model's own
+parameters (the runtime keeps the parameter objects); an optimizer built on a
+meta-device model is refused with the order above. Checkpoints use the Trainer's
+format: ``fabric.save`` / ``fabric.load`` and ``Trainer(ckpt_path=...)`` read each
+other's, at any world size.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.types import _PATH
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_matrixfsdp.adapters.shared import (
+    SETUP_ORDER,
+    MatrixFSDPAdapter,
+    adapter_signature,
+    build_replacement,
+    check_optimizers_follow,
+    check_precision,
+    clip_gradients_norm,
+    is_sharded,
+    replacement_note,
+    replicas_after_step,
+    route_optimizers,
+    set_gradient_sync,
+)
+from lightning_matrixfsdp.checkpoint import load_sharded, meta_init, save_sharded
+from lightning_matrixfsdp.optim.routing import full_params
+from lightning_matrixfsdp.runtime import is_matrix_sharded
+
+__all__ = ["MatrixFSDPFabricStrategy", "register_fabric"]
+
+#: Keys of the Trainer's checkpoint layout that ``fabric.load`` restores itself (model and
+#: optimizers) and does not hand back.
+_RESTORED_KEYS = ("state_dict", "optimizer_states", "matrix_fsdp_layout")
+
+
+def _not_used(module: nn.Module, mesh: Any) -> nn.Module:  # ModelParallelStrategy wants a parallelize_fn
+    raise AssertionError("MatrixFSDPFabricStrategy shards in setup_module")
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+class _NoSync(AbstractContextManager):
+    """Defer the gradient reduction of every sharded model inside ``module`` while active."""
+
+    def __init__(self, module: nn.Module, enabled: bool) -> None:
+        self._module = module
+        self._enabled = enabled
+
+    def __enter__(self) -> None:
+        if self._enabled:
+            set_gradient_sync(self._module, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._enabled:
+            set_gradient_sync(self._module, True)
+
+
+class _OwnerBackwardSyncControl(_BackwardSyncControl):
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return _NoSync(module, enabled and self.active)
+
+
+class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
+    """Owner-sharded ZeRO-3 with exact matrix optimizers, for Fabric.
+
+    Takes the options of :class:`~lightning_matrixfsdp.MatrixFSDPStrategy` (see there),
+    with two Fabric meanings:
+
+    * ``optimizer``: ``setup_optimizers`` (or ``setup``) returns the factory's optimizer
+      over the given optimizer's parameters instead of the given one.
+    * ``accumulation_no_sync`` (default ``True`` here): ``fabric.no_backward_sync`` defers
+      the reduction to the last micro-batch, as FSDP does (every rank then holds its full
+      local gradients until then); ``False`` makes it a no-op, so each micro-batch reduces
+      to the owners and the memory stays sharded.
+    """
+
+    strategy_name = "matrix_fsdp"
+    options_signature = adapter_signature(accumulation_no_sync=True)
+    default_accumulation_no_sync = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: see MatrixFSDPStrategy
+        super().__init__(*args, **kwargs)
+        self._backward_sync_control = _OwnerBackwardSyncControl(self.accumulation_no_sync)
+        self._modules: list[nn.Module] = []  # the models set up so far (optimizers must follow them)
+
+    __init__.__signature__ = options_signature  # type: ignore[attr-defined]
+
+    @override
+    def parent_options(self) -> dict[str, Any]:
+        return {"parallelize_fn": _not_used}
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        if precision is not None:
+            check_precision(getattr(precision, "precision", None), type(self).__name__)
+        self._precision = precision
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        # ModelParallelStrategy enters torch.device("meta"): buffers too, so one computed in __init__
+        # and absent from every checkpoint (a rotary inv_freq) would be garbage after sharding.
+        # Parameters alone go to the meta device; setup_module gives each owner its tensors.
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(meta_init())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        hint = ("matrix_fsdp shards the model itself: remove fully_shard/parallelize_module, or call "
+                "lightning_matrixfsdp.matrix_shard on the plain model")
+        if not is_sharded(module, hint, tensor_parallel=self.tensor_parallel):
+            self.shard(module)
+        module.to(self.root_device)  # buffers and anything outside the shard
+        self._modules.append(module)
+        self.log_plans(module)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if not self._modules:
+            raise RuntimeError(f"set up the model before its optimizer: {SETUP_ORDER}")
+        check_optimizers_follow(self._modules, [optimizer])
+        if self.optimizer_factory is not None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            old = optimizer
+            optimizer = build_replacement(self.optimizer_factory, params, 1, type(self).__name__)
+            rank_zero_info(f"{type(self).__name__}: {replacement_note(optimizer, old)}")
+        route_optimizers([optimizer])
+        return optimizer
+
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        """``fabric.setup(model, *optimizers)``: works when the optimizers hold the model's own
+        parameters (sharding keeps the parameter objects); otherwise raises with the order to use."""
+        if self.optimizer_factory is not None and scheduler is not None:
+            raise ValueError(
+                f"{type(self).__name__}(optimizer=...) replaces the optimizer, so a scheduler built on the given one "
+                f"would drive nothing; build the scheduler on the optimizer fabric.setup_optimizers returns: "
+                f"{SETUP_ORDER}")
+        module = self.setup_module(module)
+        check_optimizers_follow([module], optimizers)
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # setup_module places the shards
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The step, then (``replica_split``) the updated weights start towards the other replicas."""
+        route_optimizers([getattr(optimizer, "optimizer", optimizer)])  # a group added through a wrapper
+        out = super().optimizer_step(optimizer, **kwargs)
+        for module in self._modules:
+            replicas_after_step(module, getattr(optimizer, "optimizer", optimizer))
+        return out
+
+    # ------------------------------------------------------------------ gradients
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip by the global norm, as DDP's clip over the optimizer's parameters (every rank's
+        full list, in group order: the norms combine exactly as torch combines them)."""
+        self.precision.unscale_gradients(optimizer)
+        return clip_gradients_norm(module, full_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+
+    # ------------------------------------------------------------------ checkpoints
+    @staticmethod
+    def _split_state(state: Mapping[str, Any], verb: str) -> tuple[nn.Module, list[Optimizer], list[str]]:
+        """(the one sharded model, the optimizers in state order, the other keys)."""
+        models = [k for k, v in state.items() if isinstance(v, nn.Module) and is_matrix_sharded(v)]
+        if len(models) != 1:
+            found = f"found {len(models)} ({', '.join(map(repr, models))})" if models else "found none"
+            raise ValueError(
+                f"fabric.{verb} needs exactly one model set up by matrix_fsdp in the state, {found}; pass it as "
+                f"state={{'model': model, 'optimizer': optimizer, ...}} (one model per checkpoint)")
+        optimizers = [v for v in state.values() if isinstance(v, Optimizer)]
+        others = [k for k, v in state.items() if k != models[0] and not isinstance(v, Optimizer)]
+        return state[models[0]], optimizers, others
+
+    @override
+    def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """The Trainer's checkpoint format: the model as ``state_dict``, the optimizers (in state
+        order) as ``optimizer_states``, everything else in ``meta.pt`` (or the file)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        if filter:
+            raise NotImplementedError(f"{type(self).__name__} does not save filtered checkpoints (filter="
+                                      f"{sorted(filter)}); save the whole state")
+        module, optimizers, others = self._split_state(state, "save")
+        clash = [k for k in others if k in _RESTORED_KEYS]
+        if clash:
+            raise ValueError(f"fabric.save: the state keys {clash} are reserved by the checkpoint layout; rename them")
+        extra = {k: (state[k].state_dict() if _is_stateful(state[k]) else state[k]) for k in others}
+        if self.async_saver is not None:  # returns once the state is in host memory
+            self.async_saver.save_sharded(module, path, optimizers, extra=extra, checksums=self.verify_checkpoints)
+            return
+        save_sharded(module, path, optimizers, full=not self._save_distributed_checkpoint, extra=extra,
+                     checksums=self.verify_checkpoints)
+
+    @override
+    def load_checkpoint(self, path: _PATH, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Restore the model and optimizers in place (any world size, Trainer or Fabric
+        checkpoint), then the other requested keys; returns what was not requested."""
+        self.wait_checkpoints()  # reads completed checkpoints only (async_save)
+        if not state:
+            raise ValueError(f"{type(self).__name__}.load_checkpoint needs the model in the state: "
+                             "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")
+        if isinstance(state, Optimizer):
+            raise NotImplementedError("loading an optimizer alone is not supported; pass {'model': model, "
+                                      "'optimizer': optimizer}")
+        if isinstance(state, nn.Module):
+            load_sharded(state, path, (), strict=strict, weights_only=weights_only, verify=self.verify_checkpoints)
+            return {}
+        module, optimizers, others = self._split_state(state, "load")
+        meta = load_sharded(module, path, optimizers, strict=strict, weights_only=weights_only,
+                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
+        rest = {k: v for k, v in (meta or {}).items() if k not in _RESTORED_KEYS}
+        missing = [k for k in others if k not in rest]
+        if strict and missing:
+            raise KeyError(f"checkpoint {path} holds no {missing[0]!r} (requested in the state); the model and "
+                           "optimizers were restored; pass strict=False to skip missing keys")
+        for k in others:
+            if k in rest:
+                value = rest.pop(k)
+                if _is_stateful(state[k]):
+                    state[k].load_state_dict(value)
+                else:
+                    state[k] = value
+        return rest
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Owner-sharded ZeRO-3 with exact "
+                                       "matrix optimizers (lightning_matrixfsdp)")
+
+
+def register_fabric(registry: Any = None) -> None:
+    """Register ``"matrix_fsdp"`` with Fabric's strategy registry (idempotent)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    MatrixFSDPFabricStrategy.register_strategies(registry if registry is not None else STRATEGY_REGISTRY)

@@ -1,0 +1,122 @@
+"""What the Trainer strategy reports: per-step telemetry and the model summary.
+
+``StepTelemetry``: the strategy records a timestamp pair around every optimizer step and,
+at the Trainer's logging interval, logs their mean and the megabytes each phase moved since
+the last log.
+
+``MatrixFSDPSummary``: Lightning's summary counts local ``numel``; owner placeholders are
+empty, so it would under-report on every rank but the owners. Counts here come from the
+placement metadata (the global shape) of each resident parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+import torch
+from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
+from torch import nn
+
+from lightning_matrixfsdp.runtime import get_comm_stats
+from lightning_matrixfsdp.runtime.tags import global_numel
+
+__all__ = ["MatrixFSDPLayerSummary", "MatrixFSDPSummary", "StepTelemetry"]
+
+#: Optimizer-step timings kept between two metric logs (older ones are dropped).
+MAX_TIMED_STEPS = 1000
+
+
+class StepTelemetry:
+    """Optimizer-step times and per-phase traffic, logged as ``matrix_fsdp/*`` metrics."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
+        self._last_stats: dict[str, dict[str, int]] = {}
+        self._start: Any = None  # the running step's start, set when its closure returned
+
+    def timed_closure(self, closure: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+        """``closure`` (forward and backward), marking the start of the optimizer's own step when it returns."""
+        self._start = None
+
+        def timed() -> Any:
+            out = closure()
+            self._start = self.clock(device)
+            return out
+
+        return timed
+
+    def end_step(self, device: torch.device) -> None:
+        """The optimizer step of the last ``timed_closure`` returned (nothing if its closure never ran)."""
+        if self._start is not None:
+            self.record_step(self._start, self.clock(device))
+            self._start = None
+
+    @staticmethod
+    def clock(device: torch.device) -> Any:
+        """A timestamp: a CUDA event on the current stream (no device-wide synchronization; it
+        is read when metrics are logged), or the host clock on CPU, where ops are synchronous."""
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def record_step(self, start: Any, end: Any) -> None:
+        self._marks.append((start, end))
+        del self._marks[:-MAX_TIMED_STEPS]  # bounded when nothing logs them
+
+    @staticmethod
+    def _elapsed_ms(start: Any, end: Any) -> float:
+        if isinstance(start, torch.cuda.Event):
+            end.synchronize()  # waits for this step's optimizer kernels only
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    def log(self, trainer: Any, roots: Iterable[nn.Module]) -> None:
+        """Log at the Trainer's interval (call on global rank 0 only)."""
+        if trainer is None or trainer.logger is None:
+            return
+        step = trainer.global_step
+        if trainer.log_every_n_steps <= 0 or (step + 1) % trainer.log_every_n_steps:
+            return
+        metrics: dict[str, float] = {}
+        if self._marks:
+            times = [self._elapsed_ms(a, b) for a, b in self._marks]
+            metrics["matrix_fsdp/optimizer_step_ms"] = sum(times) / len(times)
+            self._marks = []
+        for root in roots:
+            now = get_comm_stats(root)
+            for phase, d in now.items():
+                prev = self._last_stats.get(phase, {"sent": 0, "recv": 0})
+                moved = d["sent"] + d["recv"] - prev["sent"] - prev["recv"]
+                metrics[f"matrix_fsdp/{phase}_MB"] = metrics.get(f"matrix_fsdp/{phase}_MB", 0.0) + moved / 2**20
+            self._last_stats = now
+        trainer.logger.log_metrics(metrics, step=step)
+
+
+# ---------------------------------------------------------------- model summary
+class MatrixFSDPLayerSummary(LayerSummary):
+    @property
+    def num_parameters(self) -> int:
+        return sum(global_numel(p) for p in self._module.parameters())
+
+
+class MatrixFSDPSummary(ModelSummary):
+    def summarize(self) -> "OrderedDict[str, LayerSummary]":  # type: ignore[override]
+        summary = OrderedDict((name, MatrixFSDPLayerSummary(module)) for name, module in self.named_modules)
+        for layer in summary.values():
+            layer.detach_hook()
+        if self._max_depth >= 1:
+            for k in [k for k in summary if k.count(".") >= self._max_depth]:
+                del summary[k]
+        return summary
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(global_numel(p) for p in self._model.parameters())
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(global_numel(p) for p in self._model.parameters() if p.requires_grad)

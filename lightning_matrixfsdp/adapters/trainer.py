@@ -1,0 +1,438 @@
+"""``MatrixFSDPStrategy``: owner-sharded ZeRO-3 for the Lightning Trainer.
+
+A thin adapter over ``ModelParallelStrategy``: what it shares with the Fabric strategy
+(options, mesh, sharding, teardown) is ``shared.py``'s; here it takes over what
+Lightning would do wrongly with owner-shaped parameters (see ``docs/how-it-works.md``),
+each through a helper of this folder: the steps (``steps.py``: through the root unit, the
+uneven-input join), the optimizer (``replacement.py``, routing), the global-norm clip
+(``clipping.py``), Lightning features patched or refused (``compat.py``), param groups
+(``param_groups.py``), checkpoints, the model summary and metrics (``telemetry.py``).
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Generator, Mapping, Optional
+
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_matrixfsdp.adapters.clipping import install_clip_group, with_global_norm_clip
+from lightning_matrixfsdp.adapters.compat import (
+    convert_sync_batchnorm, defer_links, refuse_async_checkpoint_io, refuse_pruning)
+from lightning_matrixfsdp.adapters.param_groups import (
+    full_finetuning_state, install_toggles, restore_finetuning_groups, uninstall_toggles)
+from lightning_matrixfsdp.adapters.replacement import replace_optimizer
+from lightning_matrixfsdp.adapters.shared import (
+    MatrixFSDPAdapter,
+    adapter_signature,
+    is_sharded,
+    release_unfinished,
+    replicas_after_step,
+    set_gradient_sync,
+    settle_replicas,
+    sync_buffers,
+)
+from lightning_matrixfsdp.adapters.steps import UnevenInputs, call_as_forward
+from lightning_matrixfsdp.adapters.telemetry import StepTelemetry
+from lightning_matrixfsdp.checkpoint import (
+    CheckpointError,
+    KeyIndex,
+    build_index,
+    load_sharded,
+    meta_init,
+    model_view,
+    optimizer_class,
+    sharded_optimizer_state_dict,
+    write_checkpoint,
+)
+from lightning_matrixfsdp.optim.routing import route_optimizer
+from lightning_matrixfsdp.runtime import watch_lone_forwards
+from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
+from lightning_matrixfsdp.runtime.tags import sharded_roots
+
+
+class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
+    """Owner-sharded ZeRO-3 with exact matrix optimizers (Muon, Shampoo, SOAP).
+
+    Args:
+        wrap_policy: which modules become units (a set of module classes, their
+            import paths, or ``callable(name, module) -> bool``); default: the
+            children of every outermost ``nn.ModuleList``.
+        planner: ``"role_greedy"``, ``"scope_greedy"`` or ``"cost_aware"``.
+        collective: ``"p2p"``, ``"broadcast"`` or ``"padded_all_gather"``.
+        matrix_filter: ``callable(fqn, param) -> bool``; 2D parameters it rejects
+            go to the AdamW tail. ``None``: every 2D parameter except ``nn.Embedding``
+            weights and the output head (the Muon recipe; docs/moe.md).
+        param_dtype / reduce_dtype: compute dtype of the unsharded buffers and
+            dtype of the gradient reduction; resident weights keep theirs.
+        activation_checkpointing_policy: module classes (or a callable) whose
+            forward is recomputed in backward (non-reentrant checkpointing).
+        optimizer: ``callable(params) -> Optimizer`` replacing the module's own
+            optimizer, e.g. ``functools.partial(lightning_matrixfsdp.Muon, lr=0.02)``.
+        reshard_after_forward: free unit buffers after forward (ZeRO-3); ``False``
+            keeps them until backward (ZeRO-2-like memory, less traffic).
+        accumulation_no_sync: with ``accumulate_grad_batches > 1``, accumulate full
+            gradients locally and reduce once per optimizer step.
+        shard_size: HSDP; shard over groups of this many ranks, replicate across
+            groups (default: shard over the whole world).
+        prefetch: materialize the next unit while the current one computes
+            (forward and backward); ``False`` saves one unit of memory.
+        zero_missing_grads: for models whose ranks leave different parameters without
+            a gradient in a step (mixture-of-experts routing); see ``matrix_shard``.
+        save_distributed_checkpoint: directory of per-rank files (default) or one
+            consolidated file.
+        log_plan: log the owner plan at fit start (rank 0).
+        verify_checkpoints: record a checksum of every file a checkpoint directory holds
+            and verify them (and a consolidated file's own) on load; ``False`` skips
+            both (sizes are still checked).
+        reset_changed_roles: on load, restart the optimizer state of parameters whose
+            role (matrix or tail) changed since the save, e.g. through another
+            ``matrix_filter``, instead of raising ``CheckpointMismatchError``.
+        replica_split: under HSDP (``shard_size`` below the world size), step each role
+            on one replica only and send the updated weights to the others after the
+            step (see ``matrix_shard`` and docs/multi-node.md); no effect without replicas.
+        flatten_conv: make parameters of more than two dimensions (convolution kernels)
+            matrix roles too, trained by ``Muon`` as their ``(shape[0], -1)`` matrix
+            (``matrix_filter`` is then asked about them as well).
+        async_save: save checkpoint directories in the background: a save stalls training only
+            to copy this rank's share into reused host buffers; the files, checksums and the
+            atomic publish follow in a thread (docs/checkpointing.md, "Asynchronous saves").
+        expert_stacks: your own mixture-of-experts parameters ``[E, m, n]`` that are stacks of E
+            matrices, stepped per expert (fqn patterns, ``{pattern: blocks}`` or a callable);
+            Hugging Face experts and ``GroupedExperts`` are declared automatically (docs/moe.md).
+        config: all of the above as one ``MatrixFSDPConfig`` instead of keywords (not both).
+    """
+
+    strategy_name = "matrix_fsdp"
+    options_signature = adapter_signature(accumulation_no_sync=False)
+    default_accumulation_no_sync = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the options: see the class docstring
+        super().__init__(*args, **kwargs)
+        self._telemetry = StepTelemetry()
+        self._uneven = UnevenInputs()
+
+    __init__.__signature__ = options_signature  # type: ignore[attr-defined]  # what LightningCLI reads
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self):  # type: ignore[override]
+        return super().precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:  # type: ignore[override]
+        self._precision_plugin = with_global_norm_clip(plugin, "MatrixFSDPStrategy")
+
+    # ------------------------------------------------------------------ environment
+    @override
+    def _configure_launcher(self) -> None:
+        """A launcher on every rank, as ``DDPStrategy`` has.
+
+        ``ModelParallelStrategy`` configures none in processes it did not start itself (the
+        children of its own launch, torchrun, SLURM), so they skip Lightning's
+        ``OMP_NUM_THREADS`` setting: on CPU the children then ran with one thread per core
+        and the ranks oversubscribed the machine (CHANGELOG, "Fixed", has the measured
+        cost). The launcher starts no process where the environment already did.
+        """
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        assert self.lightning_module is not None and self.shard_mesh is not None
+        self.lightning_module._device_mesh = self.shard_mesh.device_mesh  # configure_model's self.device_mesh
+        track_copies(self.lightning_module)  # callbacks' setup copies it (weight averaging): sharded like it
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The data-parallel rank: distinct batches per data-parallel rank, the same inside a TP group.
+        return self.data_parallel_sampler()
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # As the Fabric strategy's module_init_context: parameters on the meta device, buffers real.
+        with (meta_init() if empty_init else nullcontext()), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Any) -> None:
+        # Not ModelParallelStrategy.setup: it requires configure_model (we shard unmodified modules),
+        # materializes meta modules itself (matrix_shard does, owners only) and converts the precision
+        # of an already sharded model again; Strategy.setup converts before the SyncBatchNorm
+        # conversion. The order below is theirs with those steps replaced.
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        sharded = self._is_sharded(module)  # refuses FSDP1 / DTensor models before anything changes
+        refuse_pruning(trainer.callbacks)
+        if self.async_saver is not None:
+            defer_links(trainer.callbacks, self.async_saver, self.is_global_zero)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.model = convert_sync_batchnorm(self.model, self._layer_sync if fitting else None, self.root_device)
+        if sharded:  # sharded before (a second fit, a test after fit): rank 0's buffers, as DDP's setup
+            sync_buffers(module)
+        else:
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.shard(module)
+        self.model_to_device()  # buffers and anything outside the shard
+        watch_lone_forwards(module)  # a forward outside the steps (a hook's) must be joined by every rank
+        shard_copies(module)
+        install_clip_group(self.precision_plugin, module)
+        self._install_summary(trainer)
+        install_toggles(module)  # toggle_optimizer over every rank's full param groups
+        self.barrier()
+        self.log_plans(module)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _is_sharded(self, module: nn.Module) -> bool:
+        return is_sharded(module, "configure_model applied FSDP2/tensor parallelism; MatrixFSDPStrategy shards "
+                                  "the model itself: remove fully_shard (and parallelize_module, unless "
+                                  "tensor_parallel_size > 1), or call lightning_matrixfsdp.matrix_shard",
+                          tensor_parallel=self.tensor_parallel)
+
+    def _install_summary(self, trainer: Any) -> None:
+        from lightning.pytorch.callbacks import ModelSummary
+
+        from lightning_matrixfsdp.adapters.telemetry import MatrixFSDPSummary
+
+        for cb in trainer.callbacks:
+            if isinstance(cb, ModelSummary):
+                cb._summary = types.MethodType(
+                    lambda self, t, m: MatrixFSDPSummary(m, max_depth=self._max_depth), cb)
+
+    # ------------------------------------------------------------------ optimizers
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self.optimizer_factory is not None:
+            assert self.lightning_module is not None
+            params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+            new, self.lr_scheduler_configs = replace_optimizer(self.optimizer_factory, params, self.optimizers,
+                                                               self.lr_scheduler_configs)
+            self.optimizers = [new]
+        for opt in self.optimizers:
+            route_optimizer(opt)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
+        route_optimizer(optimizer)  # a group added since (add_param_group on a LightningOptimizer)
+        out = super().optimizer_step(optimizer, self._telemetry.timed_closure(closure, self.root_device), model,
+                                     **kwargs)
+        module = self.lightning_module
+        if module is not None:  # replica_split: updated weights on their way, after the step
+            replicas_after_step(module, optimizer)
+        self._telemetry.end_step(self.root_device)
+        if self.is_global_zero and module is not None:
+            self._telemetry.log(module.trainer, self._sharded_roots())
+        return out
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches: defer the reduction when ``accumulation_no_sync`` is on."""
+        if not self.accumulation_no_sync:
+            yield
+            return
+        assert self.lightning_module is not None
+        set_gradient_sync(self.lightning_module, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(self.lightning_module, True)
+
+    @override
+    def on_test_start(self) -> None:
+        """``replica_split``: evaluation and the end of fit see every replica's weights current
+        (Lightning's own hooks here do nothing); a forward left without backward is released."""
+        if self.lightning_module is not None:
+            release_unfinished(self.lightning_module)
+            settle_replicas(self.lightning_module)
+
+    on_predict_start = on_test_start
+
+    @override
+    def on_validation_start(self) -> None:
+        """Also, in fit: rank 0's buffers where DDP's first validation forward would broadcast them
+        (here every rank is present, also when some have no validation batch)."""
+        self.on_test_start()
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            sync_buffers(self.lightning_module, only_if_due=True)
+
+    @override
+    def on_train_end(self) -> None:
+        """As ``on_test_start``; and the end of ``fit`` sees completed checkpoints only (``async_save``;
+        this hook runs after the callbacks')."""
+        self.on_test_start()
+        self.wait_checkpoints()
+
+    @override
+    def teardown(self) -> None:
+        uninstall_toggles(self.lightning_module)
+        super().teardown()
+
+    # ------------------------------------------------------------------ steps (steps.py)
+    def _sharded_roots(self) -> list[nn.Module]:
+        return sharded_roots(self.lightning_module) if self.lightning_module is not None else []
+
+    @property
+    def _train_counts_may_differ(self) -> bool:
+        """Whether each training step checks for uneven batch counts (``steps.UnevenInputs``)."""
+        return self._uneven.train_counts_may_differ
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        training = self.lightning_module is not None and \
+            self.lightning_module.trainer.state.stage == RunningStage.TRAINING
+        return self._uneven.wrap(dataloader, self.lightning_module, self.world_size, training)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        self._uneven.check_training_step(
+            module, self.world_size, lambda: module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        release_unfinished(module)  # the previous step's forward may have had no backward
+        with self.precision_plugin.train_step_context():
+            return call_as_forward(module, "training_step", *args, **kwargs)
+
+    def _joined_step(self, name: str, loop: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        return self._uneven.run_step(module, self.world_size, lambda: call_as_forward(module, name, *args, **kwargs),
+                                     lambda: loop.batch_progress.is_last_batch)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == "fit" else trainer.validate_loop
+        with self.precision_plugin.val_step_context():
+            return self._joined_step("validation_step", loop, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        loop = self.lightning_module.trainer.test_loop  # type: ignore[union-attr]
+        with self.precision_plugin.test_step_context():
+            return self._joined_step("test_step", loop, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        loop = self.lightning_module.trainer.predict_loop  # type: ignore[union-attr]
+        with self.precision_plugin.predict_step_context():
+            return self._joined_step("predict_step", loop, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    # Lightning's checkpoint dump asks for the model's state, then each optimizer's, then saves:
+    # the key index built for the first call serves the others, and the save lets it go.
+    _checkpoint_index: Optional[KeyIndex] = None
+
+    def _checkpoint_module(self) -> nn.Module:
+        module = self.lightning_module
+        if module is None:
+            raise CheckpointError("the strategy has no LightningModule attached")
+        return module
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = self._checkpoint_module()
+        self._checkpoint_index = build_index(module)
+        return model_view(self._checkpoint_index)  # whole where owned; save_checkpoint writes the owners' data
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return sharded_optimizer_state_dict(self._checkpoint_module(), optimizer,
+                                            full=not self._save_distributed_checkpoint, index=self._checkpoint_index)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported")
+        index, self._checkpoint_index = self._checkpoint_index, None
+        module = self._checkpoint_module()
+        full_finetuning_state(checkpoint, module.trainer.callbacks, module, self.optimizers)
+        if self.async_saver is not None:
+            self.async_saver.save(module, checkpoint, filepath, [optimizer_class(o) for o in self.optimizers],
+                                  index=index, checksums=self.verify_checkpoints)
+            return
+        write_checkpoint(self._checkpoint_module(), checkpoint, filepath, full=not self._save_distributed_checkpoint,
+                         optimizer_classes=[optimizer_class(o) for o in self.optimizers], index=index,
+                         checksums=self.verify_checkpoints)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Restore model and optimizers in place and return the rest (loops, schedulers, callbacks,
+        and the ``state_dict`` as this rank's view, which callbacks' ``on_load_checkpoint`` read)
+        as ``ModelParallelStrategy.load_checkpoint`` does. ``fit`` refuses a weights-only source,
+        as Lightning does under DDP; validate/test/predict load its weights."""
+        self.wait_checkpoints()  # a resume reads completed checkpoints only
+        module = self._checkpoint_module()
+        fitting = getattr(module, "_trainer", None) is not None and module.trainer.state.fn == "fit"
+        rest = load_sharded(module, checkpoint_path, self.optimizers,
+                            strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only,
+                            verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles,
+                            resume=fitting,
+                            before_optimizers=lambda ck: restore_finetuning_groups(ck, module.trainer, module,
+                                                                                   self.optimizers),
+                            with_state_dict=True)
+        import lightning.pytorch as pl
+
+        # A weights-only source outside fit, or a Fabric checkpoint (no loops in it): the rest starts fresh.
+        rest = dict(rest or {})
+        rest.setdefault("pytorch-lightning_version", pl.__version__)
+        rest.setdefault("lr_schedulers", [])
+        return rest
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """With ``async_save``, once the pending save is published (a crash in between keeps it)."""
+        if self.async_saver is None:
+            return super().remove_checkpoint(filepath)
+        remove = self.checkpoint_io.remove_checkpoint
+        self.async_saver.after_publish((lambda: remove(filepath)) if self.is_global_zero else None)
+
+    @property
+    @override
+    def checkpoint_io(self) -> Any:  # type: ignore[override]
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:  # type: ignore[override]
+        refuse_async_checkpoint_io(io, type(self).__name__)
+        self._checkpoint_io = io
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint already restored the weights
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint already restored the optimizer states
+
+
+def register(registry: Any = None) -> None:
+    """Register ``"matrix_fsdp"`` with Lightning's strategy registry (idempotent)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    registry = registry if registry is not None else StrategyRegistry
+    if MatrixFSDPStrategy.strategy_name not in registry:
+        registry.register(MatrixFSDPStrategy.strategy_name, MatrixFSDPStrategy,
+                          description="Owner-sharded ZeRO-3 with exact matrix optimizers (lightning_matrixfsdp)")
