@@ -151,7 +151,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     no_sync = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.accumulation_no_sync
     zero_missing = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.zero_missing_grads
     oracle = initial
-    opts = oracle_optimizers(oracle)
+    opts = oracle_optimizers(oracle, is_matrix=(lambda n, p: p.ndim == 2) if cfg.get("oracle_all_2d") else None)
     scheds = ([torch.optim.lr_scheduler.LambdaLR(o, SCHEDULES[cfg["scheduler"]]) for o in opts]
               if cfg.get("scheduler") else [])
     seen = lit.seen
