@@ -126,3 +126,156 @@ def test_library_stack_equals_per_expert_instances(case):
                 if isinstance(value, torch.Tensor):
                     assert mine.shape[0] == E, key  # per expert: a leading E dimension
                     assert torch.equal(mine[e], value), (case, key, e, j)
+
+
+# ---------------------------------------------------------------------- classification
+class OwnMoE(nn.Module):
+    """A user's own MoE block: a fused w13 stack [E, 2F, D], a plain w2 stack [E, D, F]; an
+    embedding, a head to the vocabulary, and a 1-D scale."""
+
+    def __init__(self, experts: int = 4, d: int = 8, f: int = 6, vocab: int = 20) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.w13 = nn.Parameter(torch.randn(experts, 2 * f, d))
+        self.w2 = nn.Parameter(torch.randn(experts, d, f))
+        self.router = nn.Linear(d, experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(d))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+
+def _collect(model: nn.Module, **options):
+    from lightning_matrixfsdp.runtime.shard import collect
+
+    return collect(model, MatrixFSDPConfig(**options))
+
+
+def _roles(collected) -> dict[str, tuple[bool, object]]:
+    return {p.fqn: (p.is_matrix, p.stack) for u in collected.specs for p in u.params}
+
+
+def test_undeclared_3d_parameter_warns_naming_it_and_goes_to_adamw():
+    from lightning_matrixfsdp.runtime.classify import UndeclaredStackWarning
+
+    with pytest.warns(UndeclaredStackWarning, match=r"w13 \(4, 12, 8\).*w2 \(4, 8, 6\)"):
+        roles = _roles(_collect(OwnMoE()))
+    assert roles["w13"] == (False, None) and roles["w2"] == (False, None)
+    with warnings.catch_warnings():  # declared: no warning, matrix roles with their stacks
+        warnings.simplefilter("error", UndeclaredStackWarning)
+        roles = _roles(_collect(OwnMoE(), expert_stacks={"w13": 2, "w2": None}))
+    assert roles["w13"] == (True, ExpertStack(4, (6, 6))) and roles["w2"] == (True, ExpertStack(4, (8,)))
+
+
+def test_flatten_conv_on_a_declared_stack_is_refused():
+    with pytest.raises(MatrixShardError, match=r"flatten_conv=True would orthogonalize the expert stack 'w13'"):
+        _collect(OwnMoE(), expert_stacks={"w13": 2, "w2": None}, flatten_conv=True)
+    hf = pytest.importorskip("transformers")
+    model = hf.MixtralForCausalLM(hf.MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=6,
+                                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                   num_local_experts=2))
+    with pytest.raises(MatrixShardError, match=r"expert stack 'model\.layers\.0\.mlp\.experts\.down_proj'"):
+        _collect(model, flatten_conv=True)  # an automatic declaration is refused the same way
+
+
+def test_expert_stacks_option_is_checked():
+    for bad, why in ((3, "is not accepted"), ({"w13": 0}, "blocks of pattern 'w13'"), ({"": 2}, "pattern ''"),
+                     ({"w13": [2, "x"]}, "blocks of pattern")):
+        with pytest.raises(MatrixShardError, match=why):
+            MatrixFSDPConfig(expert_stacks=bad)
+    with pytest.raises(MatrixShardError, match="matches no parameter"):
+        _collect(OwnMoE(), expert_stacks=["nothing.*"])
+    with pytest.raises(MatrixShardError, match=r"has shape \(8,\)"):
+        _collect(OwnMoE(), expert_stacks=["scale"])
+    with pytest.raises(MatrixShardError, match="do not divide"):
+        _collect(OwnMoE(), expert_stacks={"w2": 3})
+    assert MatrixFSDPConfig(expert_stacks="w*").expert_stacks == (("w*", None),)
+    call = _collect(OwnMoE(), expert_stacks=lambda fqn, p: p.ndim == 3)  # a callable: True is a plain stack
+    assert _roles(call)["w13"] == (True, ExpertStack(4, (12,)))
+
+
+def test_recipe_default_embedding_and_head_on_adamw_and_matrix_filter_wins():
+    model = OwnMoE()
+    roles = _roles(_collect(model, expert_stacks=["w*"]))
+    assert roles["tok.weight"] == (False, None)  # nn.Embedding
+    assert roles["head.weight"] == (False, None)  # the last nn.Linear projecting to the vocabulary
+    assert roles["router.weight"] == (True, None)
+    assert roles["scale"] == (False, None)
+    plan_rows = _collect(model, expert_stacks=["w*"]).roles
+    assert "nn.Embedding weight" in plan_rows["tok.weight"].reason
+    assert "output head" in plan_rows["head.weight"].reason
+    # an explicit matrix_filter decides, for embeddings, head and stacks alike
+    chosen = _roles(_collect(model, expert_stacks=["w*"], matrix_filter=lambda fqn, p: fqn != "w2"))
+    assert chosen["tok.weight"] == (True, None) and chosen["head.weight"] == (True, None)
+    assert chosen["w2"] == (False, None) and chosen["w13"][0]
+    # a head tied to the embedding is that embedding: AdamW
+    model.head.weight = model.tok.weight
+    assert _roles(_collect(model, expert_stacks=["w*"]))["tok.weight"] == (False, None)
+    hf = pytest.importorskip("transformers")
+    llama = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1))
+    roles = _roles(_collect(llama))
+    assert roles["model.embed_tokens.weight"] == (False, None) and roles["lm_head.weight"] == (False, None)
+    assert roles["model.layers.0.mlp.down_proj.weight"] == (True, None)
+
+
+def test_stack_flops_are_counted_per_expert_and_block():
+    from lightning_matrixfsdp.runtime.roles import newton_schulz_flops
+
+    stack = ExpertStack(4, (6, 6))
+    per_block = newton_schulz_flops((6, 8))
+    assert newton_schulz_flops((4, 12, 8), 5, stack) == 4 * 2 * per_block
+    assert newton_schulz_flops((4, 12, 8), 5, stack) != newton_schulz_flops((4, 12, 8))  # not the flattened matrix
+    from lightning_matrixfsdp.runtime.placement import ParamSpec, RoleKind
+    from lightning_matrixfsdp.runtime.roles import role_cost
+
+    spec = ParamSpec("w13", (4, 12, 8), "float32", True, True, stack)
+    assert role_cost(RoleKind.MATRIX, [spec])[1] == 4 * 2 * per_block  # the planner's price of the role
+
+
+def test_gpt_oss_is_not_guessed_its_stacks_warn_and_its_expert_biases_go_to_adamw():
+    """GPT-OSS stores experts transposed with gate/up interleaved along the columns: not declared
+    automatically (row blocks cannot express it), so its stacks warn; its [E, out] biases are
+    per-expert vectors, not matrices."""
+    from lightning_matrixfsdp.runtime.classify import UndeclaredStackWarning
+
+    hf = pytest.importorskip("transformers")
+    model = hf.GptOssForCausalLM(hf.GptOssConfig(vocab_size=32, hidden_size=8, intermediate_size=6, head_dim=4,
+                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                                 num_local_experts=2, num_experts_per_tok=1))
+    with pytest.warns(UndeclaredStackWarning, match="experts.gate_up_proj"):
+        roles = _roles(_collect(model))
+    base = "model.layers.0.mlp.experts."
+    assert roles[base + "gate_up_proj"] == (False, None) and roles[base + "down_proj"] == (False, None)
+    assert roles[base + "gate_up_proj_bias"] == (False, None) and roles[base + "down_proj_bias"] == (False, None)
+    assert roles["model.layers.0.mlp.router.weight"] == (True, None)
+
+
+def test_tag_expert_stacks_outside_matrix_shard_and_the_untagged_warning():
+    """Plain DDP / one device: untagged 3-D experts would go to AdamW (warned); after
+    tag_expert_stacks our Muon steps each expert (gate and up apart) as torch.optim.Muon does."""
+    from lightning_matrixfsdp.runtime.classify import tag_expert_stacks
+
+    hf = pytest.importorskip("transformers")
+    cfg = hf.MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=6, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=3)
+    torch.manual_seed(0)
+    experts = hf.MixtralForCausalLM(cfg).model.layers[0].mlp.experts
+    grads = {n: torch.randn_like(p) for n, p in experts.named_parameters()}
+    for n, p in experts.named_parameters():
+        p.grad = grads[n].clone()
+    with pytest.warns(UserWarning, match=r"steps a parameter of size \(3, 12, 8\) with AdamW"):
+        Muon(experts.parameters(), lr=0.02).step()
+    stacks = tag_expert_stacks(experts)
+    assert stacks == {"gate_up_proj": ExpertStack(3, (6, 6)), "down_proj": ExpertStack(3, (8,))}
+    w = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    ours = Muon(experts.parameters(), lr=0.02)
+    separate = {(n, e, a): nn.Parameter(w[n][e, a:a + s.blocks[0]].clone())
+                for n, s in stacks.items() for e in range(3) for a in range(0, s.rows, s.blocks[0])}
+    ref = torch.optim.Muon(list(separate.values()), lr=0.02)
+    for (n, e, a), q in separate.items():
+        q.grad = grads[n][e, a:a + q.shape[0]].clone()
+    for n, p in experts.named_parameters():
+        p.grad = grads[n].clone()
+    ours.step()
+    ref.step()
+    for (n, e, a), q in separate.items():
+        assert torch.equal(dict(experts.named_parameters())[n].data[e, a:a + q.shape[0]], q.data), (n, e, a)

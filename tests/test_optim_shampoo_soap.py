@@ -95,8 +95,8 @@ def oracle_optimizers(model: nn.Module, case: str) -> list[torch.optim.Optimizer
     """The library on the 2D parameters, torch AdamW on the rest."""
     name, _, lib_kw, adamw_kw = CASES[case]
     lib_cls = getattr(pytorch_optimizer, LIBRARY_NAME[name])
-    mats = [p for p in model.parameters() if p.ndim == 2]
-    rest = [p for p in model.parameters() if p.ndim != 2]
+    mats = [p for p in model.parameters() if p.ndim == 2 and getattr(p, "_mfsdp_role", "matrix") == "matrix"]
+    rest = [p for p in model.parameters() if all(p is not q for q in mats)]
     return [lib_cls(mats, **lib_kw), torch.optim.AdamW(rest, foreach=False, **adamw_kw)]
 
 
@@ -308,7 +308,7 @@ def _run_case(rank: int, case: str, resume: dict | None) -> dict[str, Any]:
     import lightning_matrixfsdp as mf
     from helpers.equiv import count_collectives, full_params
     from helpers.models import TinyLM, batch_for, lm_loss
-    from helpers.oracle import allreduce_mean_grads
+    from helpers.oracle import allreduce_mean_grads, mark_recipe_tail
 
     torch.manual_seed(0)
     oracle = TinyLM()
@@ -318,6 +318,7 @@ def _run_case(rank: int, case: str, resume: dict | None) -> dict[str, Any]:
                 p.copy_(resume["params"][n])
     sharded = copy.deepcopy(oracle)
     mf.matrix_shard(sharded, collective="p2p")
+    mark_recipe_tail(oracle)  # embedding and head on AdamW, as matrix_shard's default
     o_opts = [ours(oracle, case)] if case in WRAPPER_ORACLE else oracle_optimizers(oracle, case)
     s_opt = route_optimizer(ours(sharded, case))
     first, out = 0, {}

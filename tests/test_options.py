@@ -215,6 +215,8 @@ BAD_VALUES: dict[str, list] = {
     "broadcast_buffers": [None, "false", 0],
     "ns_steps": [0, -5, True, 5.0, "5", None],
     "async_save": [None, "background", 1],
+    "expert_stacks": [5, True, 2.5, [3], {"*.w1": "two"}, {"*.w1": 0}, {"*.w1": [2, 0]}, {3: 2}, _no_args],
+    "expert_parallel_size": [0, -2, True, 2.0, "2", None],
     "device": [True, 2.5, "gpu7", "cpu:x", -1, object()],
     "mesh": ["cpu", 2, True, [0, 1], object()],
 }

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from helpers.equiv import count_collectives
 from helpers.models import TinyLM, batch_for, lm_loss
-from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
 
 
 # ---------------------------------------------------------------------- pure: the assignment
@@ -107,6 +107,8 @@ def _optimizers(model, kind: str, sharded: bool):
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo
 
+    if not sharded:
+        mark_recipe_tail(model)  # the DDP oracle: embedding and head on AdamW, as matrix_shard's default
     params = [p for p in model.parameters() if p.requires_grad]
     if kind == "soap":
         opt = [SOAP(params, lr=0.01, precondition_frequency=2)]

@@ -2,9 +2,10 @@
 
 Written as an ordinary LightningModule on purpose: no ``configure_model`` and no
 sharding calls, so it shows that MatrixFSDPStrategy wraps unmodified modules itself
-(each entry of ``blocks`` is the natural unit). Every weight matrix is a plain 2D
-``nn.Linear``/``nn.Embedding`` parameter, which is what Muon trains; LayerNorm
-parameters and biases form each unit's AdamW tail.
+(each entry of ``blocks`` is the natural unit). The blocks' weight matrices are plain 2D
+``nn.Linear`` parameters, which is what Muon trains; the embeddings and the head go to
+AdamW by default (the Muon recipe), and LayerNorm parameters and biases form each unit's
+AdamW tail.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class GPT(LightningModule):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_ratio, dropout, bias) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model, bias=bias)
-        self.head = nn.Linear(d_model, vocab_size, bias=False)  # untied: its own Muon role
+        self.head = nn.Linear(d_model, vocab_size, bias=False)  # untied: its own role (AdamW by default: the output head)
         self.apply(self._init_weights)
         # Scaled init of the residual projections keeps the residual stream's variance flat with depth.
         for name, p in self.named_parameters():

@@ -117,9 +117,27 @@ def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool =
                     )
                 matrices.append(p)
             else:
+                if p.ndim > 2 and role_of(p) is None:
+                    _warn_untagged(who, p)
                 others.append(p)
         routed.append((group, matrices, others))
     return routed
+
+
+_UNTAGGED_WARNED: set[int] = set()
+
+
+def _warn_untagged(who: str, p: Tensor) -> None:
+    """Once per tensor: an untagged parameter of more than two dimensions goes to AdamW (a plain
+    model, outside matrix_shard, which classifies and warns itself)."""
+    if id(p) in _UNTAGGED_WARNED:
+        return
+    _UNTAGGED_WARNED.add(id(p))
+    warnings.warn(
+        f"{who} steps a parameter of size {tuple(p.size())} with AdamW: an untagged tensor of more than two "
+        "dimensions is not a matrix. For mixture-of-experts stacks [E, m, n] outside matrix_shard, call "
+        "lightning_matrixfsdp.runtime.classify.tag_expert_stacks(model) before building the optimizer, so each "
+        "expert is stepped as its own matrix (docs/moe.md)", UserWarning, stacklevel=5)
 
 
 # ---------------------------------------------------------------------- values

@@ -14,7 +14,8 @@ parameter's role with the rule that decided it (:func:`describe_roles`). The rul
 4. two dimensions: an explicit ``matrix_filter`` decides; without one, the Muon recipe:
    ``nn.Embedding`` weights and the output head (Hugging Face ``get_output_embeddings()``,
    or the last ``nn.Linear`` projecting to an embedding's vocabulary; a head tied to an
-   embedding is that embedding) go to the tail, every other matrix is a matrix role.
+   embedding is that embedding) go to the tail, and so do the per-expert biases ``[E, out]`` of
+   Hugging Face experts modules; every other matrix is a matrix role.
 
 Pure: no communication, no tensors moved.
 """
@@ -28,10 +29,11 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks
+from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks, expert_biases
 from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.tags import tag_stack
 
-__all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_tail"]
+__all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_tail", "tag_expert_stacks"]
 
 
 class UndeclaredStackWarning(UserWarning):
@@ -104,7 +106,8 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
             f"flattened matrix, mixing its experts; expert stacks are stepped per expert without flatten_conv: set "
             f"flatten_conv=False ({len(stacks)} declared stack(s) in this model)")
     filt = config.matrix_filter
-    recipe: dict[int, str] = {}  # the Muon recipe's default comes in the next commit
+    recipe = recipe_tail(module) if filt is None else {}
+    biases = expert_biases(module) if filt is None else {}
     out: dict[str, RoleChoice] = {}
     undeclared = []
     for fqn, p in module.named_parameters():
@@ -128,6 +131,8 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
         elif filt is not None:
             ok = bool(filt(fqn, p))
             out[fqn] = RoleChoice(ok, None, f"matrix_filter {'accepts' if ok else 'rejects'} it")
+        elif fqn in biases:
+            out[fqn] = RoleChoice(False, None, f"{biases[fqn]} on AdamW (pass matrix_filter to decide yourself)")
         elif id(p) in recipe:
             out[fqn] = RoleChoice(False, None, f"Muon recipe default: {recipe[id(p)]} on AdamW "
                                                "(pass matrix_filter to decide yourself)")
@@ -141,6 +146,22 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
             "expert_stacks={'<fqn pattern>': blocks} (docs/moe.md), or set flatten_conv=True for convolution "
             "kernels", UndeclaredStackWarning, stacklevel=4)
     return out
+
+
+def tag_expert_stacks(module: nn.Module, expert_stacks: Any = None) -> dict[str, ExpertStack]:
+    """Tag the expert stacks of an unsharded model (plain DDP, one device), so this library's
+    Muon, Shampoo and SOAP step each expert as its own matrix there too (``matrix_shard`` tags
+    them itself). ``expert_stacks``: the option's forms. Returns fqn -> stack."""
+    from lightning_matrixfsdp.runtime.experts import check_expert_stacks
+
+    try:
+        stacks = declared_stacks(module, check_expert_stacks(expert_stacks))
+    except ExpertStackError as err:
+        raise MatrixShardError(str(err)) from None
+    params = dict(module.named_parameters())
+    for fqn, (stack, _) in stacks.items():
+        tag_stack(params[fqn], stack)
+    return {fqn: stack for fqn, (stack, _) in stacks.items()}
 
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")

@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional, Union
 
 from torch import nn
 
-__all__ = ["ExpertStack", "ExpertStacksOption", "auto_stacks", "check_expert_stacks", "declared_stacks"]
+__all__ = ["ExpertStack", "ExpertStacksOption", "auto_stacks", "check_expert_stacks", "declared_stacks",
+           "expert_biases"]
 
 
 class ExpertStackError(ValueError):
@@ -199,6 +200,19 @@ def auto_stacks(module: nn.Module) -> dict[str, tuple[ExpertStack, str]]:
         found = _hf_stacks(mod) or _grouped_stacks(mod)
         for pname, decl in (found or {}).items():
             out.setdefault(f"{mod_name}.{pname}" if mod_name else pname, decl)
+    return out
+
+
+def expert_biases(module: nn.Module) -> dict[str, str]:
+    """fqn -> why, for the per-expert biases ``[E, out]`` of Hugging Face experts modules (GPT-OSS's
+    ``gate_up_proj_bias``, ``down_proj_bias``): two dimensions, but E bias vectors, not a matrix."""
+    out: dict[str, str] = {}
+    for mod_name, mod in module.named_modules():
+        if not hasattr(mod, "has_gate") or not getattr(mod, "has_bias", False):
+            continue
+        for pname, p in mod._parameters.items():
+            if p is not None and pname.endswith("_bias") and p.ndim == 2:
+                out[f"{mod_name}.{pname}" if mod_name else pname] = f"per-expert bias of Hugging Face {type(mod).__name__}"
     return out
 
 

@@ -95,9 +95,11 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     The options come as ``config=MatrixFSDPConfig(...)`` or as its keywords (not both);
     ``mesh``: a DeviceMesh, a ``MeshInfo``, or None (the world, or ``shard_size``'s HSDP mesh).
 
-    Each matrix role (a 2D parameter accepted by ``matrix_filter``) is kept whole on
-    one owner rank of the shard group and empty elsewhere; the other parameters of
-    each unit form one tail role.  A 2-D ``mesh`` ``(replicate, shard)`` gives HSDP.
+    Each matrix role (a 2D parameter accepted by ``matrix_filter``; without one, every 2D
+    parameter but the embeddings and the output head; and each declared expert stack,
+    ``expert_stacks``: docs/moe.md) is kept whole on one owner rank of the shard group and
+    empty elsewhere; the other parameters of each unit form one tail role. The plan
+    printout gives every parameter's role and the rule that chose it (``runtime/classify.py``).  A 2-D ``mesh`` ``(replicate, shard)`` gives HSDP.
     Build optimizers *after* this call, over ``module.parameters()``.  ``device``
     moves resident tensors and buffers there while sharding (default: where the
     parameters are, or the current accelerator for a meta-device model), so a

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
 from helpers.models import TinyLM, lm_loss
-from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -69,6 +69,7 @@ class LitTiny(LightningModule):  # noqa: D101
             import lightning_matrixfsdp as mf
 
             a = ADAMW_DEFAULTS
+            mark_recipe_tail(self)  # a DDP run: embeddings and head on AdamW, as matrix_fsdp's default
             opt = mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
         if not self.scheduler:
             return opt
@@ -150,7 +151,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     no_sync = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.accumulation_no_sync
     zero_missing = isinstance(strategy, mf.MatrixFSDPStrategy) and strategy.zero_missing_grads
     oracle = initial
-    opts = oracle_optimizers(oracle)
+    opts = oracle_optimizers(oracle, is_matrix=(lambda n, p: p.ndim == 2) if cfg.get("oracle_all_2d") else None)
     scheds = ([torch.optim.lr_scheduler.LambdaLR(o, SCHEDULES[cfg["scheduler"]]) for o in opts]
               if cfg.get("scheduler") else [])
     seen = lit.seen

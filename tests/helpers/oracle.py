@@ -16,9 +16,40 @@ MUON_DEFAULTS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 ADAMW_DEFAULTS = dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
+def recipe_tail_ids(model: nn.Module) -> set[int]:
+    """The library's default (the Muon recipe) written plainly: the weights of every nn.Embedding
+    and the output head (Hugging Face ``get_output_embeddings()``, else the last nn.Linear whose
+    output size is an embedding's vocabulary) train with AdamW."""
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+        heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features in vocab]
+        head = heads[-1] if heads else None
+    if head is not None:
+        ids.add(id(head.weight))
+    return ids
+
+
+def recipe_matrix(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
+    """``is_matrix`` of the default roles: 2-D and not an embedding or the output head."""
+    tail = recipe_tail_ids(model)
+    return lambda n, p: p.ndim == 2 and id(p) not in tail
+
+
+def mark_recipe_tail(model: nn.Module) -> None:
+    """Tag the recipe's AdamW parameters of an unsharded model (a DDP run) by hand, so the
+    library's Muon, which routes an untagged 2-D tensor to Muon, steps them with AdamW as it
+    does under matrix_fsdp by default."""
+    for p in model.parameters():
+        if id(p) in recipe_tail_ids(model) and getattr(p, "_mfsdp_shard", None) is None:
+            p._mfsdp_role = "tail"
+
+
 def oracle_optimizers(model: nn.Module, is_matrix: Optional[Callable[[str, nn.Parameter], bool]] = None,
                       muon_kw: Optional[dict] = None, adamw_kw: Optional[dict] = None):
-    is_matrix = is_matrix or (lambda n, p: p.ndim == 2)
+    is_matrix = is_matrix or recipe_matrix(model)
     mats = [p for n, p in model.named_parameters() if p.requires_grad and is_matrix(n, p)]
     rest = [p for n, p in model.named_parameters() if p.requires_grad and not is_matrix(n, p)]
     opts = []

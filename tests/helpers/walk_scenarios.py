@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from helpers.lit import TokenData, gather_full
 from helpers.models import TinyLM, lm_loss
-from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, mark_recipe_tail
 
 
 class MemoryLogger(Logger):
@@ -104,6 +104,7 @@ class WalkModule(LightningModule):
         import lightning_matrixfsdp as mf
 
         a = ADAMW_DEFAULTS
+        mark_recipe_tail(self)  # a DDP run: embeddings and head on AdamW, as matrix_fsdp's default
         params = [p for p in self.parameters() if p.requires_grad or not self.trainable_only]
         opt = mf.Muon(params, **{**MUON_DEFAULTS, "lr": self.lr}, adamw_betas=a["betas"],
                       adamw_eps=self.adamw_eps)
