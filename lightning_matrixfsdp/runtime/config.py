@@ -136,7 +136,7 @@ class MatrixFSDPConfig:
     #: dict {pattern: blocks}, or a callable (fqn, param) -> ExpertStack | bool | None)
     expert_stacks: Any = _opt(None, _expert_stacks)
     #: expert parallelism: each declared expert stack split over groups of this many data-parallel
-    #: ranks, every rank keeping its ``E / EP`` experts (docs/expert-parallel.md); 1: off
+    #: ranks, every rank keeping its ``E / EP`` experts (docs/moe.md); 1: off
     expert_parallel_size: int = _opt(1, check_positive_int)
 
     def __post_init__(self) -> None:
