@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -76,7 +77,7 @@ def _state_dict_scenario(rank: int, world: int, root: str) -> dict:
                                 and torch.equal(v, whole[k]))
     # Lightning's own checkpointing reads the model through our index: still works, both formats
     trainer.save_checkpoint(os.path.join(root, "dir.ckpt"))
-    trainer.strategy._save_distributed_checkpoint = False
+    trainer.strategy.config = dataclasses.replace(trainer.strategy.config, save_distributed_checkpoint=False)
     trainer.save_checkpoint(os.path.join(root, "one.ckpt"))
     if rank == 0:
         saved = torch.load(os.path.join(root, "one.ckpt"), weights_only=False)["state_dict"]

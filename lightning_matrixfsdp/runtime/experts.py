@@ -23,6 +23,7 @@ Pure: no communication; ``shard.collect`` asks :func:`declared_stacks` once per 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -107,9 +108,19 @@ def _check_blocks(value: Any, name: str, pattern: str) -> Union[None, int, tuple
     if (isinstance(value, (list, tuple)) and value
             and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value)):
         return tuple(int(b) for b in value)
-    raise ExpertStackError(f"{name}: the blocks of pattern {pattern!r} are {value!r} ({type(value).__name__}); "
+    raise ExpertStackError(f"{name}=...{{{pattern!r}: {value!r}}}: the blocks of pattern {pattern!r} are {value!r} ({type(value).__name__}); "
                            "expected None, a positive int (that many equal row blocks) or a list of positive "
                            "row sizes")
+
+
+def _check_arity(fn: Callable[..., Any], name: str) -> None:
+    """Refuse a callable that cannot be called as ``fn(fqn, param)`` now, not at the first use."""
+    try:
+        inspect.signature(fn).bind("fqn", None)
+    except TypeError:
+        raise ExpertStackError(f"{name}={fn!r} cannot be called as {name}(fqn, param); expected {_FORMS}") from None
+    except ValueError:  # no signature to read (some builtins): left to the first call
+        pass
 
 
 def check_expert_stacks(value: Any, name: str = "expert_stacks") -> ExpertStacksOption:
@@ -124,13 +135,14 @@ def check_expert_stacks(value: Any, name: str = "expert_stacks") -> ExpertStacks
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = [tuple(v) if isinstance(v, (list, tuple)) and len(v) == 2 else (v, None) for v in value]
     elif callable(value) and not isinstance(value, (type, nn.Module)):
+        _check_arity(value, name)
         return value
     else:
         raise ExpertStackError(f"{name}={value!r} ({type(value).__name__}) is not accepted; expected {_FORMS}")
     out = []
     for pattern, blocks in items:
         if not isinstance(pattern, str) or not pattern:
-            raise ExpertStackError(f"{name}: pattern {pattern!r} ({type(pattern).__name__}) is not a non-empty "
+            raise ExpertStackError(f"{name}={value!r}: pattern {pattern!r} ({type(pattern).__name__}) is not a non-empty "
                                    f"fqn glob string; expected {_FORMS}")
         out.append((pattern, _check_blocks(blocks, name, pattern)))
     return tuple(sorted(out, key=lambda pb: pb[0]))

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 
+from lightning_matrixfsdp import local_state_dict
 from helpers.tp_reference import SPLIT, SPLIT_BIAS, Net, batch, loss_of, parallelize
 from helpers.tp_scenarios import _ours
 
@@ -188,7 +189,7 @@ def _trainer(root: Path) -> dict:
     r_weights, r_state = _state(resumed["lit"], resumed["trainer"])
     first_saved = full["lit"].saved_views[0]
     mine = full["lit"].saved_params[0]
-    views = {"keys": sorted(first_saved) == sorted(f"{k}" for k in full["lit"].state_dict()),
+    views = {"keys": sorted(first_saved) == sorted(f"{k}" for k in local_state_dict(full["lit"])),
              # the hook sees this rank's view: its fragment where its DP rank owns the key, else empty
              "save": [k for k, p in mine.items()
                       if not (torch.equal(first_saved[k], p) if p.numel() else first_saved[k].numel() == 0)],
