@@ -1,6 +1,6 @@
 """The training stall of a checkpoint save: synchronous, ``async_save``, and DCP's ``async_save`` (not CI).
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 scripts/gpu_async_checkpoint.py --dir /tmp/ckpt --out "$OUT"
+    PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 scripts/gpu_async_checkpoint.py --dir /tmp/ckpt --out "$OUT"
 
 Builds the bench model (``--preset onenode`` with ``--layers 8``: 2.41B parameters, bf16, on
 CUDA with NCCL; ``--preset tiny`` runs on CPU with gloo as a try-out), shards it with
