@@ -117,14 +117,7 @@ def _clip_tensor_parallel(params: list[torch.Tensor], max_norm: float, norm_type
     combined = all_reduce_norm(local, maximum=maximum, group=group, stats=stats)
     if dist.get_world_size(group) < dist.get_world_size():
         combined = all_reduce_norm(combined, maximum=maximum, group=tp_group, stats=stats)
-    total = _total_norm(combined, norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
-                           "it cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-    return total
+    return _scale_by(grads, _total_norm(combined, norm_type), max_norm, norm_type, error_if_nonfinite)
 
 
 def _clip_expert_parallel(params: list[torch.Tensor], max_norm: float, norm_type: float,
@@ -148,6 +141,12 @@ def _clip_expert_parallel(params: list[torch.Tensor], max_norm: float, norm_type
     combined = _combine(combined, all_reduce_norm(mine, maximum=maximum, group=None, stats=stats), norm_type)
     # in the gradients' dtype, as torch returns it (float64 gradients keep a float64 coefficient)
     total = _total_norm(combined, norm_type, grads[0].dtype if grads else torch.float32)
+    return _scale_by(grads, total, max_norm, norm_type, error_if_nonfinite)
+
+
+def _scale_by(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float, norm_type: float,
+              error_if_nonfinite: bool) -> torch.Tensor:
+    """Scale ``grads`` by ``max_norm / total`` (at most 1), after refusing a non-finite total if asked."""
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so "
                            "it cannot be clipped; pass error_if_nonfinite=False to scale the gradients by it anyway")
