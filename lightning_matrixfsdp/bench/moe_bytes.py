@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .moe_measure import STEP_PHASES, measure_mode
 from .moe_model import MOE_PRESETS, MoEConfig
 
-__all__ = ["bench_config", "check", "markdown", "run_rank", "summarize", "token_formula"]
+__all__ = ["bench_config", "check", "compact", "markdown", "run_rank", "summarize", "token_formula"]
 
 BATCH = 2
 CATEGORIES = ("expert_weights", "expert_grads", "dense_weights", "dense_grads", "tokens", "control")
@@ -214,6 +214,26 @@ def check(summary: dict[str, Any]) -> list[str]:
     return bad
 
 
+def compact(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary for a file of a few KB: per rank the categories, the memory and the measured token
+    bytes, with the formula's agreement and the split's as flags (``check`` ran on the full one)."""
+    out = {k: v for k, v in summary.items() if k != "modes"}
+    out["modes"] = {}
+    for name, m in summary["modes"].items():
+        ranks = []
+        for r in m["ranks"]:
+            row = {"bytes": r["bytes"], "memory": r["memory"], "opt_bytes": r["opt_bytes"],
+                   "split_adds_up": r["checks"].get("attributed", True)}
+            if "tokens" in r:
+                t = r["tokens"]
+                row["tokens"] = {"S_out": t["S_out"], "S_in": t["S_in"], "measured": t["measured"],
+                                 "equals_formula": t["measured"] == t["formula"]}
+            ranks.append(row)
+        out["modes"][name] = {**{k: v for k, v in m.items() if k != "ranks"},
+                              "losses": [round(x, 5) for x in m["losses"]], "ranks": ranks}
+    return out
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """One row per mode: per-rank means per step (sent), the resident bytes, and the checks."""
     kib = 1024
@@ -259,6 +279,7 @@ def _worker(cfg: MoEConfig, eps: tuple[int, ...], steps: int, ddp: bool, out_dir
             summary = summarize(everyone, cfg, steps)
             summary["failed_checks"] = check(summary)
             summary["meta"] = _meta()
+            summary = compact(summary)
             path = Path(out_dir)
             path.mkdir(parents=True, exist_ok=True)
             (path / "moe_bytes.json").write_text(json.dumps(summary, separators=(",", ":")))
