@@ -12,9 +12,11 @@ Correctness of its claims, not timings:
 
 from __future__ import annotations
 
+import json
+
 from helpers.dist import OneLaunch
 
-from lightning_matrixfsdp.bench.moe_bytes import bench_config, check, markdown, run_rank, summarize
+from lightning_matrixfsdp.bench.moe_bytes import bench_config, check, compact, markdown, run_rank, summarize
 
 STEPS = 1
 
@@ -67,3 +69,6 @@ def test_expert_memory_is_three_times_the_experts_over_ep():
     assert sum(sum(r["memory"]["expert"]) for r in no_ep) == 3 * p_experts
     assert check(s) == [], check(s)
     assert "| ours_ep2 | 0.0 |" in markdown(s)
+    small = compact(s)  # what the command line writes: a few KB, the agreements kept as flags
+    assert len(json.dumps(small)) < 8000
+    assert all(r["tokens"]["equals_formula"] for r in small["modes"]["ours_ep2"]["ranks"])
