@@ -215,7 +215,8 @@ def check(summary: dict[str, Any]) -> list[str]:
 
 
 def compact(summary: dict[str, Any]) -> dict[str, Any]:
-    """The summary for a file of a few KB: per rank the categories, the memory and the measured token
+    """The summary for a file of a few KB: per rank the categories, every collective's bytes per step
+    phase as the dispatcher saw them (``phases``: fwd, bwd, opt), the memory and the measured token
     bytes, with the formula's agreement and the split's as flags (``check`` ran on the full one)."""
     out = {k: v for k, v in summary.items() if k != "modes"}
     out["modes"] = {}
@@ -223,6 +224,7 @@ def compact(summary: dict[str, Any]) -> dict[str, Any]:
         ranks = []
         for r in m["ranks"]:
             row = {"bytes": r["bytes"], "memory": r["memory"], "opt_bytes": r["opt_bytes"],
+                   "phases": {p: r["checks"][f"{p}_dispatcher"] for p in STEP_PHASES},
                    "split_adds_up": r["checks"].get("attributed", True)}
             if "tokens" in r:
                 t = r["tokens"]
