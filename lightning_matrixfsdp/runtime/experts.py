@@ -304,14 +304,9 @@ def _hf_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:
             fits = not two_i % 2 and down.shape == (e, h, two_i // 2)
         if not fits:
             return None
-        if transposed:
-            why = (f"Hugging Face {name}: stored [E, in, out], gate_up_proj is gate and up interleaved, each its own "
-                   "matrix")
-        else:
-            why = f"Hugging Face {name}: gate_up_proj is gate and up, each its own matrix"
+        why = f"Hugging Face {name}: gate_up_proj is gate and up{' interleaved' if interleaved else ''}, each its own matrix"
         return {"gate_up_proj": (ExpertStack(e, (two_i // 2,) * 2, transposed, interleaved), why),
-                "down_proj": (ExpertStack(e, (h,), transposed),
-                              f"Hugging Face {name}{': stored [E, in, out]' if transposed else ''}")}
+                "down_proj": (ExpertStack(e, (h,), transposed), f"Hugging Face {name}")}
     if transposed:
         return None  # no known model: not guessed
     up = mod._parameters.get("up_proj")
