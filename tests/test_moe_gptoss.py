@@ -138,13 +138,14 @@ def test_layout_fields_are_validated_and_serialized_only_when_set():
         GATE_UP.check("w", (E, 2 * I, H))  # the F.linear layout declared as transposed
 
 
-def _tiny_gptoss(layers: int = 1, experts: int = 2, hidden: int = 8, inter: int = 6, vocab: int = 32) -> nn.Module:
+def _tiny_gptoss(layers: int = 1, experts: int = 2, hidden: int = 8, inter: int = 6, vocab: int = 32,
+                 **extra: Any) -> nn.Module:
     import transformers as T
 
     cfg = T.GptOssConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, head_dim=4,
                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                          num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=64,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra)
     return T.GptOssForCausalLM(cfg)
 
 
@@ -271,7 +272,67 @@ def worker(rank: int, world: int, root: str) -> dict[str, Any]:
             o.zero_grad(set_to_none=True)
         compare(full_params(sharded), dict(oracle.named_parameters()), EXACT, "param", step)
     stacks = {s.fqn: s.stack.to_dict() for s in plan.shards() if s.stack is not None}
-    return {"stacks": stacks, "plan": str(plan)}
+    return {"stacks": stacks, "plan": str(plan), "ep": _expert_parallel(rank, world)}
+
+
+def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole on every rank: dense ones broadcast from their owner, expert slices
+    gathered (the world is one expert-parallel group: rank r holds experts [r E/EP, (r+1) E/EP))."""
+    import torch.distributed as dist
+
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, shard_of, state_of
+
+    sg, out = state_of(model).sg, {}
+    for name, p in model.named_parameters():
+        if expert_slice_of(p) is not None:
+            parts = [torch.empty_like(p.data) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, p.detach().contiguous())
+            out[name] = torch.cat(parts)
+            continue
+        t = p.data.clone() if is_owned(p) else torch.empty(shard_of(p).shape, dtype=p.dtype)
+        dist.broadcast(t, src=sg.g(shard_of(p).owner), group=sg.group)
+        out[name] = t
+    return out
+
+
+def _expert_parallel(rank: int, world: int) -> dict[str, Any]:
+    """expert_parallel_size=2 (float64, as tests/test_moe_ep.py: bf16 Newton-Schulz would amplify a
+    float32 difference in summation order) beside one process holding the whole model, fed every
+    rank's batch (DDP's loss: the mean), stepped by the per-expert Muon above. The largest
+    difference of loss and of any parameter over the steps."""
+    import lightning_matrixfsdp as mf
+    from helpers.equiv import make_sharded_optimizer
+    from helpers.models import batch_for, lm_loss
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of, role_of
+
+    torch.manual_seed(0)
+    # the eager loop (torch's CPU grouped_mm takes no float64)
+    model = _tiny_gptoss(layers=1, experts=4, hidden=16, inter=12, vocab=VOCAB,
+                         experts_implementation="eager").to(torch.float64)
+    oracle = copy.deepcopy(model)
+    mf.matrix_shard(model, expert_parallel_size=2)
+    local = {n: (tuple(p.shape), None if role_of(p) is None else role_of(p).value)
+             for n, p in model.named_parameters() if expert_slice_of(p) is not None}
+    opts = make_sharded_optimizer(model, "ours")
+    ref = PerExpertMuon(oracle)
+    worst = {"loss": 0.0, "param": 0.0}
+    for step in range(STEPS):
+        idx = batch_for(step, rank)
+        loss = lm_loss(model(idx).logits, idx)
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        ref_loss = sum(lm_loss(oracle(batch_for(step, r)).logits, batch_for(step, r)) for r in range(world)) / world
+        ref_loss.backward()
+        ref.step()
+        losses = [torch.zeros(1, dtype=loss.dtype) for _ in range(world)]
+        torch.distributed.all_gather(losses, loss.detach().reshape(1))
+        worst["loss"] = max(worst["loss"], abs(sum(x.item() for x in losses) / world - ref_loss.item()))
+        want = dict(oracle.named_parameters())
+        worst["param"] = max(worst["param"], max((t - want[n].detach()).abs().max().item()
+                                                 for n, t in _whole(model).items()))
+    return {"worst": worst, "local": local}
 
 
 LAUNCH = OneLaunch(worker, 2, tempfile.mkdtemp(prefix="moe_gptoss_"), timeout=600)
@@ -286,3 +347,17 @@ def test_tiny_gptoss_at_2_processes_equals_ddp_with_per_expert_muon():
                 if fqn.endswith("gate_up_proj") else {"num_experts": 4, "blocks": [16], "transposed": True})
         assert d == want, (fqn, d)
     assert "each as 2 interleaved blocks (12, 12), stored transposed [E, in, out]" in res["plan"], res["plan"]
+
+
+def test_tiny_gptoss_under_expert_parallelism_equals_one_process():
+    """The GPT-OSS seam (runtime/gptoss_seam.py): each rank keeps 2 of the 4 experts of each layer
+    (stacks and biases), tokens travel to them; equal to the whole model in one process within
+    float64 noise. The local per-expert biases are tail (AdamW), the stacks stacks."""
+    pytest.importorskip("transformers")
+    for r in LAUNCH.results():
+        ep = r["ep"]
+        assert ep["worst"]["loss"] < 1e-9 and ep["worst"]["param"] < 1e-9, ep["worst"]
+        base = "model.layers.0.mlp.experts."
+        assert ep["local"][base + "gate_up_proj"] == ((2, 16, 24), None), ep["local"]
+        assert ep["local"][base + "gate_up_proj_bias"] == ((2, 24), "tail"), ep["local"]
+        assert ep["local"][base + "down_proj_bias"] == ((2, 16), "tail"), ep["local"]
