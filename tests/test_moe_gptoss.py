@@ -83,6 +83,35 @@ def test_gptoss_stacks_step_as_torch_muon_on_the_separate_linear_weights(case):
             assert torch.equal(bufs[k], ref.state[q]["momentum_buffer"]), (case, "momentum", divmod(k, 3))
 
 
+@pytest.mark.parametrize("transposed,interleaved", [(False, True), (True, False)])
+def test_the_other_layout_combinations_step_as_torch_muon(transposed, interleaved):
+    """A user's own stacks: interleaved rows stored [E, out, in], and contiguous blocks stored
+    [E, in, out]; the (out, in) matrices cut plainly: W = p[e] or p[e].T, block j = W[j::2] or
+    W[j*I:(j+1)*I]."""
+    g = torch.Generator().manual_seed(7)
+    shape = (E, H, 2 * I) if transposed else (E, 2 * I, H)
+    w = torch.randn(shape, generator=g)
+    stack = nn.Parameter(w.clone())
+    tag_stack(stack, ExpertStack(E, (I, I), transposed, interleaved))
+
+    def cut(t: torch.Tensor) -> list[torch.Tensor]:
+        mats = [t[e].T if transposed else t[e] for e in range(E)]
+        rows = [slice(0, None, 2), slice(1, None, 2)] if interleaved else [slice(0, I), slice(I, 2 * I)]
+        return [m[r].contiguous() for m in mats for r in rows]
+
+    separate = [nn.Parameter(m) for m in cut(w)]
+    ours, ref = Muon([stack], lr=0.02), torch.optim.Muon(separate, lr=0.02)
+    for _ in range(3):
+        grad = torch.randn(shape, generator=g)
+        stack.grad = grad.clone()
+        for q, m in zip(separate, cut(grad)):
+            q.grad = m
+        ours.step()
+        ref.step()
+    for k, (mine, q) in enumerate(zip(cut(stack.data), separate)):
+        assert torch.equal(mine, q.data), k
+
+
 LIB_CASES = {
     "soap": ("SOAP", dict(lr=0.01, precondition_frequency=2)),
     "shampoo": ("Shampoo", dict(lr=0.01, start_preconditioning_step=1, preconditioning_compute_steps=1,
