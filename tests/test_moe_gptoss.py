@@ -219,7 +219,7 @@ def test_expert_stacks_mapping_form_is_checked():
     pytest.importorskip("transformers")
     from lightning_matrixfsdp.runtime.shard import collect
 
-    with pytest.raises(MatrixShardError, match=r"out features \(the last dimension: stored transposed\) 16\) into 3 equal blocks"):
+    with pytest.raises(MatrixShardError, match=r"out features \(the last dimension: stored transposed\) 16\) into 3 "):
         collect(_tiny_gptoss(hidden=16, inter=12), MatrixFSDPConfig(
             expert_stacks={"*.experts.down_proj": {"blocks": 3, "transposed": True}}))
 

@@ -276,9 +276,11 @@ _INTERLEAVED_GATES = frozenset({"GptOssExperts._apply_gate"})
 
 
 def _hf_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:
-    """A Hugging Face experts module (marked by ``use_experts_implementation``) in a layout we
-    know, or None: the ``F.linear`` layout with gate and up as contiguous halves (Mixtral, ...), or
-    the transposed layout with gate and up interleaved (GPT-OSS)."""
+    """A Hugging Face experts module (marked by ``use_experts_implementation``) whose layout its
+    own flags and gate split say, or None: ``is_transposed`` (stored ``[E, in, out]``: GPT-OSS;
+    else the ``F.linear`` layout: Mixtral, ...), and gate and up as the contiguous halves of the
+    out features (the library's default split) or interleaved (GPT-OSS's ``_apply_gate``). A gate
+    split of its own that we do not know is not declared (its stacks warn)."""
     if not hasattr(mod, "has_gate"):
         return None
     transposed = getattr(mod, "is_transposed", None)
@@ -294,8 +296,6 @@ def _hf_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:
         interleaved = getattr(apply_gate, "__qualname__", "") in _INTERLEAVED_GATES
         if getattr(apply_gate, "__name__", "") != "_default_apply_gate" and not interleaved:
             return None  # its own gate split, unknown here: not declared (an undeclared stack warns)
-        if interleaved != transposed:
-            return None  # a combination no known model has: not guessed
         if transposed:  # [E, H, 2I] and [E, I, H]: x @ W, each expert matrix is W.T
             e, h, two_i = gate_up.shape
             fits = not two_i % 2 and down.shape == (e, two_i // 2, h)
@@ -304,17 +304,17 @@ def _hf_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:
             fits = not two_i % 2 and down.shape == (e, h, two_i // 2)
         if not fits:
             return None
-        why = f"Hugging Face {name}: gate_up_proj is gate and up{' interleaved' if interleaved else ''}, each its own matrix"
+        how = " interleaved" if interleaved else ""
+        why = f"Hugging Face {name}: gate_up_proj is gate and up{how}, each its own matrix"
         return {"gate_up_proj": (ExpertStack(e, (two_i // 2,) * 2, transposed, interleaved), why),
                 "down_proj": (ExpertStack(e, (h,), transposed), f"Hugging Face {name}")}
-    if transposed:
-        return None  # no known model: not guessed
     up = mod._parameters.get("up_proj")
     if up is None or down is None or up.ndim != 3 or down.ndim != 3:
         return None
     why = f"Hugging Face {name}"
-    return {"up_proj": (ExpertStack(up.shape[0], (up.shape[1],)), why),
-            "down_proj": (ExpertStack(down.shape[0], (down.shape[1],)), why)}
+    out = 2 if transposed else 1  # the dimension of the out features (is_transposed: [E, in, out])
+    return {"up_proj": (ExpertStack(up.shape[0], (up.shape[out],), transposed), why),
+            "down_proj": (ExpertStack(down.shape[0], (down.shape[out],), transposed), why)}
 
 
 def _grouped_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:
