@@ -231,24 +231,6 @@ def test_stack_flops_are_counted_per_expert_and_block():
     assert role_cost(RoleKind.MATRIX, [spec])[1] == 4 * 2 * per_block  # the planner's price of the role
 
 
-def test_gpt_oss_is_not_guessed_its_stacks_warn_and_its_expert_biases_go_to_adamw():
-    """GPT-OSS stores experts transposed with gate/up interleaved along the columns: not declared
-    automatically (row blocks cannot express it), so its stacks warn; its [E, out] biases are
-    per-expert vectors, not matrices."""
-    from lightning_matrixfsdp.runtime.classify import UndeclaredStackWarning
-
-    hf = pytest.importorskip("transformers")
-    model = hf.GptOssForCausalLM(hf.GptOssConfig(vocab_size=32, hidden_size=8, intermediate_size=6, head_dim=4,
-                                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                                 num_local_experts=2, num_experts_per_tok=1))
-    with pytest.warns(UndeclaredStackWarning, match="experts.gate_up_proj"):
-        roles = _roles(_collect(model))
-    base = "model.layers.0.mlp.experts."
-    assert roles[base + "gate_up_proj"] == (False, None) and roles[base + "down_proj"] == (False, None)
-    assert roles[base + "gate_up_proj_bias"] == (False, None) and roles[base + "down_proj_bias"] == (False, None)
-    assert roles["model.layers.0.mlp.router.weight"] == (True, None)
-
-
 def test_tag_expert_stacks_outside_matrix_shard_and_the_untagged_warning():
     """Plain DDP / one device: untagged 3-D experts would go to AdamW (warned); after
     tag_expert_stacks our Muon steps each expert (gate and up apart) as torch.optim.Muon does."""

@@ -315,9 +315,10 @@ class MatrixLibraryOptimizer(TailOptimizer):
 
     def _step_stack(self, inner: torch.optim.Optimizer, p: Tensor) -> None:
         """One library step of every matrix of an expert stack (each block of each expert alone,
-        as a 2-D view of ``p`` with its gradient's view), its state kept per expert: every flat
+        as a 2-D view of ``p`` with its gradient's view, in ``nn.Linear``'s orientation (out, in)
+        whatever the stored layout), its state kept per expert in that orientation: every flat
         entry stacked along a new leading dimension (``p.shape[0]``), under ``block{j}/`` when
-        the stack has several row blocks. The same update as one instance per 2-D matrix."""
+        the stack has several row blocks. The same update as one instance per (out, in) matrix."""
         blocks = len(stack_of(p).blocks)
         state = self.state[p]
         data, grad = p.detach(), p.grad
@@ -327,8 +328,13 @@ class MatrixLibraryOptimizer(TailOptimizer):
             prefix = f"block{j}/" if blocks > 1 else ""
             flat = {k[len(prefix):]: self._expert_entry(k[len(prefix):], v, e)
                     for k, v in state.items() if k.startswith(prefix)}
-            target.grad = g
-            per_block[j].append(self._step_flat(inner, target, flat))
+            # a strided view (a stack stored transposed or interleaved) is stepped as a contiguous
+            # (out, in) copy, as a separate matrix would be, then written back
+            work = target if target.is_contiguous() else target.contiguous()
+            work.grad = g if work is target else g.contiguous()
+            per_block[j].append(self._step_flat(inner, work, flat))
+            if work is not target:
+                target.copy_(work)
         new: dict[str, Any] = {}
         for j, experts in enumerate(per_block):
             prefix = f"block{j}/" if blocks > 1 else ""

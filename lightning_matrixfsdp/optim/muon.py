@@ -241,8 +241,9 @@ class Muon(TailOptimizer):
         """torch.optim.Muon's update of an expert stack as ``p.shape[0]`` independent matrices, each
         as its row blocks (a fused gate/up: two matrices): the momentum, weight decay and update are
         elementwise, so one op over the stack is each matrix's op; Newton-Schulz and the learning-rate
-        adjustment are per matrix, from that block's own (rows, cols). Bitwise torch.optim.Muon on
-        the separate 2-D matrices. With ``batch_shapes`` (on CUDA by default) or
+        adjustment are per matrix, from that block's own (rows, cols) in ``nn.Linear``'s orientation
+        (out, in), whatever the stored layout (GPT-OSS: ``[E, in, out]``, gate/up interleaved). Bitwise
+        torch.optim.Muon on the separate 2-D ``(out, in)`` matrices. With ``batch_shapes`` (on CUDA by default) or
         ``orthogonalizer="batched"``, the matrices of one shape are orthogonalized as one batched
         iteration (:meth:`_orthogonalize_batch`: where ``_buckets`` would batch separate matrices of
         that shape, the same computation), otherwise one by one."""
@@ -252,13 +253,15 @@ class Muon(TailOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         update = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"],
                                  FUSED_MOMENTUM)
-        pieces = stack_pieces(p, update)
-        results = self._orthogonalize_batch(group, [piece for _, _, piece in pieces])
+        # each piece in nn.Linear's orientation (out, in), contiguous as a separate matrix's update is
+        # (a no-op for contiguous row blocks; a copy for a stack stored transposed or interleaved)
+        pieces = [piece.contiguous() for _, _, piece in stack_pieces(p, update)]
+        results = self._orthogonalize_batch(group, pieces)
         decay = 1 - lr * group["weight_decay"]
         if decay != 1:
             p.mul_(decay)
-        for (e, rows, _), out in zip(pieces, results):
-            p[e, rows].add_(out, alpha=-adjust_lr(lr, group["adjust_lr_fn"], out.shape))
+        for (_, _, target), out in zip(stack_pieces(p, p), results):  # lr adjusted from (out, in)
+            target.add_(out, alpha=-adjust_lr(lr, group["adjust_lr_fn"], out.shape))
 
     def _orthogonalize_batch(self, group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
         """Orthogonalize separate 2-D matrices, batching those of one shape exactly where

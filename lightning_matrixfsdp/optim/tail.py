@@ -69,15 +69,10 @@ def is_matrix_role(p: Tensor) -> bool:
 def stack_pieces(p: Tensor, t: Tensor) -> list[tuple[int, slice, Tensor]]:
     """The matrices an expert stack ``p`` is stepped as, cut from ``t`` (its update, gradient or
     itself, shaped like ``p``): ``(expert, row slice, view)`` for every expert of ``p.shape[0]``
-    (a local slice of the experts included) and every row block of its declaration."""
-    stack = stack_of(p)
-    out = []
-    for e in range(p.shape[0]):
-        start = 0
-        for rows in stack.blocks:
-            out.append((e, slice(start, start + rows), t[e, start:start + rows]))
-            start += rows
-    return out
+    (a local slice of the experts included) and every row block of its declaration. Each view is
+    that block in ``nn.Linear``'s orientation ``(out_j, in)`` (``ExpertStack.pieces``): for a stack
+    stored transposed or with interleaved blocks, a strided view of ``t``."""
+    return stack_of(p).pieces(t)
 
 
 def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool = False) -> Routed:
@@ -103,9 +98,10 @@ def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool =
             if is_matrix_role(p):
                 stack = stack_of(p)
                 if stack is not None:  # every optimizer here steps a stack as its experts' matrices
-                    if p.ndim != 3 or p.shape[1] != stack.rows:
+                    if not stack.fits(tuple(p.shape)):
                         raise ValueError(f"{who}: a parameter of size {tuple(p.size())} carries the expert-stack "
-                                         f"declaration {stack} (three dimensions, {stack.rows} rows per expert)")
+                                         f"declaration {stack} (three dimensions, {stack.rows} rows per expert "
+                                         f"along dimension {stack.row_dim})")
                     matrices.append(p)
                     continue
                 if p.ndim < 2 or (p.ndim > 2 and not flattens):

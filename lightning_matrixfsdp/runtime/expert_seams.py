@@ -1,10 +1,12 @@
 """Where expert parallelism enters a model: the *seams*, the modules whose forward runs the experts.
 
-Two seams are known:
+Three seams are known:
 
 - ``"topk"``: a Hugging Face experts module (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 in our
   pinned transformers): ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``
   over stacked parameters ``[E, ...]``. Found by its signature, nothing to declare.
+- ``"gptoss"``: Hugging Face's GPT-OSS experts module, ``forward(hidden_states, router_indices,
+  routing_weights)``, transposed stacks with biases (``gptoss_seam.py``). Found by its signature.
 - ``"grouped"``: a torchtitan-shaped ``GroupedExperts`` (``forward(x, num_tokens_per_expert)``,
   ``x`` sorted by expert, stacked ``w1/w2/w3``), declared by :func:`parallelize_experts` in
   ``configure_model`` (the parallel style).
@@ -24,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_matrixfsdp.runtime.gptoss_seam import GPTOSS, install_gptoss_forward, is_gptoss_experts
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
 __all__ = ["ExpertSeam", "parallelize_experts", "find_seams", "install_forward"]
@@ -75,6 +78,8 @@ def _kind(module: nn.Module) -> Optional[str]:
     if style is not None:
         return style
     stacked = any(p is not None and p.ndim == 3 for p in module._parameters.values())
+    if stacked and is_gptoss_experts(module, _arg_names(type(module).forward)):
+        return GPTOSS  # GPT-OSS's own signature and computation (gptoss_seam.py)
     return TOPK if stacked and _arg_names(type(module).forward) == _HF_ARGS else None
 
 
@@ -113,6 +118,9 @@ def install_forward(seam: ExpertSeam, dispatch: Callable[..., torch.Tensor], gro
     (exactly ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, an ``act_fn``; a grouped GEMM
     where torch has one), used for the modules in that layout instead of their own loop."""
     module, e = seam.module, seam.num_experts
+    if seam.kind == GPTOSS:
+        install_gptoss_forward(module, e, dispatch, group)
+        return
     if seam.kind == TOPK and fused is not None and _mixtral_layout(module):
         def local(x: torch.Tensor, counts: Any) -> torch.Tensor:
             return fused(x, [int(c) for c in counts], module.gate_up_proj, module.down_proj, module.act_fn)

@@ -13,7 +13,8 @@ kernel is 4-D too):
 - automatically, for the expert modules of Hugging Face transformers (the classes its
   ``use_experts_implementation`` decorator marks, in the ``F.linear`` layout ``[E, out, in]``
   with gate and up as contiguous halves: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...)
-  and for torchtitan-style ``GroupedExperts`` (3-D ``w1``/``w2``/``w3``);
+  and GPT-OSS's transposed layout ``[E, in, out]`` with gate and up interleaved; and for
+  torchtitan-style ``GroupedExperts`` (3-D ``w1``/``w2``/``w3``);
 - by the ``expert_stacks`` option for a user's own module (:func:`check_expert_stacks`
   lists its forms), which overrides the automatic declaration of a parameter.
 
@@ -29,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 
 from torch import nn
 
-__all__ = ["ExpertStack", "ExpertStacksOption", "auto_stacks", "check_expert_stacks", "declared_stacks",
+__all__ = ["ExpertStack", "ExpertStacksOption", "StackLayout", "auto_stacks", "check_expert_stacks", "declared_stacks",
            "expert_biases"]
 
 
@@ -40,15 +41,24 @@ class ExpertStackError(ValueError):
 
 @dataclass(frozen=True)
 class ExpertStack:
-    """A parameter ``[E, m, n]`` holding ``num_experts`` matrices, each made of row blocks.
+    """A parameter ``[E, a, b]`` holding ``num_experts`` matrices, each made of row blocks.
 
-    ``blocks``: the row-block sizes of ONE expert matrix along its first matrix dimension
-    (``sum(blocks) == m``): ``(I, I)`` for a fused gate/up projection, ``(m,)`` for a plain
-    stack. Each block is orthogonalized (and priced) as a matrix of its own.
+    Each expert matrix is taken in ``nn.Linear``'s orientation ``(out, in)``: ``p[e]`` itself
+    (stored ``[E, out, in]``, the ``F.linear`` layout), or ``p[e].T`` when ``transposed``
+    (stored ``[E, in, out]``, the ``x @ W`` layout of GPT-OSS). Its ``out`` rows are cut into
+    ``blocks`` (``sum(blocks) == out``): ``(I, I)`` for a fused gate/up projection, ``(out,)``
+    for a plain stack. The blocks are contiguous row ranges, or, when ``interleaved`` (equal
+    blocks only), block ``j`` is every ``k``-th row from row ``j`` (``k = len(blocks)``: GPT-OSS's
+    gate ``[..., ::2]`` and up ``[..., 1::2]``). Each block is orthogonalized, its learning rate
+    adjusted and priced as an ``(out_j, in)`` matrix of its own.
     """
 
     num_experts: int
     blocks: tuple[int, ...]
+    #: stored ``[E, in, out]``: each expert matrix is ``p[e].T``
+    transposed: bool = False
+    #: the blocks are interleaved rows (block j: rows ``j::len(blocks)``), not contiguous ranges
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         blocks = tuple(self.blocks) if isinstance(self.blocks, (list, tuple)) else self.blocks
@@ -58,49 +68,111 @@ class ExpertStack:
         if (not isinstance(blocks, tuple) or not blocks
                 or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks)):
             raise ExpertStackError(f"ExpertStack.blocks must be a non-empty tuple of positive ints, got {blocks!r}")
+        for name in ("transposed", "interleaved"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ExpertStackError(f"ExpertStack.{name} must be True or False, got {value!r} "
+                                       f"({type(value).__name__})")
+        if self.interleaved and (len(blocks) < 2 or len(set(blocks)) != 1):
+            raise ExpertStackError(f"ExpertStack.interleaved needs at least two equal blocks (block j is every "
+                                   f"{len(blocks)}-th row from row j), got blocks {blocks!r}")
 
     @property
     def rows(self) -> int:
-        """Rows of one expert matrix (``m``)."""
+        """Rows of one expert matrix in ``nn.Linear`` orientation (its ``out`` features)."""
         return sum(self.blocks)
 
+    @property
+    def row_dim(self) -> int:
+        """The dimension of the stored parameter holding those rows (2 when ``transposed``, else 1)."""
+        return 2 if self.transposed else 1
+
     def matrices(self, cols: int) -> list[tuple[int, int]]:
-        """The shape of each matrix one expert is stepped as (one per block)."""
+        """The ``(out, in)`` shape of each matrix one expert is stepped as (one per block);
+        ``cols``: the expert's ``in`` features (:meth:`matrix_shapes` reads them off a shape)."""
         return [(b, int(cols)) for b in self.blocks]
+
+    def matrix_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """:meth:`matrices` of a stored parameter ``shape`` ``[E, a, b]``, whatever its orientation."""
+        return self.matrices(int(shape[3 - self.row_dim]))
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether ``shape`` is a stack of these matrices (any number of experts: a local slice fits)."""
+        return len(shape) == 3 and int(shape[self.row_dim]) == self.rows
+
+    def pieces(self, t: Any) -> list[tuple[int, slice, Any]]:
+        """``(expert, row slice, view)`` for every expert of ``t.shape[0]`` and every block: ``view``
+        is that block's ``(out_j, in)`` matrix as a view of ``t`` (shaped like the parameter; a
+        strided view when ``transposed`` or ``interleaved``), the row slice its rows in the
+        expert's ``(out, in)`` matrix."""
+        k = len(self.blocks)
+        out = []
+        for e in range(t.shape[0]):
+            m = t[e].T if self.transposed else t[e]
+            start = 0
+            for j, rows in enumerate(self.blocks):
+                cut = slice(j, None, k) if self.interleaved else slice(start, start + rows)
+                out.append((e, cut, m[cut]))
+                start += rows
+        return out
 
     def check(self, fqn: str, shape: tuple[int, ...]) -> None:
         """Refuse a declaration that does not fit the whole parameter ``shape``."""
         if len(shape) != 3:
             raise ExpertStackError(f"parameter {fqn!r} of shape {tuple(shape)} is declared an expert stack, "
                                    "which needs three dimensions [experts, rows, cols]")
-        if int(shape[0]) != self.num_experts or int(shape[1]) != self.rows:
+        if int(shape[0]) != self.num_experts or not self.fits(shape):
+            where = "cols (stored transposed, [experts, in, out])" if self.transposed else "rows"
             raise ExpertStackError(
                 f"parameter {fqn!r} of shape {tuple(shape)} does not fit its expert stack declaration "
-                f"({self.num_experts} experts of {self.rows} rows in blocks {self.blocks})")
+                f"({self.num_experts} experts of {self.rows} {where} in blocks {self.blocks})")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"num_experts": self.num_experts, "blocks": list(self.blocks)}
+        d: dict[str, Any] = {"num_experts": self.num_experts, "blocks": list(self.blocks)}
+        # the layout flags only when set: the declarations (and plan digests) of earlier plans stay valid
+        if self.transposed:
+            d["transposed"] = True
+        if self.interleaved:
+            d["interleaved"] = True
+        return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "ExpertStack":
-        return ExpertStack(int(d["num_experts"]), tuple(int(b) for b in d["blocks"]))
+        return ExpertStack(int(d["num_experts"]), tuple(int(b) for b in d["blocks"]),
+                           d.get("transposed", False), d.get("interleaved", False))
 
     def describe(self) -> str:
-        split = "" if len(self.blocks) == 1 else f", each as {len(self.blocks)} blocks {self.blocks}"
-        return f"{self.num_experts} experts{split}"
+        split = ""
+        if len(self.blocks) > 1:
+            split = f", each as {len(self.blocks)} {'interleaved ' if self.interleaved else ''}blocks {self.blocks}"
+        stored = ", stored transposed [E, in, out]" if self.transposed else ""
+        return f"{self.num_experts} experts{split}{stored}"
+
+
+@dataclass(frozen=True)
+class StackLayout:
+    """One pattern's declaration in the ``expert_stacks`` option's mapping form
+    ``{"blocks": ..., "transposed": bool, "interleaved": bool}`` (see :class:`ExpertStack`)."""
+
+    blocks: Union[None, int, tuple[int, ...]] = None
+    transposed: bool = False
+    interleaved: bool = False
 
 
 #: The ``expert_stacks`` option once checked: None, a tuple of (fqn pattern, blocks) pairs
-#: (blocks: None for a plain stack, an int k for k equal row blocks, or a tuple of row sizes),
-#: or a callable ``(fqn, param) -> ExpertStack | bool | None``.
+#: (blocks: None for a plain stack, an int k for k equal row blocks, a tuple of row sizes, or a
+#: :class:`StackLayout` for a stack stored transposed or with interleaved blocks), or a callable
+#: ``(fqn, param) -> ExpertStack | bool | None``.
 ExpertStacksOption = Union[None, tuple, Callable[[str, nn.Parameter], Any]]
 
 _FORMS = ("None, an fqn glob pattern or a list of them (each matching 3-D parameter a plain stack), a dict "
-          "{pattern: blocks} (blocks: an int k for k equal row blocks, e.g. 2 for a fused gate/up, or a list of "
-          "row sizes), or a callable (fqn, param) -> ExpertStack | bool | None")
+          "{pattern: blocks} (blocks: an int k for k equal row blocks, e.g. 2 for a fused gate/up, a list of "
+          "row sizes, or a dict {'blocks': ..., 'transposed': bool, 'interleaved': bool} for experts stored "
+          "[E, in, out] or with interleaved blocks), or a callable (fqn, param) -> ExpertStack | bool | None")
+_LAYOUT_KEYS = ("blocks", "transposed", "interleaved")
 
 
-def _check_blocks(value: Any, name: str, pattern: str) -> Union[None, int, tuple[int, ...]]:
+def _check_blocks(value: Any, name: str, pattern: str) -> Union[None, int, tuple[int, ...], StackLayout]:
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
@@ -108,9 +180,35 @@ def _check_blocks(value: Any, name: str, pattern: str) -> Union[None, int, tuple
     if (isinstance(value, (list, tuple)) and value
             and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in value)):
         return tuple(int(b) for b in value)
+    if isinstance(value, dict):
+        return _check_layout(value, name, pattern)
     raise ExpertStackError(f"{name}=...{{{pattern!r}: {value!r}}}: the blocks of pattern {pattern!r} are {value!r} ({type(value).__name__}); "
-                           "expected None, a positive int (that many equal row blocks) or a list of positive "
-                           "row sizes")
+                           "expected None, a positive int (that many equal row blocks), a list of positive "
+                           "row sizes, or a dict with keys 'blocks', 'transposed', 'interleaved'")
+
+
+def _check_layout(value: dict, name: str, pattern: str) -> StackLayout:
+    """The mapping form of one pattern's declaration, every key checked."""
+    where = f"{name}=...{{{pattern!r}: {value!r}}}"
+    unknown = [k for k in value if k not in _LAYOUT_KEYS]
+    if unknown:
+        raise ExpertStackError(f"{where}: unknown key(s) {unknown!r}; a layout takes {list(_LAYOUT_KEYS)}")
+    if isinstance(value.get("blocks"), dict):
+        raise ExpertStackError(f"{where}: 'blocks' is a dict; expected None, a positive int or a list of row sizes")
+    blocks = _check_blocks(value.get("blocks"), name, pattern)
+    flags = {}
+    for key in ("transposed", "interleaved"):
+        flag = value.get(key, False)
+        if not isinstance(flag, bool):
+            raise ExpertStackError(f"{where}: {key!r} is {flag!r} ({type(flag).__name__}); expected true or false")
+        flags[key] = flag
+    if flags["interleaved"]:
+        equal = (isinstance(blocks, int) and blocks >= 2) or (
+            isinstance(blocks, tuple) and len(blocks) >= 2 and len(set(blocks)) == 1)
+        if not equal:
+            raise ExpertStackError(f"{where}: 'interleaved' needs 'blocks' of at least two equal blocks (an int "
+                                   f"k >= 2, or a list of equal sizes), got {blocks!r}")
+    return StackLayout(blocks, **flags)
 
 
 def _check_arity(fn: Callable[..., Any], name: str) -> None:
@@ -148,30 +246,46 @@ def check_expert_stacks(value: Any, name: str = "expert_stacks") -> ExpertStacks
     return tuple(sorted(out, key=lambda pb: pb[0]))
 
 
-def _stack_from_blocks(fqn: str, p: nn.Parameter, blocks: Union[None, int, tuple[int, ...]]) -> ExpertStack:
+def _stack_from_blocks(fqn: str, p: nn.Parameter,
+                       blocks: Union[None, int, tuple[int, ...], StackLayout]) -> ExpertStack:
     if p.ndim != 3:
         raise ExpertStackError(f"expert_stacks declares {fqn!r} a stack, but it has shape {tuple(p.shape)}; a stack "
                                "has three dimensions [experts, rows, cols]")
-    rows = int(p.shape[1])
+    layout = blocks if isinstance(blocks, StackLayout) else StackLayout(blocks)
+    blocks = layout.blocks
+    rows = int(p.shape[2 if layout.transposed else 1])
+    what = "out features (the last dimension: stored transposed)" if layout.transposed else "rows"
     if blocks is None:
         sizes: tuple[int, ...] = (rows,)
     elif isinstance(blocks, int):
         if rows % blocks:
-            raise ExpertStackError(f"expert_stacks splits {fqn!r} (rows {rows}) into {blocks} equal blocks, "
+            raise ExpertStackError(f"expert_stacks splits {fqn!r} ({what} {rows}) into {blocks} equal blocks, "
                                    "which do not divide it")
         sizes = (rows // blocks,) * blocks
     else:
         sizes = tuple(blocks)
-    stack = ExpertStack(int(p.shape[0]), sizes)
+    stack = ExpertStack(int(p.shape[0]), sizes, layout.transposed, layout.interleaved)
     stack.check(fqn, tuple(p.shape))
     return stack
 
 
 # ---------------------------------------------------------------------- automatic
+#: ``_apply_gate`` of the Hugging Face experts modules known to split ``gate_up`` interleaved
+#: (gate ``[..., ::2]``, up ``[..., 1::2]``), by qualified name: GPT-OSS.
+_INTERLEAVED_GATES = frozenset({"GptOssExperts._apply_gate"})
+
+
 def _hf_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:
-    """A Hugging Face experts module in the ``F.linear`` layout, or None."""
-    if not hasattr(mod, "has_gate") or getattr(mod, "is_transposed", True):
-        return None  # not marked by use_experts_implementation, or stored (in, out) (GPT-OSS: not served)
+    """A Hugging Face experts module (marked by ``use_experts_implementation``) whose layout its
+    own flags and gate split say, or None: ``is_transposed`` (stored ``[E, in, out]``: GPT-OSS;
+    else the ``F.linear`` layout: Mixtral, ...), and gate and up as the contiguous halves of the
+    out features (the library's default split) or interleaved (GPT-OSS's ``_apply_gate``). A gate
+    split of its own that we do not know is not declared (its stacks warn)."""
+    if not hasattr(mod, "has_gate"):
+        return None
+    transposed = getattr(mod, "is_transposed", None)
+    if not isinstance(transposed, bool):
+        return None
     down = mod._parameters.get("down_proj")
     name = type(mod).__name__
     if getattr(mod, "has_gate", False):
@@ -179,20 +293,28 @@ def _hf_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:
         if gate_up is None or down is None or gate_up.ndim != 3 or down.ndim != 3:
             return None
         apply_gate = getattr(type(mod), "_apply_gate", None)
-        if getattr(apply_gate, "__name__", "") != "_default_apply_gate":
-            return None  # its own gate split (interleaved halves, ...): not two contiguous row blocks
-        e, two_i, h = gate_up.shape
-        if two_i % 2 or down.shape != (e, h, two_i // 2):
+        interleaved = getattr(apply_gate, "__qualname__", "") in _INTERLEAVED_GATES
+        if getattr(apply_gate, "__name__", "") != "_default_apply_gate" and not interleaved:
+            return None  # its own gate split, unknown here: not declared (an undeclared stack warns)
+        if transposed:  # [E, H, 2I] and [E, I, H]: x @ W, each expert matrix is W.T
+            e, h, two_i = gate_up.shape
+            fits = not two_i % 2 and down.shape == (e, two_i // 2, h)
+        else:  # [E, 2I, H] and [E, H, I]: F.linear
+            e, two_i, h = gate_up.shape
+            fits = not two_i % 2 and down.shape == (e, h, two_i // 2)
+        if not fits:
             return None
-        why = f"Hugging Face {name}: gate_up_proj is gate and up, each its own matrix"
-        return {"gate_up_proj": (ExpertStack(e, (two_i // 2,) * 2), why),
-                "down_proj": (ExpertStack(e, (h,)), f"Hugging Face {name}")}
+        how = " interleaved" if interleaved else ""
+        why = f"Hugging Face {name}: gate_up_proj is gate and up{how}, each its own matrix"
+        return {"gate_up_proj": (ExpertStack(e, (two_i // 2,) * 2, transposed, interleaved), why),
+                "down_proj": (ExpertStack(e, (h,), transposed), f"Hugging Face {name}")}
     up = mod._parameters.get("up_proj")
     if up is None or down is None or up.ndim != 3 or down.ndim != 3:
         return None
     why = f"Hugging Face {name}"
-    return {"up_proj": (ExpertStack(up.shape[0], (up.shape[1],)), why),
-            "down_proj": (ExpertStack(down.shape[0], (down.shape[1],)), why)}
+    out = 2 if transposed else 1  # the dimension of the out features (is_transposed: [E, in, out])
+    return {"up_proj": (ExpertStack(up.shape[0], (up.shape[out],), transposed), why),
+            "down_proj": (ExpertStack(down.shape[0], (down.shape[out],), transposed), why)}
 
 
 def _grouped_stacks(mod: nn.Module) -> Optional[dict[str, tuple[ExpertStack, str]]]:

@@ -24,10 +24,11 @@ def newton_schulz_flops(shape: Sequence[int], steps: int = 5, stack: Optional[Ex
     ``X' = a X + B X`` (2 m^2 n). A shape of more than two dimensions (a convolution
     kernel under ``flatten_conv``) counts as its ``(shape[0], prod(rest))`` matrix. An expert
     ``stack`` ``[E, m, n]`` counts each of its ``shape[0]`` experts, each as its row blocks: E
-    separate iterations per block, not one on a flattened matrix.
+    separate iterations per block, not one on a flattened matrix (a stack stored transposed,
+    ``[E, in, out]``, counts its ``(out_j, in)`` blocks: ``ExpertStack.matrix_shapes``).
     """
     if stack is not None and len(shape) == 3:
-        return int(shape[0]) * sum(newton_schulz_flops((rows, shape[2]), steps) for rows in stack.blocks)
+        return int(shape[0]) * sum(newton_schulz_flops(m, steps) for m in stack.matrix_shapes(tuple(shape)))
     if len(shape) < 2:
         return 0
     rows = int(shape[0])

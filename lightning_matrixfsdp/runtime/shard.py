@@ -32,14 +32,14 @@ from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_device, check_mesh
 from lightning_matrixfsdp.runtime.param import ShardedParam
-from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, UnitSpec
+from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 from lightning_matrixfsdp.runtime.prune_guard import install_prune_guard
 from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
-from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_tp, tag_tp_shape
+from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_role, tag_tp, tag_tp_shape
 from lightning_matrixfsdp.runtime.topology_comm import resolve
 from lightning_matrixfsdp.runtime.tp import local_data, read_layout
 from lightning_matrixfsdp.runtime.tp_init import init_tp_meta
@@ -165,6 +165,9 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     collected = collect(module, config)  # 1. specs
     if experts is not None:  # this rank's experts, declared stacks as the whole tensors were classified
         experts.split({fqn: r.stack for fqn, r in collected.roles.items() if r.is_matrix})
+        for fqn, p in experts.params.items():  # a local slice that is not a stack (GPT-OSS's expert biases) is tail
+            if not collected.roles[fqn].is_matrix:
+                tag_role(p, RoleKind.TAIL)
     plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
                      replicate=mesh.replicate_size, replica_split=config.replica_split)
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,

@@ -43,10 +43,16 @@ def tag_param(p: Any, shard: MatrixShard, owned: bool) -> None:
         tag_stack(p, stack)
 
 
+def tag_role(p: Any, role: RoleKind) -> None:
+    """Mark a parameter that has no placement (a local expert slice) with its role, so the
+    optimizers route it as classified (a per-expert bias ``[E/EP, out]`` is 2-D, yet tail)."""
+    setattr(p, _ROLE, RoleKind(role).value)
+
+
 def tag_stack(p: Any, stack: Optional[ExpertStack]) -> None:
     """Mark ``p`` as an expert stack (None removes the mark). The optimizers step a marked
-    tensor as ``p.shape[0]`` independent matrices of shape ``p.shape[1:]``, each split into
-    ``stack.blocks`` along dim 1, whatever ``p.shape[0]`` is (a local slice of the experts
+    tensor as ``p.shape[0]`` independent matrices (``p[e]``, or ``p[e].T`` for a stack stored
+    transposed), each split into ``stack.blocks`` rows, whatever ``p.shape[0]`` is (a local slice of the experts
     carries the whole stack's declaration)."""
     if stack is None:
         if _STACK in getattr(p, "__dict__", {}):

@@ -1,0 +1,392 @@
+"""GPT-OSS experts: declared automatically and stepped as the separate ``nn.Linear`` weights they are.
+
+GPT-OSS stores each layer's experts transposed, ``x @ W``: ``gate_up_proj [E, H, 2I]`` with gate
+and up interleaved along the last dimension (gate ``[..., ::2]``, up ``[..., 1::2]``) and
+``down_proj [E, I, H]``. As ``nn.Linear`` weights (``[out, in]``) expert ``e`` is three matrices:
+``gate = gate_up_proj[e][:, ::2].T`` ``(I, H)``, ``up = gate_up_proj[e][:, 1::2].T`` ``(I, H)`` and
+``down = down_proj[e].T`` ``(H, I)``. The oracle, written plainly here, is ``torch.optim.Muon`` on
+those separate 2-D tensors (its learning-rate adjustment read from their ``(out, in)`` shapes),
+and the Shampoo/SOAP wrappers on them one instance per matrix. ``H != I`` throughout, so an
+adjustment read from the stored orientation would differ. CPU, float32, every comparison bitwise.
+"""
+from __future__ import annotations
+
+import copy
+import tempfile
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from helpers.dist import OneLaunch
+from lightning_matrixfsdp.optim.muon import Muon
+from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
+from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks
+from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.tags import tag_stack
+
+E, H, I = 3, 8, 5  # experts, hidden size, intermediate size (H != I: the orientation matters)
+GATE_UP = ExpertStack(E, (I, I), transposed=True, interleaved=True)
+DOWN = ExpertStack(E, (H,), transposed=True)
+
+
+def _linear_weights(gate_up: torch.Tensor, down: torch.Tensor) -> list[torch.Tensor]:
+    """Expert by expert: gate, up, down as nn.Linear weights [out, in] (copies)."""
+    out = []
+    for e in range(gate_up.shape[0]):
+        out += [gate_up[e][:, 0::2].T.contiguous(), gate_up[e][:, 1::2].T.contiguous(), down[e].T.contiguous()]
+    return out
+
+
+def _setup(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    gate_up, down = torch.randn(E, H, 2 * I, generator=g), torch.randn(E, I, H, generator=g)
+    a, b = nn.Parameter(gate_up.clone()), nn.Parameter(down.clone())
+    tag_stack(a, GATE_UP)
+    tag_stack(b, DOWN)
+    separate = [nn.Parameter(w) for w in _linear_weights(gate_up, down)]
+    return a, b, separate
+
+
+def _feed(a, b, separate, seed: int, steps: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ga, gb = torch.randn(E, H, 2 * I, generator=g), torch.randn(E, I, H, generator=g)
+        a.grad, b.grad = ga.clone(), gb.clone()
+        for q, w in zip(separate, _linear_weights(ga, gb)):
+            q.grad = w
+        yield
+
+
+MUON_CASES = {
+    "default_adjust": dict(lr=0.02),
+    "match_rms_adamw": dict(lr=0.02, adjust_lr_fn="match_rms_adamw"),
+    "no_nesterov": dict(lr=0.01, nesterov=False, weight_decay=0.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUON_CASES))
+def test_gptoss_stacks_step_as_torch_muon_on_the_separate_linear_weights(case):
+    kw = MUON_CASES[case]
+    a, b, separate = _setup(seed=1)
+    ours = Muon([a, b], **kw)
+    ref = torch.optim.Muon(separate, **kw)
+    for _ in _feed(a, b, separate, seed=2, steps=3):
+        ours.step()
+        ref.step()
+        mine = _linear_weights(a.data, b.data)
+        bufs = _linear_weights(ours.state[a]["momentum_buffer"], ours.state[b]["momentum_buffer"])
+        for k, q in enumerate(separate):
+            assert torch.equal(mine[k], q.data), (case, "weight", divmod(k, 3))
+            assert torch.equal(bufs[k], ref.state[q]["momentum_buffer"]), (case, "momentum", divmod(k, 3))
+
+
+@pytest.mark.parametrize("transposed,interleaved", [(False, True), (True, False)])
+def test_the_other_layout_combinations_step_as_torch_muon(transposed, interleaved):
+    """A user's own stacks: interleaved rows stored [E, out, in], and contiguous blocks stored
+    [E, in, out]; the (out, in) matrices cut plainly: W = p[e] or p[e].T, block j = W[j::2] or
+    W[j*I:(j+1)*I]."""
+    g = torch.Generator().manual_seed(7)
+    shape = (E, H, 2 * I) if transposed else (E, 2 * I, H)
+    w = torch.randn(shape, generator=g)
+    stack = nn.Parameter(w.clone())
+    tag_stack(stack, ExpertStack(E, (I, I), transposed, interleaved))
+
+    def cut(t: torch.Tensor) -> list[torch.Tensor]:
+        mats = [t[e].T if transposed else t[e] for e in range(E)]
+        rows = [slice(0, None, 2), slice(1, None, 2)] if interleaved else [slice(0, I), slice(I, 2 * I)]
+        return [m[r].contiguous() for m in mats for r in rows]
+
+    separate = [nn.Parameter(m) for m in cut(w)]
+    ours, ref = Muon([stack], lr=0.02), torch.optim.Muon(separate, lr=0.02)
+    for _ in range(3):
+        grad = torch.randn(shape, generator=g)
+        stack.grad = grad.clone()
+        for q, m in zip(separate, cut(grad)):
+            q.grad = m
+        ours.step()
+        ref.step()
+    for k, (mine, q) in enumerate(zip(cut(stack.data), separate)):
+        assert torch.equal(mine, q.data), k
+
+
+LIB_CASES = {
+    "soap": ("SOAP", dict(lr=0.01, precondition_frequency=2)),
+    "shampoo": ("Shampoo", dict(lr=0.01, start_preconditioning_step=1, preconditioning_compute_steps=1,
+                                block_size=4, graft_type="rmsprop", use_svd=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIB_CASES))
+def test_gptoss_stacks_shampoo_soap_equal_one_instance_per_linear_weight(case):
+    """State per expert, in nn.Linear's orientation (out, in): entry ``e`` of each stacked state
+    tensor equals the state of a separate instance on that expert's (out, in) matrix."""
+    pytest.importorskip("pytorch_optimizer")
+    from lightning_matrixfsdp.optim import matrix_optimizers
+
+    name, kw = LIB_CASES[case]
+    cls = getattr(matrix_optimizers, name)
+    a, b, separate = _setup(seed=5)
+    ours = cls([a, b], **kw)
+    refs = [cls([q], **kw) for q in separate]
+    for _ in _feed(a, b, separate, seed=6, steps=3):
+        for r in refs:
+            r.step()
+        ours.step()
+    mine = _linear_weights(a.data, b.data)
+    for k, (q, r) in enumerate(zip(separate, refs)):
+        e, which = divmod(k, 3)
+        assert torch.equal(mine[k], q.data), (case, e, which)
+        state = ours.state[a] if which < 2 else ours.state[b]
+        prefix = f"block{which}/" if which < 2 else ""
+        for key, value in r.state[q].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(state[prefix + key][e], value), (case, key, e, which)
+
+
+# ---------------------------------------------------------------------- the declaration
+def test_layout_fields_are_validated_and_serialized_only_when_set():
+    plain = ExpertStack(4, (6, 6))
+    assert plain.to_dict() == {"num_experts": 4, "blocks": [6, 6]}  # unchanged: earlier plans' digests hold
+    assert ExpertStack.from_dict(plain.to_dict()) == plain
+    assert GATE_UP.to_dict() == {"num_experts": E, "blocks": [I, I], "transposed": True, "interleaved": True}
+    assert ExpertStack.from_dict(GATE_UP.to_dict()) == GATE_UP
+    assert GATE_UP.matrix_shapes((E, H, 2 * I)) == [(I, H), (I, H)] and DOWN.matrix_shapes((E, I, H)) == [(H, I)]
+    assert "2 interleaved blocks (5, 5), stored transposed [E, in, out]" in GATE_UP.describe()
+    for kw, why in ((dict(transposed=1), r"transposed must be True or False, got 1"),
+                    (dict(interleaved="yes"), r"interleaved must be True or False"),
+                    (dict(blocks=(2, 3), interleaved=True), r"interleaved needs at least two equal blocks"),
+                    (dict(blocks=(5,), interleaved=True), r"interleaved needs at least two equal blocks")):
+        with pytest.raises(ExpertStackError, match=why):
+            ExpertStack(**{"num_experts": 2, "blocks": (5, 5), **kw})
+    with pytest.raises(ExpertStackError, match="transposed must be True or False"):
+        ExpertStack.from_dict({"num_experts": 2, "blocks": [3], "transposed": "yes"})
+    with pytest.raises(ExpertStackError, match=r"does not fit .* cols \(stored transposed"):
+        GATE_UP.check("w", (E, 2 * I, H))  # the F.linear layout declared as transposed
+
+
+def _tiny_gptoss(layers: int = 1, experts: int = 2, hidden: int = 8, inter: int = 6, vocab: int = 32,
+                 **extra: Any) -> nn.Module:
+    import transformers as T
+
+    cfg = T.GptOssConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, head_dim=4,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         num_local_experts=experts, num_experts_per_tok=2, max_position_embeddings=64,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **extra)
+    return T.GptOssForCausalLM(cfg)
+
+
+def test_gptoss_is_declared_automatically_biases_on_adamw_and_priced_per_linear_matrix():
+    pytest.importorskip("transformers")
+    from lightning_matrixfsdp.runtime.classify import UndeclaredStackWarning
+    from lightning_matrixfsdp.runtime.roles import newton_schulz_flops
+    from lightning_matrixfsdp.runtime.shard import collect
+
+    model = _tiny_gptoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UndeclaredStackWarning)
+        collected = collect(model, MatrixFSDPConfig())
+    roles = {p.fqn: (p.is_matrix, p.stack) for u in collected.specs for p in u.params}
+    base = "model.layers.0.mlp.experts."
+    assert roles[base + "gate_up_proj"] == (True, ExpertStack(2, (6, 6), True, True))
+    assert roles[base + "down_proj"] == (True, ExpertStack(2, (8,), True))
+    assert roles[base + "gate_up_proj_bias"] == (False, None) and roles[base + "down_proj_bias"] == (False, None)
+    assert "per-expert bias" in collected.roles[base + "down_proj_bias"].reason
+    # the planner's price: per expert, the (out, in) matrices gate (6, 8), up (6, 8), down (8, 6)
+    ns = newton_schulz_flops
+    assert ns((2, 8, 12), 5, roles[base + "gate_up_proj"][1]) == 2 * 2 * ns((6, 8))
+    assert ns((2, 8, 12), 5, roles[base + "gate_up_proj"][1]) != 2 * 2 * ns((6, 12))  # not the stored columns
+    assert ns((2, 6, 8), 5, roles[base + "down_proj"][1]) == 2 * ns((8, 6))
+    # the option's mapping form declares the same layout for a user's own module
+    option = MatrixFSDPConfig(expert_stacks={
+        "*.experts.gate_up_proj": {"blocks": 2, "transposed": True, "interleaved": True},
+        "*.experts.down_proj": {"transposed": True}}).expert_stacks
+    assert {k: v[0] for k, v in declared_stacks(model, option).items()} == {
+        k: v[0] for k, v in declared_stacks(model).items()}
+
+
+def test_expert_stacks_mapping_form_is_checked():
+    for bad, why in (({"w": {"blocks": 2, "transposed": 1}}, r"'transposed' is 1 \(int\)"),
+                     ({"w": {"blocks": 2, "sideways": True}}, r"unknown key\(s\) \['sideways'\]"),
+                     ({"w": {"interleaved": True}}, r"'interleaved' needs 'blocks' of at least two equal"),
+                     ({"w": {"blocks": [2, 3], "interleaved": True}}, "at least two equal"),
+                     ({"w": {"blocks": {"a": 1}}}, "'blocks' is a dict"),
+                     ({"w": {"blocks": 0}}, "the blocks of pattern 'w'")):
+        with pytest.raises(MatrixShardError, match=why):
+            MatrixFSDPConfig(expert_stacks=bad)
+    pytest.importorskip("transformers")
+    from lightning_matrixfsdp.runtime.shard import collect
+
+    with pytest.raises(MatrixShardError, match=r"out features \(the last dimension: stored transposed\) 16\) into 3 "):
+        collect(_tiny_gptoss(hidden=16, inter=12), MatrixFSDPConfig(
+            expert_stacks={"*.experts.down_proj": {"blocks": 3, "transposed": True}}))
+
+
+# ---------------------------------------------------------------------- the model, 2 processes
+VOCAB, STEPS = 64, 3
+
+
+class PerExpertMuon:
+    """DDP's optimizer, plainly: torch.optim.Muon on one nn.Linear weight [out, in] per expert and
+    projection (gate = gate_up_proj[e][:, 0::2].T, up = gate_up_proj[e][:, 1::2].T,
+    down = down_proj[e].T), copied out of the stacks and back; the other matrices as they are;
+    AdamW on the rest (per-expert biases, embeddings and head by the recipe default)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, recipe_tail_ids
+
+        tail = recipe_tail_ids(model)
+        self.links: list[tuple[nn.Parameter, int, slice, nn.Parameter]] = []
+        mats, rest = [], []
+        for name, p in model.named_parameters():
+            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                cols = [slice(0, None, 2), slice(1, None, 2)] if name.endswith("gate_up_proj") else [slice(None)]
+                for e in range(p.shape[0]):
+                    for c in cols:
+                        q = nn.Parameter(p.data[e, :, c].T.clone())
+                        self.links.append((p, e, c, q))
+                        mats.append(q)
+            elif p.ndim == 2 and id(p) not in tail and not name.endswith("_bias"):
+                mats.append(p)
+            else:
+                rest.append(p)
+        self.opts = [torch.optim.Muon(mats, **MUON_DEFAULTS), torch.optim.AdamW(rest, **ADAMW_DEFAULTS)]
+
+    def step(self) -> None:
+        for p, e, c, q in self.links:
+            q.grad = p.grad[e, :, c].T.clone()
+        for o in self.opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, e, c, q in self.links:
+                p[e, :, c] = q.T
+                p.grad = None
+
+
+def worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    import lightning_matrixfsdp as mf
+    from helpers.equiv import EXACT, close, compare, full_params, make_sharded_optimizer
+    from helpers.models import batch_for, lm_loss
+    from helpers.oracle import allreduce_mean_grads
+    from lightning_matrixfsdp.runtime.classify import UndeclaredStackWarning
+    from lightning_matrixfsdp.runtime.tags import is_owned
+
+    torch.manual_seed(0)
+    sharded = _tiny_gptoss(layers=2, experts=4, hidden=16, inter=12, vocab=VOCAB)
+    oracle = copy.deepcopy(sharded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UndeclaredStackWarning)
+        mf.matrix_shard(sharded)
+    plan = mf.get_plan(sharded)
+    opts = make_sharded_optimizer(sharded, "ours")
+    ref = PerExpertMuon(oracle)
+    for step in range(STEPS):
+        idx = batch_for(step, rank)
+        lo = lm_loss(oracle(idx).logits, idx)
+        ls = lm_loss(sharded(idx).logits, idx)
+        assert close(lo.detach(), ls.detach(), EXACT), f"step {step}: loss {ls.item()} vs {lo.item()}"
+        lo.backward()
+        ls.backward()
+        allreduce_mean_grads(oracle)
+        o_params = dict(oracle.named_parameters())
+        for n, p in sharded.named_parameters():
+            if is_owned(p) and p.numel():
+                assert close(p.grad, o_params[n].grad, EXACT), f"step {step}: grad {n}"
+        ref.step()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        compare(full_params(sharded), dict(oracle.named_parameters()), EXACT, "param", step)
+    stacks = {s.fqn: s.stack.to_dict() for s in plan.shards() if s.stack is not None}
+    return {"stacks": stacks, "plan": str(plan), "ep": _expert_parallel(rank, world)}
+
+
+def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole on every rank: dense ones broadcast from their owner, expert slices
+    gathered (the world is one expert-parallel group: rank r holds experts [r E/EP, (r+1) E/EP))."""
+    import torch.distributed as dist
+
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, shard_of, state_of
+
+    sg, out = state_of(model).sg, {}
+    for name, p in model.named_parameters():
+        if expert_slice_of(p) is not None:
+            parts = [torch.empty_like(p.data) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, p.detach().contiguous())
+            out[name] = torch.cat(parts)
+            continue
+        t = p.data.clone() if is_owned(p) else torch.empty(shard_of(p).shape, dtype=p.dtype)
+        dist.broadcast(t, src=sg.g(shard_of(p).owner), group=sg.group)
+        out[name] = t
+    return out
+
+
+def _expert_parallel(rank: int, world: int) -> dict[str, Any]:
+    """expert_parallel_size=2 (float64, as tests/test_moe_ep.py: bf16 Newton-Schulz would amplify a
+    float32 difference in summation order) beside one process holding the whole model, fed every
+    rank's batch (DDP's loss: the mean), stepped by the per-expert Muon above. The largest
+    difference of loss and of any parameter over the steps."""
+    import lightning_matrixfsdp as mf
+    from helpers.equiv import make_sharded_optimizer
+    from helpers.models import batch_for, lm_loss
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of, role_of
+
+    torch.manual_seed(0)
+    # the eager loop (torch's CPU grouped_mm takes no float64)
+    model = _tiny_gptoss(layers=1, experts=4, hidden=16, inter=12, vocab=VOCAB,
+                         experts_implementation="eager").to(torch.float64)
+    oracle = copy.deepcopy(model)
+    mf.matrix_shard(model, expert_parallel_size=2)
+    local = {n: (tuple(p.shape), None if role_of(p) is None else role_of(p).value)
+             for n, p in model.named_parameters() if expert_slice_of(p) is not None}
+    opts = make_sharded_optimizer(model, "ours")
+    ref = PerExpertMuon(oracle)
+    worst = {"loss": 0.0, "param": 0.0}
+    for step in range(STEPS):
+        idx = batch_for(step, rank)
+        loss = lm_loss(model(idx).logits, idx)
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        ref_loss = sum(lm_loss(oracle(batch_for(step, r)).logits, batch_for(step, r)) for r in range(world)) / world
+        ref_loss.backward()
+        ref.step()
+        losses = [torch.zeros(1, dtype=loss.dtype) for _ in range(world)]
+        torch.distributed.all_gather(losses, loss.detach().reshape(1))
+        worst["loss"] = max(worst["loss"], abs(sum(x.item() for x in losses) / world - ref_loss.item()))
+        want = dict(oracle.named_parameters())
+        worst["param"] = max(worst["param"], max((t - want[n].detach()).abs().max().item()
+                                                 for n, t in _whole(model).items()))
+    return {"worst": worst, "local": local}
+
+
+LAUNCH = OneLaunch(worker, 2, tempfile.mkdtemp(prefix="moe_gptoss_"), timeout=600)
+
+
+def test_tiny_gptoss_at_2_processes_equals_ddp_with_per_expert_muon():
+    pytest.importorskip("transformers")
+    res = LAUNCH.results()[0]
+    assert len(res["stacks"]) == 4, res["stacks"]  # both layers' gate_up_proj and down_proj, declared
+    for fqn, d in res["stacks"].items():
+        want = ({"num_experts": 4, "blocks": [12, 12], "transposed": True, "interleaved": True}
+                if fqn.endswith("gate_up_proj") else {"num_experts": 4, "blocks": [16], "transposed": True})
+        assert d == want, (fqn, d)
+    assert "each as 2 interleaved blocks (12, 12), stored transposed [E, in, out]" in res["plan"], res["plan"]
+
+
+def test_tiny_gptoss_under_expert_parallelism_equals_one_process():
+    """The GPT-OSS seam (runtime/gptoss_seam.py): each rank keeps 2 of the 4 experts of each layer
+    (stacks and biases), tokens travel to them; equal to the whole model in one process within
+    float64 noise. The local per-expert biases are tail (AdamW), the stacks stacks."""
+    pytest.importorskip("transformers")
+    for r in LAUNCH.results():
+        ep = r["ep"]
+        assert ep["worst"]["loss"] < 1e-9 and ep["worst"]["param"] < 1e-9, ep["worst"]
+        base = "model.layers.0.mlp.experts."
+        assert ep["local"][base + "gate_up_proj"] == ((2, 16, 24), None), ep["local"]
+        assert ep["local"][base + "gate_up_proj_bias"] == ((2, 24), "tail"), ep["local"]
+        assert ep["local"][base + "down_proj_bias"] == ((2, 16), "tail"), ep["local"]
