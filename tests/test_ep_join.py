@@ -3,8 +3,10 @@ experts, so the ranks that compute never wait in a token exchange.
 
 Every scenario gives the ranks different numbers of evaluation batches (one rank none at all in
 some) and checks each computing rank's outputs, batch by batch, against the same batch run by a
-plain one-process copy of the model (float64, never sharded): the oracle. One launch per world
-size runs every scenario; a broken join hangs the launch, which ``run_distributed`` kills.
+plain one-process copy of the model (float64, never sharded): the oracle. One task per world size
+runs every scenario, on the session's pools (the Hugging Face ones on ``hf_pool``, the 4-rank ones,
+torchtitan-shaped experts without transformers, on ``dist_pools(4)``): a broken join hangs the
+task, which the pool gives up on after its timeout.
 """
 from __future__ import annotations
 
@@ -13,48 +15,80 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from helpers.dist import OneLaunch
-
-pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(600)
+import lightning_matrixfsdp as mf
 
 TOL = 1e-9  # float64: only the order of the expert sums differs from the oracle
+DTYPE = torch.float64
 LAYER = "transformers.models.mixtral.modeling_mixtral.MixtralDecoderLayer"
+TIMEOUT = 180  # a hang shows as a timeout of the task
+
+
+# ---------------------------------------------------------------------- a torchtitan-shaped MoE
+class GroupedExperts(torch.nn.Module):
+    """Stacked ``w1``/``w2``/``w3``; rows sorted by expert with their counts (as in test_moe_ep)."""
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) / hidden ** 0.5)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert.tolist()):
+            xe = x[start:start + n]
+            start += n
+            outs.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
+        return torch.cat(outs)
+
+
+class GroupedMoE(torch.nn.Module):
+    """Router, top-2, tokens sorted by expert, experts, unsorted; ``skew``: the router always picks
+    experts 0 and 1 (a bias of +-5, no weight), so every token goes to expert-parallel place 0."""
+
+    def __init__(self, dim: int, experts: int, skew: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.router = torch.nn.Linear(dim, experts, bias=skew)
+        if skew:
+            with torch.no_grad():
+                self.router.weight.zero_()
+                self.router.bias.copy_(torch.tensor([5.0, 5.0] + [-5.0] * (experts - 2)))
+        self.experts = mf.parallelize_experts(GroupedExperts(dim, 2 * dim, experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.norm(x).reshape(-1, x.shape[-1])
+        weights, index = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)
+        order = torch.argsort(index.reshape(-1), stable=True)
+        counts = torch.bincount(index.reshape(-1), minlength=self.experts.num_experts)
+        y_sorted = self.experts(flat.repeat_interleave(2, dim=0)[order], counts)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        return x + (y.view(-1, 2, x.shape[-1]) * weights[..., None]).sum(1).view_as(x)
+
+
+class TinyGrouped(torch.nn.Module):
+    """Embedding, two MoE blocks (each a unit: materializations between the exchanges), head."""
+
+    def __init__(self, experts: int, skew: bool) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.blocks = torch.nn.ModuleList(GroupedMoE(16, experts, skew) for _ in range(2))
+        self.head = torch.nn.Linear(16, 64, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
 
 
 def ids(step: int, rank: int, n: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(500 * step + rank)
     return torch.randint(0, 64, (n, 8), generator=g)
-
-
-def skewed_grouped(experts: int = 4):
-    """The torchtitan-shaped model of ``test_moe_ep`` (the same initialization), its forward giving
-    the logits, and routers that always pick experts 0 and 1 (a bias of +-5, no weight): every token
-    goes to expert-parallel place 0, so place 0's tokens route to no remote expert, and a rank at
-    place 1 computes nothing for anyone yet still exchanges counts."""
-    from test_moe_ep import DTYPE, TinyGrouped
-
-    class GroupedLogits(TinyGrouped):
-        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            h = self.embed(input_ids)
-            for block in self.blocks:
-                h = block(h)
-            return self.head(h)
-
-    torch.manual_seed(0)
-    model = GroupedLogits(experts).to(DTYPE)
-    for block in model.blocks:
-        router = torch.nn.Linear(16, experts, bias=True, dtype=DTYPE)
-        with torch.no_grad():
-            router.weight.zero_()
-            router.bias.copy_(torch.tensor([5.0, 5.0] + [-5.0] * (experts - 2)))
-        block.router = router
-    return model
-
-
-def grouped_out(model, x: torch.Tensor) -> torch.Tensor:
-    return model(x)
 
 
 def mixtral_logits(model, x: torch.Tensor) -> torch.Tensor:
@@ -68,13 +102,19 @@ def greedy_two(model, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([first[:, -1], mixtral_logits(model, torch.cat([x, nxt], 1))[:, -1]], 1)
 
 
-RUNS = {"mixtral": mixtral_logits, "grouped": grouped_out, "greedy": greedy_two}
-
-
-def build(kind: str):
+def build(kind: str) -> torch.nn.Module:
+    if kind in ("grouped", "skewed"):
+        torch.manual_seed(0)
+        return TinyGrouped(4, skew=kind == "skewed").to(DTYPE)
     from test_moe_ep import tiny_mixtral
 
-    return skewed_grouped() if kind == "grouped" else tiny_mixtral(4)
+    return tiny_mixtral(4)
+
+
+def run(kind: str, model, x: torch.Tensor) -> torch.Tensor:
+    if kind in ("grouped", "skewed"):
+        return model(x)
+    return greedy_two(model, x) if kind == "greedy" else mixtral_logits(model, x)
 
 
 def joined_loop(rank: int, kind: str, counts: list[int], ep: int, **options) -> dict:
@@ -84,11 +124,10 @@ def joined_loop(rank: int, kind: str, counts: list[int], ep: int, **options) -> 
     from lightning_matrixfsdp.runtime import scheduled_forwards
     from lightning_matrixfsdp.runtime.join import EvalJoin
 
-    run = RUNS[kind]
     oracle = build(kind).eval()
     model = build(kind).eval()
-    if kind != "grouped":
-        options.setdefault("wrap_policy", LAYER)  # several units: materializations between the exchanges
+    # several units: materializations (and their prefetch) between the exchanges
+    options.setdefault("wrap_policy", {GroupedMoE} if kind in ("grouped", "skewed") else LAYER)
     mf.matrix_shard(model, expert_parallel_size=ep, **options)
     join = EvalJoin([model])
     batches = [ids(s, rank) for s in range(counts[rank])]
@@ -97,9 +136,9 @@ def joined_loop(rank: int, kind: str, counts: list[int], ep: int, **options) -> 
     with torch.no_grad(), scheduled_forwards(model):
         for s, x in enumerate(batches):
             join.begin_step()
-            got = run(model, x)
+            got = run(kind, model, x)
             join.end_step(s == len(batches) - 1)
-            worst = max(worst, (got - run(oracle, x)).abs().max().item())
+            worst = max(worst, (got - run(kind, oracle, x)).abs().max().item())
             ran += 1
         if not batches:
             join.drain()
@@ -151,53 +190,66 @@ def trainer_validate(rank: int, world: int, counts: list[int]) -> dict:
             "n_preds": len(preds)}
 
 
-# ---------------------------------------------------------------------- launches
+# ---------------------------------------------------------------------- the tasks
+COUNTS2 = {"mixtral": [3, 1], "no_batch": [0, 2], "greedy": [1, 3], "grouped": [2, 0]}
+COUNTS4 = {"ep2": [2, 0, 3, 1], "ep2_skewed": [3, 1, 0, 2], "ep2_hsdp": [1, 3, 0, 2],
+           # an expert-parallel group across both shard groups: the announcements must reach every rank
+           "ep4_hsdp": [0, 2, 1, 3]}
+TRAINER_COUNTS = [3, 1]
+
+
 def _world2(rank: int, world: int) -> dict:
-    return {
-        "mixtral": joined_loop(rank, "mixtral", [3, 1], ep=2),
-        "no_batch": joined_loop(rank, "mixtral", [0, 2], ep=2),
-        "greedy": joined_loop(rank, "greedy", [1, 3], ep=2),
-        "grouped_skewed": joined_loop(rank, "grouped", [1, 3], ep=2),
-        "grouped_skewed_other": joined_loop(rank, "grouped", [3, 0], ep=2),
-        "trainer": trainer_validate(rank, world, [3, 1]),
-    }
+    out = {name: joined_loop(rank, name if name != "no_batch" else "mixtral", counts, ep=2)
+           for name, counts in COUNTS2.items()}
+    out["trainer"] = trainer_validate(rank, world, TRAINER_COUNTS)
+    return out
 
 
 def _world4(rank: int, world: int) -> dict:
     return {
-        "ep2": joined_loop(rank, "mixtral", [2, 0, 3, 1], ep=2),
-        "ep2_hsdp": joined_loop(rank, "mixtral", [1, 3, 0, 2], ep=2, shard_size=2),
-        # an expert-parallel group across both shard groups: the announcements must reach every rank
-        "ep4_hsdp": joined_loop(rank, "mixtral", [0, 2, 1, 3], ep=4, shard_size=2),
+        "ep2": joined_loop(rank, "grouped", COUNTS4["ep2"], ep=2),
+        "ep2_skewed": joined_loop(rank, "skewed", COUNTS4["ep2_skewed"], ep=2),
+        "ep2_hsdp": joined_loop(rank, "grouped", COUNTS4["ep2_hsdp"], ep=2, shard_size=2),
+        "ep4_hsdp": joined_loop(rank, "skewed", COUNTS4["ep4_hsdp"], ep=4, shard_size=2),
     }
 
 
-WORLD2 = OneLaunch(_world2, 2, timeout=240)
-WORLD4 = OneLaunch(_world4, 4, timeout=240)
+_DONE: dict[int, tuple] = {}
 
-COUNTS2 = {"mixtral": [3, 1], "no_batch": [0, 2], "greedy": [1, 3], "grouped_skewed": [1, 3],
-           "grouped_skewed_other": [3, 0]}
-COUNTS4 = {"ep2": [2, 0, 3, 1], "ep2_hsdp": [1, 3, 0, 2], "ep4_hsdp": [0, 2, 1, 3]}
+
+def results(world: int, pool) -> list[dict]:
+    """The world's task, run once for every test of this file (a failure raised again by each)."""
+    if world not in _DONE:
+        try:
+            _DONE[world] = (pool.run(_world2 if world == 2 else _world4, timeout=TIMEOUT), None)
+        except AssertionError as e:
+            _DONE[world] = (None, e)
+    res, err = _DONE[world]
+    if err is not None:
+        raise err
+    return res
 
 
 @pytest.mark.parametrize("scenario", sorted(COUNTS2))
-def test_world2_uneven_evaluation_with_expert_parallelism(scenario):
-    for rank, r in enumerate(WORLD2.results()):
+def test_world2_uneven_evaluation_with_expert_parallelism(scenario, hf_pool):
+    pytest.importorskip("transformers")
+    for rank, r in enumerate(results(2, hf_pool)):
         res = r[scenario]
         assert res["ran"] == COUNTS2[scenario][rank]
         assert res["worst"] < TOL, (scenario, rank, res)
 
 
 @pytest.mark.parametrize("scenario", sorted(COUNTS4))
-def test_world4_uneven_evaluation_with_expert_parallelism(scenario):
-    for rank, r in enumerate(WORLD4.results()):
+def test_world4_uneven_evaluation_with_expert_parallelism(scenario, dist_pools):
+    for rank, r in enumerate(results(4, dist_pools(4))):
         res = r[scenario]
         assert res["ran"] == COUNTS4[scenario][rank]
         assert res["worst"] < TOL, (scenario, rank, res)
 
 
-def test_trainer_validate_and_predict_uneven_with_expert_parallelism():
-    for r in (res["trainer"] for res in WORLD2.results()):
+def test_trainer_validate_and_predict_uneven_with_expert_parallelism(hf_pool):
+    pytest.importorskip("transformers")
+    for r in (res["trainer"] for res in results(2, hf_pool)):
         assert len(r["losses"]) == r["n"] and r["n_preds"] == r["n"]
         torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
                                    torch.tensor(r["want"], dtype=torch.float64), rtol=0, atol=1e-6)
