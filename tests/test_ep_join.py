@@ -191,16 +191,23 @@ def trainer_validate(rank: int, world: int, counts: list[int]) -> dict:
 
 
 # ---------------------------------------------------------------------- the tasks
-COUNTS2 = {"mixtral": [3, 1], "no_batch": [0, 2], "greedy": [1, 3], "grouped": [2, 0]}
+COUNTS2 = {"mixtral": [3, 1], "no_batch": [0, 2], "greedy": [1, 3], "grouped": [2, 0], "one_unit": [1, 2]}
 COUNTS4 = {"ep2": [2, 0, 3, 1], "ep2_skewed": [3, 1, 0, 2], "ep2_hsdp": [1, 3, 0, 2],
            # an expert-parallel group across both shard groups: the announcements must reach every rank
            "ep4_hsdp": [0, 2, 1, 3]}
 TRAINER_COUNTS = [3, 1]
 
 
+def _root_only(name: str, module: torch.nn.Module) -> bool:
+    return False
+
+
 def _world2(rank: int, world: int) -> dict:
-    out = {name: joined_loop(rank, name if name != "no_batch" else "mixtral", counts, ep=2)
-           for name, counts in COUNTS2.items()}
+    kinds = {"no_batch": "mixtral", "one_unit": "grouped"}
+    out = {name: joined_loop(rank, kinds.get(name, name), counts, ep=2) for name, counts in COUNTS2.items()
+           if name != "one_unit"}
+    # one unit holding both experts modules: two exchanges after one materialization
+    out["one_unit"] = joined_loop(rank, "grouped", COUNTS2["one_unit"], ep=2, wrap_policy=_root_only)
     out["trainer"] = trainer_validate(rank, world, TRAINER_COUNTS)
     return out
 
