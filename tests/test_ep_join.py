@@ -81,7 +81,7 @@ class TinyGrouped(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
-        for block in self.blocks:
+        for block in (reversed(self.blocks) if getattr(self, "reverse", False) else self.blocks):
             h = block(h)
         return self.head(h)
 
@@ -193,6 +193,31 @@ def trainer_validate(rank: int, world: int, counts: list[int]) -> dict:
             "n_preds": len(preds)}
 
 
+def diverging(rank: int) -> tuple[str, float]:
+    """A joined step (rank 3 has no batch) where rank 1 runs the experts modules in the other order
+    (one unit: no materialization in between): the error every rank raises, and how long it took."""
+    from lightning_matrixfsdp.runtime import scheduled_forwards
+    from lightning_matrixfsdp.runtime.errors import RankDivergenceError
+    from lightning_matrixfsdp.runtime.join import EvalJoin
+
+    model = build("grouped").eval()
+    mf.matrix_shard(model, expert_parallel_size=2, wrap_policy=_root_only)
+    model.reverse = rank == 1
+    join = EvalJoin([model])
+    start = time.monotonic()
+    try:
+        with torch.no_grad(), scheduled_forwards(model):
+            if rank == 3:
+                join.drain()
+            else:
+                join.begin_step()
+                model(ids(0, rank))
+                join.end_step(True)
+    except RankDivergenceError as e:
+        return str(e), time.monotonic() - start
+    return "no error", 0.0
+
+
 # ---------------------------------------------------------------------- the tasks
 COUNTS2 = {"mixtral": [3, 1], "no_batch": [0, 2], "greedy": [1, 3], "grouped": [2, 0], "one_unit": [1, 2]}
 COUNTS4 = {"ep2": [2, 0, 3, 1], "ep2_skewed": [3, 1, 0, 2], "ep2_hsdp": [1, 3, 0, 2],
@@ -225,6 +250,7 @@ def _world4(rank: int, world: int) -> dict:
         "ep2_hsdp": joined_loop(rank, "grouped", COUNTS4["ep2_hsdp"], ep=2, shard_size=2),
         "ep4_hsdp": joined_loop(rank, "skewed", COUNTS4["ep4_hsdp"], ep=4, shard_size=2),
         "ragged": joined_loop(rank, "grouped", COUNTS4["ragged"], ep=2, forwards=(1, 2, 1, 1)),
+        "diverging": diverging(rank),
     }
 
 
@@ -268,3 +294,11 @@ def test_trainer_validate_and_predict_uneven_with_expert_parallelism(hf_pool):
         torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
                                    torch.tensor(r["want"], dtype=torch.float64), rtol=0, atol=1e-6)
         assert r["preds"] < TOL, r
+
+
+def test_ranks_running_experts_modules_in_another_order_raise_on_every_rank(dist_pools):
+    for message, seconds in (r["diverging"] for r in results(4, dist_pools(4))):
+        assert "diverged in an evaluation step" in message, message
+        assert "rank 0 runs the token exchange of experts module 'blocks.0.experts'" in message, message
+        assert "rank 1 runs the token exchange of experts module 'blocks.1.experts'" in message, message
+        assert seconds < 30, seconds
