@@ -31,7 +31,8 @@ from lightning_matrixfsdp.runtime.ep_comm import (EP_COMBINE, EP_DISPATCH, all_t
                                                   expert_group)
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
-__all__ = ["LocalExperts", "expert_parallel_forward", "grouped_mm_available", "hf_experts", "hf_experts_forward"]
+__all__ = ["LocalExperts", "dtype_code", "dtype_of_code", "expert_parallel_forward", "grouped_mm_available",
+           "hf_experts", "hf_experts_forward"]
 
 #: ``local_experts(x_sorted, counts)``: this rank's experts on rows grouped expert-major
 #: (``counts[i]`` rows for local expert ``i``), returning ``[sum(counts), H]``.
@@ -43,8 +44,15 @@ _OK, _BAD_SHAPES, _BAD_INDEX = 0, 1, 2
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer for the dtype of hidden states (the counts exchange's header, the join's
+    announcements); a dtype outside the known four gets ``4 + itemsize``, which names no dtype."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + dtype.itemsize
+
+
+def dtype_of_code(code: int) -> Optional[torch.dtype]:
+    """The dtype :func:`dtype_code` gave ``code``; None where the code names none."""
+    return _DTYPES[code] if 0 <= code < len(_DTYPES) else None
 
 
 def _check_inputs(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, num_experts: int
@@ -115,7 +123,7 @@ def expert_parallel_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top
         flat = top_k_index.reshape(-1).long()
         counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].cpu()
     h = int(hidden.shape[-1]) if hidden.dim() else 0
-    header = torch.tensor([[status, h, _dtype_code(hidden.dtype)]], dtype=torch.long).expand(ep, _HEADER)
+    header = torch.tensor([[status, h, dtype_code(hidden.dtype)]], dtype=torch.long).expand(ep, _HEADER)
     rows = torch.cat([counts.view(ep, per_rank), header], dim=1).to(hidden.device)
     received = exchange_counts(rows, sg, stats).cpu()
     _refuse_if_any(received, status, message, sg)

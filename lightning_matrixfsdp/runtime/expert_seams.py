@@ -14,7 +14,12 @@ Three seams are known:
 Under ``expert_parallel_size > 1`` ``matrix_shard`` keeps each seam's experts
 ``[r E/EP, (r+1) E/EP)`` on expert-parallel rank ``r`` and replaces the seam's forward by one
 that sends each token to its expert's rank (``expert_dispatch.expert_parallel_forward``) and
-runs the module's own expert computation there on the local experts. Nothing here communicates.
+runs the module's own expert computation there on the local experts. Nothing here communicates
+itself (the dispatch it is given does).
+
+For uneven evaluation (``runtime/join.py``) an installed seam also tells a callback before each
+exchange (:func:`set_exchange_announce`) and can run its exchange with no token of this rank's
+own (:func:`exchange_without_tokens`), so a rank without a batch still serves its experts.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ from torch import nn
 from lightning_matrixfsdp.runtime.gptoss_seam import GPTOSS, install_gptoss_forward, is_gptoss_experts
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
-__all__ = ["ExpertSeam", "parallelize_experts", "find_seams", "install_forward"]
+__all__ = ["ExpertSeam", "parallelize_experts", "find_seams", "install_forward", "joinable_seams",
+           "set_exchange_announce", "exchange_without_tokens"]
 
 TOPK, GROUPED = "topk", "grouped"
 _STYLE = "_mfsdp_expert_style"  # a module mark: set by parallelize_experts, read by find_seams
+# marks of an installed seam, for the uneven-evaluation join (runtime/join.py): the callback told
+# before each token exchange of a joined step, and the exchange run with no token of this rank's
+_ANNOUNCE, _NO_TOKENS = "_mfsdp_ep_announce", "_mfsdp_ep_no_tokens"
 _HF_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
 
 
@@ -118,10 +127,10 @@ def install_forward(seam: ExpertSeam, dispatch: Callable[..., torch.Tensor], gro
     (exactly ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, an ``act_fn``; a grouped GEMM
     where torch has one), used for the modules in that layout instead of their own loop."""
     module, e = seam.module, seam.num_experts
+    exchange, dispatch = dispatch, _announced(module, dispatch)
     if seam.kind == GPTOSS:
-        install_gptoss_forward(module, e, dispatch, group)
-        return
-    if seam.kind == TOPK and fused is not None and _mixtral_layout(module):
+        local = install_gptoss_forward(module, e, dispatch, group)
+    elif seam.kind == TOPK and fused is not None and _mixtral_layout(module):
         def local(x: torch.Tensor, counts: Any) -> torch.Tensor:
             return fused(x, [int(c) for c in counts], module.gate_up_proj, module.down_proj, module.act_fn)
 
@@ -148,7 +157,43 @@ def install_forward(seam: ExpertSeam, dispatch: Callable[..., torch.Tensor], gro
             ids = _expert_ids(num_tokens_per_expert, x.device)
             return dispatch(x, ids[:, None], torch.ones(ids.shape[0], 1, dtype=x.dtype, device=x.device), e, local,
                             group)
-    module.forward = forward  # type: ignore[method-assign]
+    if seam.kind != GPTOSS:  # the GPT-OSS seam installed its own forward
+        module.forward = forward  # type: ignore[method-assign]
+    object.__setattr__(module, _NO_TOKENS, lambda h, dtype, device: exchange(
+        torch.zeros(0, h, dtype=dtype, device=device), torch.zeros(0, 1, dtype=torch.long, device=device),
+        torch.zeros(0, 1, dtype=dtype, device=device), e, local, group))
+
+
+def _announced(module: nn.Module, dispatch: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``dispatch``, telling the join's callback (if one is set) before the exchange."""
+    def run(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        announce = module.__dict__.get(_ANNOUNCE)
+        if announce is not None:
+            announce(hidden)
+        return dispatch(hidden, *args)
+    return run
+
+
+def joinable_seams(root: nn.Module) -> list[nn.Module]:
+    """The experts modules under ``root`` whose forward ``install_forward`` replaced, in module order."""
+    return [m for m in root.modules() if _NO_TOKENS in m.__dict__]
+
+
+def set_exchange_announce(module: nn.Module, announce: Optional[Callable[[torch.Tensor], None]]) -> None:
+    """``announce(hidden)`` runs before each token exchange of ``module`` (None: nothing runs)."""
+    if announce is None:
+        module.__dict__.pop(_ANNOUNCE, None)
+    else:
+        object.__setattr__(module, _ANNOUNCE, announce)
+
+
+def exchange_without_tokens(module: nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
+    """Take part in ``module``'s token exchange with no token of this rank's own (collective, as the
+    seam's forward): this rank's experts still compute the tokens the other ranks send them, and the
+    results go back. No autograd graph is kept."""
+    device = next(module.parameters()).device
+    with torch.no_grad():
+        module.__dict__[_NO_TOKENS](hidden_size, dtype, device)
 
 
 def _mixtral_layout(module: nn.Module) -> bool:

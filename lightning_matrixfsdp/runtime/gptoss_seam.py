@@ -35,8 +35,9 @@ def is_gptoss_experts(module: nn.Module, arg_names: tuple[str, ...]) -> bool:
 
 
 def install_gptoss_forward(module: nn.Module, num_experts: int, dispatch: Callable[..., torch.Tensor],
-                           group: Any) -> None:
-    """Replace ``module``'s forward (an instance attribute) by the expert-parallel one:
+                           group: Any) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """Replace ``module``'s forward (an instance attribute) by the expert-parallel one and return the
+    local computation (what the uneven-evaluation join runs with no token of this rank's own):
     ``dispatch`` (``expert_parallel_forward``) moves the rows to their experts' ranks and calls
     back the module's own eager loop on this rank's ``E/EP`` experts (local indices, weight 1)."""
     own = type(module).forward
@@ -55,3 +56,4 @@ def install_gptoss_forward(module: nn.Module, num_experts: int, dispatch: Callab
         return dispatch(hidden_states, router_indices, routing_weights, num_experts, local, group)
 
     module.forward = forward  # type: ignore[method-assign]
+    return local

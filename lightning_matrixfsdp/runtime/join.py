@@ -15,6 +15,15 @@ The protocol, per evaluation step, in ``EvalJoin``:
    answers with "idle"/"done" and materializes the announced unit with the others,
    releasing it at once; the step ends when nobody announces any more.
 
+Under expert parallelism a rank's experts compute the tokens every rank of its
+expert-parallel group routes to them, so an idle rank must also take part in each token
+exchange: in join mode a rank about to run an experts module's exchange announces it
+(``(exchange, module, hidden size, dtype)``), and a rank without a batch answers by running
+that module's exchange with no token of its own (``expert_seams.exchange_without_tokens``):
+its experts compute what the others send and send the results back. The announcements then
+go over the whole world, not the shard group: under HSDP an expert-parallel group need not
+lie inside one shard group, and every rank of it must hear of the exchange.
+
 Why announcements rather than replaying a recorded forward or a rank's last batch:
 a replay is exact only if every forward runs the same units in the same order
 (``predict_step`` loops, data-dependent branches, a rank with no batch at all to
@@ -35,11 +44,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError, UnevenInputsError
+from lightning_matrixfsdp.runtime.expert_dispatch import dtype_code, dtype_of_code
+from lightning_matrixfsdp.runtime.expert_seams import exchange_without_tokens, joinable_seams, set_exchange_announce
 from lightning_matrixfsdp.runtime.small_comm import gather_ints
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import state_of
 
-IDLE, DONE, MATERIALIZE = range(3)
+#: an announcement row is (op, a, b, c): (MATERIALIZE, root, unit, 0), (EXCHANGE, experts module,
+#: hidden size, dtype code), or (IDLE/DONE, -1, -1, -1) from a rank with nothing to announce
+IDLE, DONE, MATERIALIZE, EXCHANGE = range(4)
+_NOTHING = (-1, -1, -1)
 
 
 class EvalJoin:
@@ -48,8 +62,18 @@ class EvalJoin:
     def __init__(self, roots: Sequence[nn.Module]) -> None:
         """``roots``: the sharded models (``sharded_roots``) whose steps the ranks keep in step."""
         self.states: list[MatrixFSDPState] = [state_of(r) for r in roots]
-        # every root of one strategy shards over the same ranks: the first one's group carries announcements
-        self.group = self.states[0].sg.group
+        #: the experts modules whose token exchanges the ranks keep in step (expert parallelism), and their names
+        self.seams: list[nn.Module] = []
+        self.seam_names: list[str] = []
+        for root in roots:
+            names = {id(m): n for n, m in root.named_modules()}
+            for m in joinable_seams(root):
+                if all(m is not s for s in self.seams):
+                    self.seams.append(m)
+                    self.seam_names.append(names.get(id(m)) or "<root>")
+        # every root of one strategy shards over the same ranks: the first one's group carries
+        # announcements; the world's under expert parallelism (an expert-parallel group may span shard groups)
+        self.group = self.states[0].sg.group if not self.seams else None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.steps = 0  # evaluation steps this rank ran since the last drain
@@ -68,6 +92,8 @@ class EvalJoin:
         if self.joining:
             for i, state in enumerate(self.states):
                 state.schedule.announce = (lambda unit, root=i: self._announce(root, unit))
+            for i, seam in enumerate(self.seams):
+                set_exchange_announce(seam, lambda hidden, seam=i: self._announce_exchange(seam, hidden))
 
     def end_step(self, is_last: bool) -> None:
         """After this rank's evaluation step; ``is_last``: it had no further batch, so it
@@ -75,6 +101,8 @@ class EvalJoin:
         if self.joining:
             for state in self.states:
                 state.schedule.announce = None
+            for seam in self.seams:
+                set_exchange_announce(seam, None)
             self._serve(DONE)
             self.joining = False
         if is_last:
@@ -114,27 +142,55 @@ class EvalJoin:
         return sum(r[0] for r in rows)
 
     def _announce(self, root: int, unit: int) -> None:
-        rows = gather_ints([MATERIALIZE, root, unit], self.group, "the evaluation join's announcement")
+        rows = gather_ints([MATERIALIZE, root, unit, 0], self.group, "the evaluation join's announcement")
+        self._wanted(rows)
+
+    def _announce_exchange(self, seam: int, hidden: Any) -> None:
+        """Before this rank's token exchange in experts module ``seam`` (``hidden``: its tokens)."""
+        size = int(hidden.shape[-1]) if hidden.dim() else 0
+        rows = gather_ints([EXCHANGE, seam, size, dtype_code(hidden.dtype)], self.group,
+                           "the evaluation join's announcement")
         self._wanted(rows)
 
     def _serve(self, status: int) -> None:
-        """Answer announcements with ``status`` and materialize what they name, until none comes."""
+        """Answer announcements with ``status`` and run what they name, until none comes."""
         while True:
-            rows = gather_ints([status, -1, -1], self.group, "the evaluation join's announcement")
+            rows = gather_ints([status, *_NOTHING], self.group, "the evaluation join's announcement")
             wanted = self._wanted(rows)
             if wanted is None:
                 return
-            self.states[wanted[0]].materialize_for_peers(wanted[1])
+            op, a, b, c = wanted
+            if op == MATERIALIZE:
+                self.states[a].materialize_for_peers(b)
+            else:
+                exchange_without_tokens(self.seams[a], b, dtype_of_code(c))  # type: ignore[arg-type]
 
-    def _wanted(self, rows: list[list[int]]) -> Optional[tuple[int, int]]:
-        want = {(r, u) for op, r, u in rows if op == MATERIALIZE}
+    def _wanted(self, rows: list[list[int]]) -> Optional[tuple[int, int, int, int]]:
+        """The one operation the ranks with a step announced (None: nobody announced); every rank
+        raises where they announced different ones, or an exchange this join cannot follow."""
+        want = {tuple(row) for row in rows if row[0] in (MATERIALIZE, EXCHANGE)}
         if len(want) > 1:  # every rank holds the same rows: every rank raises
-            doing = "; ".join(f"rank {i} materializes unit {self._name(r, u)}" for i, (op, r, u) in enumerate(rows)
-                              if op == MATERIALIZE)
+            doing = "; ".join(f"rank {i} {self._describe(row)}" for i, row in enumerate(rows)
+                              if row[0] in (MATERIALIZE, EXCHANGE))
             raise RankDivergenceError(
                 f"MatrixFSDP ranks diverged in an evaluation step: {doing}. Every rank with a batch must run "
-                "the same units in the same order.")
-        return next(iter(want), None)
+                "the same units and experts modules in the same order.")
+        wanted = next(iter(want), None)
+        if wanted is not None and wanted[0] == EXCHANGE and dtype_of_code(wanted[3]) is None:
+            raise UnevenInputsError(
+                f"MatrixFSDP: the ranks with a batch {self._describe(list(wanted))}, but the ranks without one "
+                "can only follow an expert-parallel exchange of float32, float64, bfloat16 or float16 hidden "
+                "states; give every rank the same number of evaluation batches, or use one of those dtypes.")
+        return wanted  # type: ignore[return-value]
+
+    def _describe(self, row: list[int]) -> str:
+        op, a, b, c = row
+        if op == MATERIALIZE:
+            return f"materializes unit {self._name(a, b)}"
+        name = repr(self.seam_names[a]) if 0 <= a < len(self.seam_names) else f"#{a}"
+        dtype = dtype_of_code(c)
+        return (f"runs the token exchange of experts module {name} (hidden size {b}, "
+                f"{dtype if dtype is not None else 'an unsupported dtype'})")
 
     def _name(self, root: int, unit: int) -> str:
         try:
