@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .fast import fast_newton_schulz, fast_newton_schulz_batched
+from .fast import FAST_SCHEDULE, fast_newton_schulz, fast_newton_schulz_batched
 from .fused import momentum_update
+from .iteration import orthogonalize_stack
 from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
@@ -54,6 +55,11 @@ BATCH_MAX_ELEMENTS = 2**27
 #: Momentum and Nesterov update in one Triton pass on CUDA (:mod:`.fused`); measured
 #: bitwise equal to torch's two lerps on an H200 (docs/benchmarks.md).
 FUSED_MOMENTUM = True
+
+#: Expert stacks whose pieces share one shape are orthogonalized as views of the stack's update
+#: (:meth:`Muon._step_stack_whole`) rather than piece by piece into a stacked copy.
+STACK_WHOLE = True
+_STACKED = ("newton_schulz", "fast", "batched")
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -252,6 +258,8 @@ class Muon(TailOptimizer):
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         update = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"],
                                  FUSED_MOMENTUM)
+        if self._step_stack_whole(group, p, update):
+            return
         pieces = stack_pieces(p, update)
         results = self._orthogonalize_batch(group, [piece for _, _, piece in pieces])
         decay = 1 - lr * group["weight_decay"]
@@ -259,6 +267,39 @@ class Muon(TailOptimizer):
             p.mul_(decay)
         for (e, rows, _), out in zip(pieces, results):
             p[e, rows].add_(out, alpha=-adjust_lr(lr, group["adjust_lr_fn"], out.shape))
+
+    def _step_stack_whole(self, group: dict[str, Any], p: Tensor, update: Tensor) -> bool:
+        """Orthogonalize and apply a stack's update as one batch of its pieces viewed in place,
+        where every piece has one shape and :meth:`_orthogonalize_batch` would batch them all:
+        no per-piece cast or stacking copy, one add (one learning rate) per batch. The same
+        per-matrix math as the piece-by-piece path (the views hold the same numbers, the ops are
+        the batched ones). Returns False (nothing done) where it does not apply."""
+        stack = stack_of(p)
+        name = group["orthogonalizer"]
+        if not STACK_WHOLE or type(self).orthogonalize is not Muon.orthogonalize or name not in _STACKED:
+            return False
+        if len(set(stack.blocks)) != 1 or not (p.is_contiguous() and update.is_contiguous()):
+            return False
+        rows, cols = stack.blocks[0], p.shape[-1]
+        batch = group.get("batch_shapes")
+        if name != "batched" and (min(rows, cols) >= SYMMETRIC_MIN_ROWS or batch is False
+                                  or (batch is None and not p.is_cuda)):
+            return False
+        if not group["nesterov"] and update.dtype == torch.bfloat16:
+            return False  # torch normalizes the aliased buffer in place: the piece path keeps that
+        lr = as_float(group["lr"])
+        schedule = FAST_SCHEDULE if name == "fast" else (
+            [tuple(float(c) for c in group["ns_coefficients"])] * group["ns_steps"])
+        decay = 1 - lr * group["weight_decay"]
+        if decay != 1:
+            p.mul_(decay)  # before the iteration, which does not read p: the same numbers
+        alpha = -adjust_lr(lr, group["adjust_lr_fn"], torch.Size((rows, cols)))
+        pieces, target = update.view(-1, rows, cols), p.view(-1, rows, cols)
+        per_stack = max(1, BATCH_MAX_ELEMENTS // (rows * cols))
+        for k in range(0, pieces.size(0), per_stack):
+            out = orthogonalize_stack(pieces[k:k + per_stack], schedule, group["eps"], group.get("symmetric_blocks"))
+            target[k:k + per_stack].add_(out, alpha=alpha)
+        return True
 
     def _orthogonalize_batch(self, group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
         """Orthogonalize separate 2-D matrices, batching those of one shape exactly where
@@ -354,16 +395,16 @@ class Muon(TailOptimizer):
         blocks = group.get("symmetric_blocks")
         if name == "newton_schulz":
             if len(updates) > 1:  # a stack from _buckets (batch_shapes)
-                return newton_schulz_batched(updates, coefficients, steps, eps)
+                return newton_schulz_batched(updates, coefficients, steps, eps, blocks)
             return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
         if name == "batched":
-            return newton_schulz_batched(updates, coefficients, steps, eps)
+            return newton_schulz_batched(updates, coefficients, steps, eps, blocks)
         if name == "polar_express":
             return [polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "gram_polar_express":
             return [gram_polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "fast":
             if len(updates) > 1:
-                return fast_newton_schulz_batched(updates, eps)
+                return fast_newton_schulz_batched(updates, eps, blocks)
             return [fast_newton_schulz(u, eps, blocks) for u in updates]
         raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")

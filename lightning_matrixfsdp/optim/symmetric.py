@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .transpose import mirror_lower_blocks_
 
-__all__ = ["CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS", "symmetric_addmm", "symmetric_blocks"]
+__all__ = ["BATCH_SYMMETRIC_BLOCKS", "CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS", "symmetric_addmm",
+           "symmetric_blocks"]
 
 #: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`): the most
 #: that stayed bitwise equal to torch.optim.Muon on an H200 (docs/benchmarks.md).
@@ -21,6 +22,13 @@ CUDA_SYMMETRIC_BLOCKS = 3
 #: Smallest ``min(m, n)`` for which the symmetric products are used automatically (the
 #: size measured to gain; smaller products are closer to launch-bound).
 SYMMETRIC_MIN_ROWS = 4096
+#: Row blocks for the symmetric products of a batched iteration (a 3D stack of same-shape
+#: matrices, any size) on CUDA when ``blocks`` is ``None``; 1 is torch's exact batched ops.
+#: A stack fills the GPU even in row blocks, so the saving is not eaten by idle SMs as for
+#: one small matrix.
+BATCH_SYMMETRIC_BLOCKS = 1
+#: Smallest ``m`` whose batches use :data:`BATCH_SYMMETRIC_BLOCKS` automatically.
+BATCH_SYMMETRIC_MIN_ROWS = 1024
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
 
 
@@ -30,12 +38,19 @@ def symmetric_blocks(x: Tensor, blocks: int | None) -> int:
     ``None`` picks automatically: :data:`CUDA_SYMMETRIC_BLOCKS` on CUDA when ``m`` is at
     least :data:`SYMMETRIC_MIN_ROWS` (where the saved GEMM work beats the extra launches),
     else 1, which is torch.optim.Muon's exact op sequence. CPU stays at 1 so that our
-    Muon is bitwise the stock one where the tests compare them.
+    Muon is bitwise the stock one where the tests compare them. For a 3D stack ``x`` the
+    automatic choice is :data:`BATCH_SYMMETRIC_BLOCKS` on CUDA from
+    :data:`BATCH_SYMMETRIC_MIN_ROWS` rows on.
     """
     if blocks is None:
-        if x.device.type != "cuda" or x.size(-2) < SYMMETRIC_MIN_ROWS:
+        if x.device.type != "cuda":
             return 1
-        blocks = CUDA_SYMMETRIC_BLOCKS
+        if x.ndim == 3:
+            blocks = BATCH_SYMMETRIC_BLOCKS if x.size(-2) >= BATCH_SYMMETRIC_MIN_ROWS else 1
+        elif x.size(-2) < SYMMETRIC_MIN_ROWS:
+            return 1
+        else:
+            blocks = CUDA_SYMMETRIC_BLOCKS
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ValueError(f"symmetric blocks must be a positive int or None, got {blocks!r}")
     return max(1, min(blocks, x.size(-2) // _BLOCK_ALIGN))
@@ -59,7 +74,8 @@ def symmetric_addmm(
     beta: float = 1.0,
     alpha: float = 1.0,
 ) -> Tensor:
-    """``beta * input + alpha * left @ right`` for a result known to be symmetric.
+    """``beta * input + alpha * left @ right`` for a result known to be symmetric (2D, or 3D
+    stacks with the batched ops).
 
     Only the upper block triangle is multiplied, one row block per GEMM
     (``out[r0:r1, r0:] = left[r0:r1] @ right[:, r0:]``); the strict lower blocks are
@@ -71,17 +87,21 @@ def symmetric_addmm(
     ``X X^T`` and ``A A`` in the Newton-Schulz family, where the symmetry is exact
     in exact arithmetic; the off-diagonal blocks of the result are exact mirrors.
     """
-    m = left.size(0)
+    m = left.size(-2)
+    if left.ndim == 3:
+        mm, addmm = torch.bmm, torch.baddbmm
+    else:
+        mm, addmm = torch.mm, torch.addmm
     if blocks <= 1:
         if input is None:
-            return left @ right
-        return torch.addmm(input, left, right, beta=beta, alpha=alpha)
-    out = torch.empty(m, m, dtype=left.dtype, device=left.device)
+            return mm(left, right)
+        return addmm(input, left, right, beta=beta, alpha=alpha)
+    out = torch.empty(*left.shape[:-1], m, dtype=left.dtype, device=left.device)
     edges = _block_edges(m, blocks)
     for r0, r1 in zip(edges[:-1], edges[1:]):
         if input is None:
-            torch.mm(left[r0:r1], right[:, r0:], out=out[r0:r1, r0:])
+            mm(left[..., r0:r1, :], right[..., r0:], out=out[..., r0:r1, r0:])
         else:
-            torch.addmm(input[r0:r1, r0:], left[r0:r1], right[:, r0:], beta=beta, alpha=alpha,
-                        out=out[r0:r1, r0:])
+            addmm(input[..., r0:r1, r0:], left[..., r0:r1, :], right[..., r0:], beta=beta, alpha=alpha,
+                  out=out[..., r0:r1, r0:])
     return mirror_lower_blocks_(out, edges)
