@@ -45,17 +45,22 @@ LR, WD = 0.02, 0.1
 #: name -> (module switches, Muon options). "current" is the step as at 52ea310 (pieces cast and
 #: stacked one by one, plain batched products); the others view the stack whole.
 VARIANTS: dict[str, tuple[dict, dict]] = {
-    "current": ({"STACK_WHOLE": False, "BATCH_SYMMETRIC_BLOCKS": 1}, {}),
-    "whole": ({"STACK_WHOLE": True, "BATCH_SYMMETRIC_BLOCKS": 1}, {}),
-    "whole_ns0": ({"STACK_WHOLE": True, "BATCH_SYMMETRIC_BLOCKS": 1}, {"ns_steps": 0}),
-    "sym2": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": True}, {"symmetric_blocks": 2}),
-    "sym3": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": True}, {"symmetric_blocks": 3}),
-    "sym4": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": True}, {"symmetric_blocks": 4}),
-    "sym8": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": True}, {"symmetric_blocks": 8}),
+    "current": ({"STACK_WHOLE": False, "BATCH_SYMMETRIC_BLOCKS": 1, "ACCUMULATE_IN_PLACE": False}, {}),
+    "whole": ({"STACK_WHOLE": True, "FUSED_UPDATE": False, "BATCH_SYMMETRIC_BLOCKS": 1}, {}),
+    "whole_fused": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "BATCH_SYMMETRIC_BLOCKS": 1}, {}),
+    "whole_fused_ns0": ({"STACK_WHOLE": True, "FUSED_UPDATE": True}, {"ns_steps": 0}),
+    "sym3_strided": ({"STACK_WHOLE": True, "FUSED_UPDATE": False, "ACCUMULATE_IN_PLACE": False},
+                     {"symmetric_blocks": 3}),
+    "sym3_acc": ({"STACK_WHOLE": True, "FUSED_UPDATE": False, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 3}),
+    "sym2_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 2}),
+    "sym3_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 3}),
+    "sym4_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 4}),
+    "sym8_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 8}),
     "sym3_colmajor": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": False}, {"symmetric_blocks": 3}),
     "default": ({}, {}),
 }
-_SWITCHES = {"STACK_WHOLE": muon, "BATCH_SYMMETRIC_BLOCKS": symmetric, "BATCH_ROW_MAJOR": iteration}
+_SWITCHES = {"STACK_WHOLE": muon, "FUSED_UPDATE": muon, "BATCH_SYMMETRIC_BLOCKS": symmetric,
+             "ACCUMULATE_IN_PLACE": symmetric, "BATCH_ROW_MAJOR": iteration}
 
 
 def _set_switches(values: dict) -> dict:
@@ -133,6 +138,23 @@ def _ns_batched(stacks: list[torch.Tensor], steps: int = 5) -> None:
             x = torch.baddbmm(x, y, x, beta=a)
 
 
+def _dense_check(dev: torch.device, size: int, reps: int) -> dict:
+    """Single large matrices (the dense path's symmetric products): our ``newton_schulz`` with its
+    automatic blocks against torch.optim.Muon's own iteration, bits and time."""
+    from torch.optim._muon import _zeropower_via_newtonschulz as stock
+
+    from lightning_matrixfsdp.optim.orthogonalize import newton_schulz
+
+    coefficients, out = (3.4445, -4.7750, 2.0315), {}
+    for shape in [(size, size), (size, 2 * size), (2 * size, size)]:
+        g = torch.randn(shape, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
+        ours, ref = newton_schulz(g, coefficients, 5, 1e-7), stock(g, coefficients, 5, 1e-7)
+        out[str(shape)] = {"differ": int((ours != ref).sum()),
+                           "ours_ms": median_ms(lambda: newton_schulz(g, coefficients, 5, 1e-7), dev, reps),
+                           "stock_ms": median_ms(lambda: stock(g, coefficients, 5, 1e-7), dev, reps)}
+    return out
+
+
 def _profile(step, dev: torch.device, top: int = 14) -> list[list]:
     """GPU milliseconds per kernel name over two steps, per step, largest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -164,6 +186,7 @@ def main() -> None:
     p.add_argument("--experts", type=int)
     p.add_argument("--hidden", type=int)
     p.add_argument("--mlp", type=int)
+    p.add_argument("--dense", type=int, default=0, help="also check single matrices of this size and twice it")
     p.add_argument("--batch-shapes", action="store_true", help="batch_shapes=True (batching off CPU's default)")
     args = p.parse_args()
     cfg = MOE_PRESETS[args.preset]
@@ -193,6 +216,9 @@ def main() -> None:
     res["ns_batched_matmuls_ms"] = median_ms(lambda: _ns_batched(xb), dev, args.reps)
     del xb
     save()
+    if args.dense:
+        res["dense"] = _dense_check(dev, args.dense, args.reps)
+        save()
     problem = Problem(layers, e, h, i, dev)
     res["variants"] = {}
     for name in args.variants:

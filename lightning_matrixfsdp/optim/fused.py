@@ -33,7 +33,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["divide_", "momentum_update"]
+__all__ = ["decay_add_", "divide_", "divide_each_", "momentum_update"]
 
 _BLOCK = 2048
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -57,7 +57,7 @@ if HAS_TRITON:
         new_buf = _lerp(b.to(tl.float32), g.to(tl.float32), w_buf, SMALL_BUF).to(b.dtype)
         tl.store(buf + offsets, new_buf, mask=inside)
         u = _lerp(g.to(tl.float32), new_buf.to(tl.float32), w_update, SMALL_UPDATE)
-        tl.store(update + offsets, u.to(g.dtype), mask=inside)
+        tl.store(update + offsets, u.to(update.dtype.element_ty), mask=inside)
 
 
     @triton.jit
@@ -67,6 +67,28 @@ if HAS_TRITON:
         d = tl.load(divisor).to(tl.float32)
         v = tl.load(x + offsets, mask=inside)
         tl.store(x + offsets, tl.div_rn(v.to(tl.float32), d).to(v.dtype), mask=inside)
+
+    @triton.jit
+    def _divide_each_kernel(x, divisors, n, per_matrix, BLOCK: tl.constexpr):
+        """``x[k] /= divisors[k]`` over a stack's dense storage (matrix ``k`` is ``per_matrix`` entries)."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        d = tl.load(divisors + offsets // per_matrix, mask=inside, other=1.0).to(tl.float32)
+        v = tl.load(x + offsets, mask=inside)
+        tl.store(x + offsets, tl.div_rn(v.to(tl.float32), d).to(v.dtype), mask=inside)
+
+    @triton.jit
+    def _decay_add_kernel(p, u, n, decay, alpha, DECAY: tl.constexpr, BLOCK: tl.constexpr):
+        """``p.mul_(decay)`` (rounded to p's dtype) then ``p.add_(u, alpha=alpha)``: torch's CUDA add
+        evaluates ``a + alpha * b`` contracted to one fma, in float32 for 16-bit inputs."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        w = tl.load(p + offsets, mask=inside)
+        a = w.to(tl.float32)
+        if DECAY:
+            a = (a * decay).to(w.dtype).to(tl.float32)
+        b = tl.load(u + offsets, mask=inside).to(tl.float32)
+        tl.store(p + offsets, tl.fma(b, alpha, a).to(w.dtype), mask=inside)
 
 
 def _fusable(grad: Tensor, buf: Tensor) -> bool:
@@ -91,11 +113,13 @@ def _float32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _fused_momentum(grad: Tensor, buf: Tensor, momentum: float, **compile_options: object) -> Tensor:
-    """The kernel: updates ``buf`` in place and returns the Nesterov update
-    (``compile_options`` such as ``enable_fp_fusion`` are for the tuning script)."""
+def _fused_momentum(grad: Tensor, buf: Tensor, momentum: float, dtype: torch.dtype | None = None,
+                    **compile_options: object) -> Tensor:
+    """The kernel: updates ``buf`` in place and returns the Nesterov update, in ``dtype`` if given
+    (one rounding of the float32 value, as ``.to(dtype)`` of the float32 update would do;
+    ``compile_options`` such as ``enable_fp_fusion`` are for the tuning script)."""
     w_buf, w_update = _float32(1 - momentum), _float32(momentum)
-    update = torch.empty_like(grad)
+    update = torch.empty_like(grad, dtype=dtype)
     n = grad.numel()
     launch(_momentum_kernel, (triton.cdiv(n, _BLOCK),), grad, grad, buf, update, n, w_buf, w_update,
            SMALL_BUF=abs(w_buf) < 0.5, SMALL_UPDATE=abs(w_update) < 0.5, BLOCK=_BLOCK, **compile_options)
@@ -134,13 +158,48 @@ def divide_(x: Tensor, divisor: Tensor) -> Tensor:
     return x.div_(divisor)
 
 
-def momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool, fused: bool = True) -> Tensor:
+def momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool, fused: bool = True,
+                    dtype: torch.dtype | None = None) -> Tensor:
     """``buf.lerp_(grad, 1 - momentum)``; return ``grad.lerp(buf, momentum)`` (Nesterov) or ``buf``.
 
-    With ``fused``, Nesterov and CUDA tensors the kernel covers, one Triton launch;
-    otherwise torch's ops (without Nesterov there is nothing to fuse).
+    With ``fused``, Nesterov and CUDA tensors the kernel covers, one Triton launch, which
+    writes the update in ``dtype`` if given (the caller casts to it next: a pass saved);
+    otherwise torch's ops (without Nesterov there is nothing to fuse), in ``grad``'s dtype.
     """
     if fused and nesterov and _fusable(grad, buf):
-        return _fused_momentum(grad, buf, momentum)
+        return _fused_momentum(grad, buf, momentum, dtype if dtype in _FUSED_DTYPES else None)
     buf.lerp_(grad, 1 - momentum)
     return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def divide_each_(x: Tensor, divisors: Tensor) -> Tensor:
+    """``x.div_(divisors)`` for a 3D stack ``x`` and one divisor per matrix (shape ``(B, 1, 1)``);
+    returns ``x``. The kernel of :func:`divide_` over the stack's storage (``x`` or its ``mT``
+    contiguous), each entry divided by its matrix's divisor; torch's broadcast division
+    elsewhere."""
+    dense = x if x.is_contiguous() else (x.mT if x.ndim == 3 and x.mT.is_contiguous() else None)
+    if (dense is not None and x.ndim == 3 and x.is_cuda and triton_usable(x) and x.dtype in _FUSED_DTYPES
+            and divisors.shape == (x.size(0), 1, 1) and divisors.dtype == x.dtype
+            and divisors.device == x.device and divisors.is_contiguous() and x.numel() > 0):
+        n = x.numel()
+        launch(_divide_each_kernel, (triton.cdiv(n, _BLOCK),), x, dense, divisors, n, n // x.size(0),
+               BLOCK=_BLOCK)
+        return x
+    return x.div_(divisors)
+
+
+def decay_add_(p: Tensor, update: Tensor, decay: float, alpha: float) -> Tensor:
+    """``p.mul_(decay)`` (skipped when ``decay == 1``, as the optimizers skip it) then
+    ``p.add_(update, alpha=alpha)``, in one pass on CUDA where both are contiguous and of one
+    shape; returns ``p``. Bitwise torch's two ops where the compiler contracts ``a + alpha * b``
+    as torch's CUDA build does (measured: docs/benchmarks.md); torch's ops elsewhere."""
+    if (p.is_cuda and triton_usable(p) and p.dtype in _FUSED_DTYPES and update.dtype in _FUSED_DTYPES
+            and p.shape == update.shape and p.device == update.device and p.is_contiguous()
+            and update.is_contiguous() and p.numel() > 0):
+        n = p.numel()
+        launch(_decay_add_kernel, (triton.cdiv(n, _BLOCK),), p, p, update, n, _float32(decay), _float32(alpha),
+               DECAY=decay != 1, BLOCK=_BLOCK)
+        return p
+    if decay != 1:
+        p.mul_(decay)
+    return p.add_(update, alpha=alpha)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .coefficients import Coefficients
-from .fused import divide_
+from .fused import divide_, divide_each_
 from .symmetric import symmetric_addmm, symmetric_blocks
 from .transpose import transposed
 
@@ -123,7 +123,7 @@ def orthogonalize_stack(stack: Tensor, schedule: Sequence[Coefficients], eps: fl
     if tall:
         x = x.mT
     norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    x.div_(norms.clamp(min=eps))
+    divide_each_(x, norms.clamp(min=eps))
     nblocks = symmetric_blocks(x, blocks)
     row_major = BATCH_ROW_MAJOR and nblocks > 1 and tall and x.is_cuda and x.mT.is_contiguous()
     if row_major:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .fast import FAST_SCHEDULE, fast_newton_schulz, fast_newton_schulz_batched
-from .fused import momentum_update
+from .fused import decay_add_, momentum_update
 from .iteration import orthogonalize_stack
 from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
@@ -60,6 +60,9 @@ FUSED_MOMENTUM = True
 #: (:meth:`Muon._step_stack_whole`) rather than piece by piece into a stacked copy.
 STACK_WHOLE = True
 _STACKED = ("newton_schulz", "fast", "batched")
+#: In that path on CUDA, the momentum kernel writes the update in bf16 (the cast it would get
+#: next) and the weight decay and update are one Triton pass (:func:`.fused.decay_add_`).
+FUSED_UPDATE = True
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -256,10 +259,10 @@ class Muon(TailOptimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        if self._step_stack_whole(group, p):
+            return
         update = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"],
                                  FUSED_MOMENTUM)
-        if self._step_stack_whole(group, p, update):
-            return
         pieces = stack_pieces(p, update)
         results = self._orthogonalize_batch(group, [piece for _, _, piece in pieces])
         decay = 1 - lr * group["weight_decay"]
@@ -268,37 +271,45 @@ class Muon(TailOptimizer):
         for (e, rows, _), out in zip(pieces, results):
             p[e, rows].add_(out, alpha=-adjust_lr(lr, group["adjust_lr_fn"], out.shape))
 
-    def _step_stack_whole(self, group: dict[str, Any], p: Tensor, update: Tensor) -> bool:
-        """Orthogonalize and apply a stack's update as one batch of its pieces viewed in place,
-        where every piece has one shape and :meth:`_orthogonalize_batch` would batch them all:
-        no per-piece cast or stacking copy, one add (one learning rate) per batch. The same
-        per-matrix math as the piece-by-piece path (the views hold the same numbers, the ops are
-        the batched ones). Returns False (nothing done) where it does not apply."""
-        stack = stack_of(p)
+    def _step_stack_whole(self, group: dict[str, Any], p: Tensor) -> bool:
+        """The whole step of an expert stack whose pieces share one shape, where
+        :meth:`_orthogonalize_batch` would batch them all: momentum (on CUDA written straight
+        in bf16, the iteration's dtype), one batched iteration per chunk of pieces viewed in
+        place in the stack's update (no per-piece cast or stacking copy), and the weight decay
+        and update as one pass per chunk (one learning rate: one shape). The same numbers as the
+        piece-by-piece path: the views hold the same entries and the ops are the batched ones.
+        Returns False (nothing done) where it does not apply."""
+        stack, grad, buf = stack_of(p), p.grad, self.state[p]["momentum_buffer"]
         name = group["orthogonalizer"]
         if not STACK_WHOLE or type(self).orthogonalize is not Muon.orthogonalize or name not in _STACKED:
             return False
-        if len(set(stack.blocks)) != 1 or not (p.is_contiguous() and update.is_contiguous()):
+        if len(set(stack.blocks)) != 1 or not (p.is_contiguous() and grad.is_contiguous() and buf.is_contiguous()):
             return False
         rows, cols = stack.blocks[0], p.shape[-1]
         batch = group.get("batch_shapes")
         if name != "batched" and (min(rows, cols) >= SYMMETRIC_MIN_ROWS or batch is False
                                   or (batch is None and not p.is_cuda)):
             return False
-        if not group["nesterov"] and update.dtype == torch.bfloat16:
+        if not group["nesterov"] and grad.dtype == torch.bfloat16:
             return False  # torch normalizes the aliased buffer in place: the piece path keeps that
+        update = momentum_update(grad, buf, group["momentum"], group["nesterov"], FUSED_MOMENTUM,
+                                 torch.bfloat16 if FUSED_UPDATE else None)
         lr = as_float(group["lr"])
         schedule = FAST_SCHEDULE if name == "fast" else (
             [tuple(float(c) for c in group["ns_coefficients"])] * group["ns_steps"])
         decay = 1 - lr * group["weight_decay"]
-        if decay != 1:
-            p.mul_(decay)  # before the iteration, which does not read p: the same numbers
         alpha = -adjust_lr(lr, group["adjust_lr_fn"], torch.Size((rows, cols)))
         pieces, target = update.view(-1, rows, cols), p.view(-1, rows, cols)
         per_stack = max(1, BATCH_MAX_ELEMENTS // (rows * cols))
         for k in range(0, pieces.size(0), per_stack):
             out = orthogonalize_stack(pieces[k:k + per_stack], schedule, group["eps"], group.get("symmetric_blocks"))
-            target[k:k + per_stack].add_(out, alpha=alpha)
+            chunk = target[k:k + per_stack]
+            if FUSED_UPDATE:
+                decay_add_(chunk, out, decay, alpha)  # each chunk's weights read and written once
+            else:
+                if decay != 1:
+                    chunk.mul_(decay)
+                chunk.add_(out, alpha=alpha)
         return True
 
     def _orthogonalize_batch(self, group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:

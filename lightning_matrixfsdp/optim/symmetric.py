@@ -29,6 +29,9 @@ SYMMETRIC_MIN_ROWS = 4096
 BATCH_SYMMETRIC_BLOCKS = 1
 #: Smallest ``m`` whose batches use :data:`BATCH_SYMMETRIC_BLOCKS` automatically.
 BATCH_SYMMETRIC_MIN_ROWS = 1024
+#: ``b A + c A A`` in blocks: copy ``A`` once (contiguous) and accumulate each row block in
+#: place, rather than copying each upper block into a fresh result (strided copies).
+ACCUMULATE_IN_PLACE = True
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
 
 
@@ -96,8 +99,17 @@ def symmetric_addmm(
         if input is None:
             return mm(left, right)
         return addmm(input, left, right, beta=beta, alpha=alpha)
-    out = torch.empty(*left.shape[:-1], m, dtype=left.dtype, device=left.device)
     edges = _block_edges(m, blocks)
+    if input is not None and ACCUMULATE_IN_PLACE and input.is_contiguous() and input.dtype == left.dtype:
+        # One contiguous copy of the accumulator, then each row block accumulates into itself:
+        # the same numbers as copying each upper block into place (what addmm does when its
+        # output is not its input), but a plain memcpy instead of one strided copy per block.
+        out = input.clone()
+        for r0, r1 in zip(edges[:-1], edges[1:]):
+            block = out[..., r0:r1, r0:]
+            addmm(block, left[..., r0:r1, :], right[..., r0:], beta=beta, alpha=alpha, out=block)
+        return mirror_lower_blocks_(out, edges)
+    out = torch.empty(*left.shape[:-1], m, dtype=left.dtype, device=left.device)
     for r0, r1 in zip(edges[:-1], edges[1:]):
         if input is None:
             mm(left[..., r0:r1, :], right[..., r0:], out=out[..., r0:r1, r0:])
