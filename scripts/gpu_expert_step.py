@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -56,7 +57,8 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "sym3_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 3}),
     "sym4_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 4}),
     "sym8_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 8}),
-    "sym3_colmajor": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": False}, {"symmetric_blocks": 3}),
+    "sym4_colmajor": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": False}, {"symmetric_blocks": 4}),
+    "sym4_nofuse": ({"STACK_WHOLE": True, "FUSED_UPDATE": False}, {"symmetric_blocks": 4}),
     "default": ({}, {}),
 }
 _SWITCHES = {"STACK_WHOLE": muon, "FUSED_UPDATE": muon, "BATCH_SYMMETRIC_BLOCKS": symmetric,
@@ -172,7 +174,44 @@ def _profile(step, dev: torch.device, top: int = 14) -> list[list]:
             count[name] += 1
     rows = sorted(per.items(), key=lambda kv: -kv[1])
     total = sum(per.values())
-    return [["TOTAL", round(total, 2), 0]] + [[n, round(ms, 2), count[n] // 2] for n, ms in rows[:top]]
+    spans = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
+             if ev.device_type == torch.autograd.DeviceType.CUDA]
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3 / 2 if spans else 0.0
+    return ([["TOTAL", round(total, 2), 0], ["SPAN first kernel start to last end", round(span, 2), 0]]
+            + [[n, round(ms, 2), count[n] // 2] for n, ms in rows[:top]])
+
+
+def _cpu_ms(step, dev: torch.device) -> float:
+    """Milliseconds the host takes to issue one step (no synchronization inside)."""
+    out = []
+    for _ in range(3):
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        step()
+        out.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize(dev)
+    return sorted(out)[1]
+
+
+def _batch_check(dev: torch.device, shapes: list[tuple[int, int]], blocks: list[int], reps: int) -> dict:
+    """Stacks of 8 same-shape matrices: the batched iteration with symmetric blocks against
+    torch.optim.Muon's per-matrix iteration (bits) and the plain batched one (time)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz as stock
+
+    from lightning_matrixfsdp.optim.orthogonalize import newton_schulz_batched
+
+    coefficients, out = (3.4445, -4.7750, 2.0315), {}
+    for shape in shapes:
+        gen = torch.Generator(device=dev).manual_seed(2)
+        gs = [torch.randn(shape, device=dev, generator=gen) for _ in range(8)]
+        ref = [stock(g, coefficients, 5, 1e-7) for g in gs]
+        row = {"plain_ms": median_ms(lambda: newton_schulz_batched(gs, coefficients, 5, 1e-7, 1), dev, reps)}
+        for b in blocks:
+            ours = newton_schulz_batched(gs, coefficients, 5, 1e-7, b)
+            row[f"b{b}_differ"] = sum(int((o != r).sum()) for o, r in zip(ours, ref))
+            row[f"b{b}_ms"] = median_ms(lambda: newton_schulz_batched(gs, coefficients, 5, 1e-7, b), dev, reps)
+        out[str(shape)] = row
+    return out
 
 
 def main() -> None:
@@ -187,6 +226,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int)
     p.add_argument("--mlp", type=int)
     p.add_argument("--dense", type=int, default=0, help="also check single matrices of this size and twice it")
+    p.add_argument("--batch-check", action="store_true", help="also check batched symmetric blocks on other shapes")
     p.add_argument("--batch-shapes", action="store_true", help="batch_shapes=True (batching off CPU's default)")
     args = p.parse_args()
     cfg = MOE_PRESETS[args.preset]
@@ -219,6 +259,10 @@ def main() -> None:
     if args.dense:
         res["dense"] = _dense_check(dev, args.dense, args.reps)
         save()
+    if args.batch_check and dev.type == "cuda":
+        shapes = [(2048, 2048), (2048, 8192), (8192, 2048), (2048, 5632), (3072, 8192), (1024, 4096), (1536, 4096)]
+        res["batch_check"] = _batch_check(dev, shapes, [3, 4], args.reps)
+        save()
     problem = Problem(layers, e, h, i, dev)
     res["variants"] = {}
     for name in args.variants:
@@ -228,6 +272,8 @@ def main() -> None:
             params, opt = problem.ours({**options, **({"batch_shapes": True} if args.batch_shapes else {})})
             row = problem.check(params, opt)
             row["ms"] = median_ms(opt.step, dev, args.reps)
+            if dev.type == "cuda":
+                row["host_ms"] = _cpu_ms(opt.step, dev)
             row["over_floor"] = row["ms"] / res["floor_ms"]
             if name in args.profile and dev.type == "cuda":
                 row["profile"] = _profile(opt.step, dev)

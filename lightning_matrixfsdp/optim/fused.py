@@ -36,6 +36,7 @@ if HAS_TRITON:
 __all__ = ["decay_add_", "divide_", "divide_each_", "momentum_update"]
 
 _BLOCK = 2048
+_TILE = 64  # tiles of the transposed update add (fp32 weights: 64 x 64 keeps registers low)
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
@@ -89,6 +90,24 @@ if HAS_TRITON:
             a = (a * decay).to(w.dtype).to(tl.float32)
         b = tl.load(u + offsets, mask=inside).to(tl.float32)
         tl.store(p + offsets, tl.fma(b, alpha, a).to(w.dtype), mask=inside)
+
+    @triton.jit
+    def _decay_add_t_kernel(p, u, rows, cols, decay, alpha, DECAY: tl.constexpr, TILE: tl.constexpr):
+        """:func:`_decay_add_kernel` on one tile of matrix ``program_id(2)`` of ``p`` (``rows x
+        cols``, contiguous) with the update stored transposed (``u[k]`` is ``cols x rows``,
+        contiguous): both read along their rows, the tile transposed in registers."""
+        k = tl.program_id(2).to(tl.int64)
+        p += k * rows * cols
+        u += k * rows * cols
+        r = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)  # [r, c]
+        b = tl.trans(tl.load(u + c[:, None] * rows + r[None, :], mask=tl.trans(inside))).to(tl.float32)
+        w = tl.load(p + r[:, None] * cols + c[None, :], mask=inside)
+        a = w.to(tl.float32)
+        if DECAY:
+            a = (a * decay).to(w.dtype).to(tl.float32)
+        tl.store(p + r[:, None] * cols + c[None, :], tl.fma(b, alpha, a).to(w.dtype), mask=inside)
 
 
 def _fusable(grad: Tensor, buf: Tensor) -> bool:
@@ -190,16 +209,23 @@ def divide_each_(x: Tensor, divisors: Tensor) -> Tensor:
 
 def decay_add_(p: Tensor, update: Tensor, decay: float, alpha: float) -> Tensor:
     """``p.mul_(decay)`` (skipped when ``decay == 1``, as the optimizers skip it) then
-    ``p.add_(update, alpha=alpha)``, in one pass on CUDA where both are contiguous and of one
-    shape; returns ``p``. Bitwise torch's two ops where the compiler contracts ``a + alpha * b``
+    ``p.add_(update, alpha=alpha)``, in one pass on CUDA where ``p`` is contiguous and ``update``
+    of its shape, contiguous or the transposed view of a contiguous stack (then read tile by
+    tile); returns ``p``. Bitwise torch's two ops where the compiler contracts ``a + alpha * b``
     as torch's CUDA build does (measured: docs/benchmarks.md); torch's ops elsewhere."""
     if (p.is_cuda and triton_usable(p) and p.dtype in _FUSED_DTYPES and update.dtype in _FUSED_DTYPES
-            and p.shape == update.shape and p.device == update.device and p.is_contiguous()
-            and update.is_contiguous() and p.numel() > 0):
-        n = p.numel()
-        launch(_decay_add_kernel, (triton.cdiv(n, _BLOCK),), p, p, update, n, _float32(decay), _float32(alpha),
-               DECAY=decay != 1, BLOCK=_BLOCK)
-        return p
+            and p.shape == update.shape and p.device == update.device and p.is_contiguous() and p.numel() > 0):
+        if update.is_contiguous():
+            n = p.numel()
+            launch(_decay_add_kernel, (triton.cdiv(n, _BLOCK),), p, p, update, n, _float32(decay), _float32(alpha),
+                   DECAY=decay != 1, BLOCK=_BLOCK)
+            return p
+        if p.ndim in (2, 3) and update.mT.is_contiguous() and p.size(-2) * p.size(-1) < 2**31:
+            rows, cols = p.shape[-2:]
+            grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), p.size(0) if p.ndim == 3 else 1)
+            launch(_decay_add_t_kernel, grid, p, p, update, rows, cols, _float32(decay), _float32(alpha),
+                   DECAY=decay != 1, TILE=_TILE, num_warps=4)
+            return p
     if decay != 1:
         p.mul_(decay)
     return p.add_(update, alpha=alpha)

@@ -105,33 +105,35 @@ def orthogonalize_batched(
 
 
 def orthogonalize_stack(stack: Tensor, schedule: Sequence[Coefficients], eps: float,
-                        blocks: int | None = 1) -> Tensor:
+                        blocks: int | None = 1, contiguous: bool = True) -> Tensor:
     """Run ``schedule`` on every matrix of the 3D ``stack`` at once (batched GEMMs); a bf16 stack
     of the same shape, possibly a transposed view.
 
     The stack need not be a copy: an expert stack's update viewed as its pieces goes in as it
-    is. A bf16 ``stack`` is normalized in place (as torch.optim.Muon normalizes a bf16 update),
-    so pass a temporary. ``blocks``: symmetric row blocks (:func:`symmetric_blocks`; ``None``
-    picks :data:`~.symmetric.BATCH_SYMMETRIC_BLOCKS` on CUDA); with 1 the ops are torch's
-    batched ``bmm``/``baddbmm``. Blocked tall stacks are iterated row-major
-    (:data:`BATCH_ROW_MAJOR`, exact copies) and come back in ``stack``'s layout.
+    is. A bf16 ``stack`` may be normalized in place (as torch.optim.Muon normalizes a bf16
+    update), so pass a temporary. ``blocks``: symmetric row blocks (:func:`symmetric_blocks`;
+    ``None`` picks :data:`~.symmetric.BATCH_SYMMETRIC_BLOCKS` on CUDA); with 1 the ops are
+    torch's batched ``bmm``/``baddbmm``. Blocked tall stacks are iterated row-major
+    (:data:`BATCH_ROW_MAJOR`: the normalization and the transpose are one coalesced pass, exact)
+    and come back in ``stack``'s layout, or, with ``contiguous=False``, as the transposed view
+    of the row-major result (for a consumer that reads it transposed).
     """
     if stack.ndim != 3:
         raise ValueError(f"orthogonalize_stack needs a 3D stack of matrices, got shape {tuple(stack.shape)}")
     x = stack.bfloat16()
     tall = stack.size(1) > stack.size(2)
-    if tall:
-        x = x.mT
-    norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    divide_each_(x, norms.clamp(min=eps))
-    nblocks = symmetric_blocks(x, blocks)
-    row_major = BATCH_ROW_MAJOR and nblocks > 1 and tall and x.is_cuda and x.mT.is_contiguous()
+    wide = x.mT if tall else x
+    norms = torch.linalg.vector_norm(wide, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    nblocks = symmetric_blocks(wide, blocks)
+    row_major = BATCH_ROW_MAJOR and nblocks > 1 and tall and x.is_cuda and x.is_contiguous()
     if row_major:
-        x = transposed(x.mT)
-    x = _iterate(x, schedule, nblocks)
+        wide = transposed(x, divisors=norms)  # (x / norm).mT, contiguous
+    else:
+        divide_each_(wide, norms)
+    wide = _iterate(wide, schedule, nblocks)
     if row_major:
-        return transposed(x)
-    return x.mT if tall else x
+        return transposed(wide) if contiguous else wide.mT
+    return wide.mT if tall else wide
 
 
 def _gram_iterate(x: Tensor, schedule: Sequence[Coefficients], restarts: set[int], blocks: int) -> Tensor:

@@ -302,7 +302,8 @@ class Muon(TailOptimizer):
         pieces, target = update.view(-1, rows, cols), p.view(-1, rows, cols)
         per_stack = max(1, BATCH_MAX_ELEMENTS // (rows * cols))
         for k in range(0, pieces.size(0), per_stack):
-            out = orthogonalize_stack(pieces[k:k + per_stack], schedule, group["eps"], group.get("symmetric_blocks"))
+            out = orthogonalize_stack(pieces[k:k + per_stack], schedule, group["eps"], group.get("symmetric_blocks"),
+                                      contiguous=not FUSED_UPDATE)  # decay_add_ reads a transposed result as is
             chunk = target[k:k + per_stack]
             if FUSED_UPDATE:
                 decay_add_(chunk, out, decay, alpha)  # each chunk's weights read and written once

@@ -26,9 +26,9 @@ SYMMETRIC_MIN_ROWS = 4096
 #: matrices, any size) on CUDA when ``blocks`` is ``None``; 1 is torch's exact batched ops.
 #: A stack fills the GPU even in row blocks, so the saving is not eaten by idle SMs as for
 #: one small matrix.
-BATCH_SYMMETRIC_BLOCKS = 1
+BATCH_SYMMETRIC_BLOCKS = 4
 #: Smallest ``m`` whose batches use :data:`BATCH_SYMMETRIC_BLOCKS` automatically.
-BATCH_SYMMETRIC_MIN_ROWS = 1024
+BATCH_SYMMETRIC_MIN_ROWS = 2048
 #: ``b A + c A A`` in blocks: copy ``A`` once (contiguous) and accumulate each row block in
 #: place, rather than copying each upper block into a fresh result (strided copies).
 ACCUMULATE_IN_PLACE = True

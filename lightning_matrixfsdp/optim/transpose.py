@@ -69,21 +69,27 @@ if HAS_TRITON:
         tl.store(a + r[:, None] * stride + c[None, :], tl.trans(tile), mask=inside)
 
     @triton.jit
-    def _transpose_kernel(src, dst, rows, cols, TILE: tl.constexpr):
+    def _transpose_kernel(src, dst, divisors, rows, cols, DIVIDE: tl.constexpr, TILE: tl.constexpr):
         """One tile of ``dst = src.T`` for matrix ``program_id(2)``: dst is ``rows x cols``, both
-        contiguous (stacks of them for a batch)."""
-        src += tl.program_id(2).to(tl.int64) * rows * cols
-        dst += tl.program_id(2).to(tl.int64) * rows * cols
+        contiguous (stacks of them for a batch); with ``DIVIDE`` each entry is divided by the
+        matrix's divisor on the way (float32 IEEE division, as torch's ``div`` of 16-bit values)."""
+        k = tl.program_id(2).to(tl.int64)
+        src += k * rows * cols
+        dst += k * rows * cols
         r = tl.program_id(0) * TILE + tl.arange(0, TILE)
         c = tl.program_id(1) * TILE + tl.arange(0, TILE)
         inside = (r[:, None] < rows) & (c[None, :] < cols)  # [r, c]
         tile = tl.load(src + c[:, None] * rows + r[None, :], mask=tl.trans(inside))
+        if DIVIDE:
+            d = tl.load(divisors + k).to(tl.float32)
+            tile = tl.div_rn(tile.to(tl.float32), d).to(src.dtype.element_ty)
         tl.store(dst + r[:, None] * cols + c[None, :], tl.trans(tile), mask=inside)
 
 
-def transposed(src: Tensor) -> Tensor:
+def transposed(src: Tensor, divisors: Tensor | None = None) -> Tensor:
     """``src.mT.contiguous()`` for a contiguous 2D ``src`` or 3D stack of matrices, with the
-    coalesced kernel on CUDA.
+    coalesced kernel on CUDA; with ``divisors`` (one per matrix of a stack, shape ``(B, 1, 1)``,
+    ``src``'s dtype) it is ``src.div(divisors).mT.contiguous()`` in the same one pass.
 
     Newton-Schulz runs tall matrices in their wide orientation: one transposed copy of
     the input before the iteration and one of the result after it. PyTorch's strided
@@ -92,11 +98,15 @@ def transposed(src: Tensor) -> Tensor:
     if src.ndim not in (2, 3):
         raise ValueError(f"transposed needs a 2D or 3D tensor, got shape {tuple(src.shape)}")
     cols, rows = src.shape[-2:]
-    if (not triton_usable(src) or not src.is_contiguous() or rows * cols >= 2**31 or src.numel() == 0):
-        return src.mT.contiguous()
+    divide = divisors is not None
+    if (not triton_usable(src) or not src.is_contiguous() or rows * cols >= 2**31 or src.numel() == 0
+            or (divide and (src.ndim != 3 or divisors.shape != (src.size(0), 1, 1) or divisors.dtype != src.dtype
+                            or not divisors.is_contiguous() or divisors.device != src.device))):
+        return (src.div(divisors) if divide else src).mT.contiguous()
     dst = torch.empty(*src.shape[:-2], rows, cols, dtype=src.dtype, device=src.device)
     grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), src.size(0) if src.ndim == 3 else 1)
-    launch(_transpose_kernel, grid, src, src, dst, rows, cols, TILE=_TILE, num_warps=_WARPS)
+    launch(_transpose_kernel, grid, src, src, dst, divisors if divide else src, rows, cols, DIVIDE=divide,
+           TILE=_TILE, num_warps=_WARPS)
     return dst
 
 
