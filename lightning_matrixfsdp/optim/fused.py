@@ -200,11 +200,16 @@ def divide_each_(x: Tensor, divisors: Tensor) -> Tensor:
     if (dense is not None and x.ndim == 3 and x.is_cuda and triton_usable(x) and x.dtype in _FUSED_DTYPES
             and divisors.shape == (x.size(0), 1, 1) and divisors.dtype == x.dtype
             and divisors.device == x.device and divisors.is_contiguous() and x.numel() > 0):
-        n = x.numel()
-        launch(_divide_each_kernel, (triton.cdiv(n, _BLOCK),), x, dense, divisors, n, n // x.size(0),
-               BLOCK=_BLOCK)
+        _divide_each(dense, divisors)
         return x
     return x.div_(divisors)
+
+
+def _divide_each(dense: Tensor, divisors: Tensor) -> None:
+    """The kernel: ``dense[k] /= divisors[k]`` over the contiguous storage of a stack."""
+    n = dense.numel()
+    launch(_divide_each_kernel, (triton.cdiv(n, _BLOCK),), dense, dense, divisors, n, n // dense.size(0),
+           BLOCK=_BLOCK)
 
 
 def decay_add_(p: Tensor, update: Tensor, decay: float, alpha: float) -> Tensor:
@@ -213,19 +218,28 @@ def decay_add_(p: Tensor, update: Tensor, decay: float, alpha: float) -> Tensor:
     of its shape, contiguous or the transposed view of a contiguous stack (then read tile by
     tile); returns ``p``. Bitwise torch's two ops where the compiler contracts ``a + alpha * b``
     as torch's CUDA build does (measured: docs/benchmarks.md); torch's ops elsewhere."""
-    if (p.is_cuda and triton_usable(p) and p.dtype in _FUSED_DTYPES and update.dtype in _FUSED_DTYPES
-            and p.shape == update.shape and p.device == update.device and p.is_contiguous() and p.numel() > 0):
-        if update.is_contiguous():
-            n = p.numel()
-            launch(_decay_add_kernel, (triton.cdiv(n, _BLOCK),), p, p, update, n, _float32(decay), _float32(alpha),
-                   DECAY=decay != 1, BLOCK=_BLOCK)
-            return p
-        if p.ndim in (2, 3) and update.mT.is_contiguous() and p.size(-2) * p.size(-1) < 2**31:
-            rows, cols = p.shape[-2:]
-            grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), p.size(0) if p.ndim == 3 else 1)
-            launch(_decay_add_t_kernel, grid, p, p, update, rows, cols, _float32(decay), _float32(alpha),
-                   DECAY=decay != 1, TILE=_TILE, num_warps=4)
-            return p
+    if p.is_cuda and _decay_add(p, update, decay, alpha):
+        return p
     if decay != 1:
         p.mul_(decay)
     return p.add_(update, alpha=alpha)
+
+
+def _decay_add(p: Tensor, update: Tensor, decay: float, alpha: float) -> bool:
+    """The kernels of :func:`decay_add_` where they apply (``update`` contiguous, or the
+    transposed view of a contiguous 2D/3D tensor); False where they do not."""
+    if not (triton_usable(p) and p.dtype in _FUSED_DTYPES and update.dtype in _FUSED_DTYPES
+            and p.shape == update.shape and p.device == update.device and p.is_contiguous() and p.numel() > 0):
+        return False
+    if update.is_contiguous():
+        n = p.numel()
+        launch(_decay_add_kernel, (triton.cdiv(n, _BLOCK),), p, p, update, n, _float32(decay), _float32(alpha),
+               DECAY=decay != 1, BLOCK=_BLOCK)
+        return True
+    if p.ndim in (2, 3) and update.mT.is_contiguous() and p.size(-2) * p.size(-1) < 2**31:
+        rows, cols = p.shape[-2:]
+        grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), p.size(0) if p.ndim == 3 else 1)
+        launch(_decay_add_t_kernel, grid, p, p, update, rows, cols, _float32(decay), _float32(alpha),
+               DECAY=decay != 1, TILE=_TILE, num_warps=4)
+        return True
+    return False
