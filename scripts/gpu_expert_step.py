@@ -12,7 +12,8 @@ module switches and ``Muon`` options (see ``VARIANTS``); for each one, in one pr
 - bitwise: two steps of ours against two steps of ``torch.optim.Muon`` on every expert's gate,
   up and down as separate 2-D parameters (views of a copy of the stacks): the number of weight
   entries that differ and the largest difference;
-- time: the median of ``--reps`` steps (CUDA events).
+- time: the median of ``--reps`` steps (CUDA events), the host's time to issue one step, and
+  the GPU's time alone (the step queued behind ~60 ms of matmuls, so no host gap counts).
 
 Also measured in the same process: the Newton-Schulz matmuls alone (torch's three products per
 iteration, matrix by matrix, and batched per stack), the FLOP floor (``steps (4 m^2 n + 2 m^3)``
@@ -193,6 +194,24 @@ def _cpu_ms(step, dev: torch.device) -> float:
     return sorted(out)[1]
 
 
+def _gpu_ms(step, dev: torch.device, reps: int = 5) -> float:
+    """Milliseconds of GPU work in one step without the host's issue time: a queue of matmuls
+    (about 60 ms) runs first, so the host has issued the whole step before the GPU reaches it."""
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize(dev)
+        for _ in range(40):
+            a @ a
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize(dev)
+        out.append(start.elapsed_time(end))
+    return sorted(out)[len(out) // 2]
+
+
 def _batch_check(dev: torch.device, shapes: list[tuple[int, int]], blocks: list[int], reps: int) -> dict:
     """Stacks of 8 same-shape matrices: the batched iteration with symmetric blocks against
     torch.optim.Muon's per-matrix iteration (bits) and the plain batched one (time)."""
@@ -274,6 +293,7 @@ def main() -> None:
             row["ms"] = median_ms(opt.step, dev, args.reps)
             if dev.type == "cuda":
                 row["host_ms"] = _cpu_ms(opt.step, dev)
+                row["gpu_only_ms"] = _gpu_ms(opt.step, dev)
             row["over_floor"] = row["ms"] / res["floor_ms"]
             if name in args.profile and dev.type == "cuda":
                 row["profile"] = _profile(opt.step, dev)
