@@ -98,7 +98,7 @@ def test_kernels_under_the_triton_interpreter():
                 assert torch.equal(x, ref), (dtype, shape)
         # expert stacks: the update written in a narrower dtype, one divisor per matrix, and the
         # weight decay and update in one pass (contiguous and transposed update); the interpreter
-        # does not contract, so the fma kernel is held to one float32 rounding of each side
+        # rounds a*b and the sum apart (Triton 3.6) or fuses them (3.9): held to an ulp or two
         g, b = torch.randn(5000), torch.randn(5000)
         ref = fused._fused_momentum(g, b.clone(), 0.95)
         out = fused._fused_momentum(g, b.clone(), 0.95, torch.float16)
@@ -116,7 +116,7 @@ def test_kernels_under_the_triton_interpreter():
                     ref = p.double() * torch.tensor(decay, dtype=torch.float32).item() if decay != 1 else p.double()
                     ref = (ref.float().double() + u.double() * torch.tensor(-0.02).item()).float()
                     assert fused._decay_add(p, u, decay, -0.02)
-                    torch.testing.assert_close(p, ref, rtol=3e-7, atol=1e-9)
+                    torch.testing.assert_close(p, ref, rtol=3e-7, atol=2e-8)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
