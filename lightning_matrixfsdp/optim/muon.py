@@ -103,8 +103,9 @@ class Muon(TailOptimizer):
             ``ns_steps`` (it replaces exactly that iteration) and raises otherwise.
         symmetric_blocks: row blocks for the symmetric products ``X X^T`` and
             ``A A`` of the iteration (only their upper block triangle is
-            multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
-            CPU and for small matrices, several on CUDA. See
+            multiplied), of single matrices and of batches; ``None`` = automatic: 1
+            (torch.optim.Muon's exact ops) on CPU and for small matrices, several on
+            CUDA (3 from 4096 rows, 4 for batches from 2048 rows). See
             :func:`~lightning_matrixfsdp.optim.orthogonalize.symmetric_addmm`.
         batch_shapes: stack same-shape matrices whose smaller side is below 4096
             into one batched Newton-Schulz (``bmm``), in stacks of at most

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from .transpose import mirror_lower_blocks_
 
-__all__ = ["BATCH_SYMMETRIC_BLOCKS", "CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS", "symmetric_addmm",
-           "symmetric_blocks"]
+__all__ = ["BATCH_SYMMETRIC_BLOCKS", "BATCH_SYMMETRIC_MIN_ROWS", "CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS",
+           "symmetric_addmm", "symmetric_blocks"]
 
 #: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`): the most
 #: that stayed bitwise equal to torch.optim.Muon on an H200 (docs/benchmarks.md).
@@ -23,11 +23,14 @@ CUDA_SYMMETRIC_BLOCKS = 3
 #: size measured to gain; smaller products are closer to launch-bound).
 SYMMETRIC_MIN_ROWS = 4096
 #: Row blocks for the symmetric products of a batched iteration (a 3D stack of same-shape
-#: matrices, any size) on CUDA when ``blocks`` is ``None``; 1 is torch's exact batched ops.
-#: A stack fills the GPU even in row blocks, so the saving is not eaten by idle SMs as for
-#: one small matrix.
+#: matrices) on CUDA when ``blocks`` is ``None``; 1 is torch's plain batched ops. A stack fills
+#: the GPU even in row blocks, which one small matrix does not. On an H200 (torch 2.11) 2-8
+#: blocks were bitwise torch.optim.Muon's per-matrix iteration on the MoE benchmark's stacks,
+#: and 3-4 on seven other stack shapes from 1024 to 3072 rows; 4 was the fastest
+#: (docs/benchmarks.md, "The experts' step alone").
 BATCH_SYMMETRIC_BLOCKS = 4
-#: Smallest ``m`` whose batches use :data:`BATCH_SYMMETRIC_BLOCKS` automatically.
+#: Smallest ``m`` whose batches use :data:`BATCH_SYMMETRIC_BLOCKS` automatically (at 1024 rows
+#: the blocks were slower on the H200, at 1536 even).
 BATCH_SYMMETRIC_MIN_ROWS = 2048
 #: ``b A + c A A`` in blocks: copy ``A`` once (contiguous) and accumulate each row block in
 #: place, rather than copying each upper block into a fresh result (strided copies).
