@@ -81,6 +81,36 @@ def test_muon_stack_batched_over_experts_equals_per_matrix():
     assert not torch.equal(a.data, _stack_and_pieces(shape, blocks, seed=3)[0].data)
 
 
+def test_muon_whole_stack_batched_with_symmetric_blocks_matches_torch_muon(monkeypatch):
+    """A stack of one block shape with batching goes through the whole-stack path (its pieces viewed
+    in place, one batched iteration, here with symmetric blocks; the default on CUDA): torch.optim.Muon
+    on the separate matrices, to bf16 rounding of the update (bitwise on the H200:
+    docs/benchmarks.md), and the momentum exactly."""
+    from lightning_matrixfsdp.optim import muon as muon_module
+
+    calls = []
+    real = muon_module.orthogonalize_stack
+    monkeypatch.setattr(muon_module, "orthogonalize_stack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shape, blocks = (1, 2 * 768, 512), (768, 768)  # tall (768, 512) pieces: 2 blocks of 256 rows fit
+    stack, pieces, cuts = _stack_and_pieces(shape, blocks, seed=5)
+    ours = Muon([stack], lr=0.02, batch_shapes=True, symmetric_blocks=2)
+    flat = [p for row in pieces for p in row]
+    ref = torch.optim.Muon(flat, lr=0.02)
+    for g in _grads(shape, 1, seed=6):  # one step: the batched bf16 products are slow on CPU
+        stack.grad = g.clone()
+        for e, row in enumerate(pieces):
+            for j, p in enumerate(row):
+                p.grad = g[e, cuts[j]:cuts[j + 1]].clone()
+        ours.step()
+        ref.step()
+    assert len(calls) == 1  # one batch of the 2 pieces
+    buf = ours.state[stack]["momentum_buffer"]
+    for e, row in enumerate(pieces):
+        for j, p in enumerate(row):
+            torch.testing.assert_close(stack.data[e, cuts[j]:cuts[j + 1]], p.data, rtol=0, atol=1e-4)
+            assert torch.equal(buf[e, cuts[j]:cuts[j + 1]], ref.state[p]["momentum_buffer"])
+
+
 def test_untagged_3d_parameter_is_not_a_stack():
     p = nn.Parameter(torch.randn(2, 3, 4))
     assert stack_of(p) is None

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from lightning_matrixfsdp.optim.fused import divide_, momentum_update
+from lightning_matrixfsdp.optim.fused import decay_add_, divide_, divide_each_, momentum_update
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -47,6 +47,23 @@ def test_divide_on_cpu_is_torchs_div(transpose):
     ref = x.clone().div_(d)
     out = divide_(x, d)
     assert out is x and torch.equal(x, ref)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.998])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decay_add_and_divide_each_on_cpu_are_torchs_ops(decay, transposed):
+    """On CPU the expert stacks' fused update and batched division are torch's own ops."""
+    torch.manual_seed(1)
+    p = torch.randn(3, 40, 70)
+    u = torch.randn(3, 70, 40).bfloat16().mT if transposed else torch.randn(3, 40, 70).bfloat16()
+    ref = p.clone()
+    if decay != 1:
+        ref.mul_(decay)
+    ref.add_(u, alpha=-0.02)
+    assert decay_add_(p, u, decay, -0.02) is p and torch.equal(p, ref)
+    x, d = u.clone() if not transposed else u.mT.clone().mT, torch.rand(3, 1, 1).bfloat16() + 0.5
+    ref = x.clone().div_(d)
+    assert divide_each_(x, d) is x and torch.equal(x, ref)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU torch)")
@@ -79,6 +96,27 @@ def test_kernels_under_the_triton_interpreter():
                 ref = x.clone().div_(d)
                 fused._divide(x, d)
                 assert torch.equal(x, ref), (dtype, shape)
+        # expert stacks: the update written in a narrower dtype, one divisor per matrix, and the
+        # weight decay and update in one pass (contiguous and transposed update); the interpreter
+        # rounds a*b and the sum apart (Triton 3.6) or fuses them (3.9): held to an ulp or two
+        g, b = torch.randn(5000), torch.randn(5000)
+        ref = fused._fused_momentum(g, b.clone(), 0.95)
+        out = fused._fused_momentum(g, b.clone(), 0.95, torch.float16)
+        assert out.dtype == torch.float16 and torch.equal(out, ref.half())
+        for dtype in (torch.float32, torch.float16):
+            x, d = (torch.randn(3, 70, 91) * 5).to(dtype), (torch.rand(3, 1, 1) + 0.5).to(dtype)
+            ref = x.clone().div_(d)
+            fused._divide_each(x, d)
+            assert torch.equal(x, ref), dtype
+            for layout in ("plain", "transposed"):
+                for decay in (1.0, 0.998):
+                    p = torch.randn(3, 130, 70)
+                    u = (torch.randn(3, 70, 130).to(dtype).mT if layout == "transposed"
+                         else torch.randn(3, 130, 70).to(dtype))
+                    ref = p.double() * torch.tensor(decay, dtype=torch.float32).item() if decay != 1 else p.double()
+                    ref = (ref.float().double() + u.double() * torch.tensor(-0.02).item()).float()
+                    assert fused._decay_add(p, u, decay, -0.02)
+                    torch.testing.assert_close(p, ref, rtol=3e-7, atol=2e-8)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -50,6 +50,7 @@ def fast_newton_schulz(grad: Tensor, eps: float = 1e-7, blocks: int | None = Non
     return orthogonalize_with(grad, FAST_SCHEDULE, eps, blocks)
 
 
-def fast_newton_schulz_batched(grads: Sequence[Tensor], eps: float = 1e-7) -> list[Tensor]:
-    """:func:`fast_newton_schulz` on a stack of same-shape matrices (batched GEMMs)."""
-    return orthogonalize_batched(grads, FAST_SCHEDULE, eps)
+def fast_newton_schulz_batched(grads: Sequence[Tensor], eps: float = 1e-7, blocks: int | None = 1) -> list[Tensor]:
+    """:func:`fast_newton_schulz` on a stack of same-shape matrices (batched GEMMs; ``blocks``:
+    as :func:`~lightning_matrixfsdp.optim.orthogonalize.newton_schulz_batched`)."""
+    return orthogonalize_batched(grads, FAST_SCHEDULE, eps, blocks=blocks)

@@ -33,9 +33,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["divide_", "momentum_update"]
+__all__ = ["decay_add_", "divide_", "divide_each_", "momentum_update"]
 
 _BLOCK = 2048
+_TILE = 64  # tiles of the transposed update add (fp32 weights: 64 x 64 keeps registers low)
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 if HAS_TRITON:
@@ -57,7 +58,7 @@ if HAS_TRITON:
         new_buf = _lerp(b.to(tl.float32), g.to(tl.float32), w_buf, SMALL_BUF).to(b.dtype)
         tl.store(buf + offsets, new_buf, mask=inside)
         u = _lerp(g.to(tl.float32), new_buf.to(tl.float32), w_update, SMALL_UPDATE)
-        tl.store(update + offsets, u.to(g.dtype), mask=inside)
+        tl.store(update + offsets, u.to(update.dtype.element_ty), mask=inside)
 
 
     @triton.jit
@@ -67,6 +68,46 @@ if HAS_TRITON:
         d = tl.load(divisor).to(tl.float32)
         v = tl.load(x + offsets, mask=inside)
         tl.store(x + offsets, tl.div_rn(v.to(tl.float32), d).to(v.dtype), mask=inside)
+
+    @triton.jit
+    def _divide_each_kernel(x, divisors, n, per_matrix, BLOCK: tl.constexpr):
+        """``x[k] /= divisors[k]`` over a stack's dense storage (matrix ``k`` is ``per_matrix`` entries)."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        d = tl.load(divisors + offsets // per_matrix, mask=inside, other=1.0).to(tl.float32)
+        v = tl.load(x + offsets, mask=inside)
+        tl.store(x + offsets, tl.div_rn(v.to(tl.float32), d).to(v.dtype), mask=inside)
+
+    @triton.jit
+    def _decay_add_kernel(p, u, n, decay, alpha, DECAY: tl.constexpr, BLOCK: tl.constexpr):
+        """``p.mul_(decay)`` (rounded to p's dtype) then ``p.add_(u, alpha=alpha)``: torch's CUDA add
+        evaluates ``a + alpha * b`` contracted to one fma, in float32 for 16-bit inputs."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < n
+        w = tl.load(p + offsets, mask=inside)
+        a = w.to(tl.float32)
+        if DECAY:
+            a = (a * decay).to(w.dtype).to(tl.float32)
+        b = tl.load(u + offsets, mask=inside).to(tl.float32)
+        tl.store(p + offsets, tl.fma(b, alpha, a).to(w.dtype), mask=inside)
+
+    @triton.jit
+    def _decay_add_t_kernel(p, u, rows, cols, decay, alpha, DECAY: tl.constexpr, TILE: tl.constexpr):
+        """:func:`_decay_add_kernel` on one tile of matrix ``program_id(2)`` of ``p`` (``rows x
+        cols``, contiguous) with the update stored transposed (``u[k]`` is ``cols x rows``,
+        contiguous): both read along their rows, the tile transposed in registers."""
+        k = tl.program_id(2).to(tl.int64)
+        p += k * rows * cols
+        u += k * rows * cols
+        r = tl.program_id(0) * TILE + tl.arange(0, TILE)
+        c = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        inside = (r[:, None] < rows) & (c[None, :] < cols)  # [r, c]
+        b = tl.trans(tl.load(u + c[:, None] * rows + r[None, :], mask=tl.trans(inside))).to(tl.float32)
+        w = tl.load(p + r[:, None] * cols + c[None, :], mask=inside)
+        a = w.to(tl.float32)
+        if DECAY:
+            a = (a * decay).to(w.dtype).to(tl.float32)
+        tl.store(p + r[:, None] * cols + c[None, :], tl.fma(b, alpha, a).to(w.dtype), mask=inside)
 
 
 def _fusable(grad: Tensor, buf: Tensor) -> bool:
@@ -91,11 +132,13 @@ def _float32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _fused_momentum(grad: Tensor, buf: Tensor, momentum: float, **compile_options: object) -> Tensor:
-    """The kernel: updates ``buf`` in place and returns the Nesterov update
-    (``compile_options`` such as ``enable_fp_fusion`` are for the tuning script)."""
+def _fused_momentum(grad: Tensor, buf: Tensor, momentum: float, dtype: torch.dtype | None = None,
+                    **compile_options: object) -> Tensor:
+    """The kernel: updates ``buf`` in place and returns the Nesterov update, in ``dtype`` if given
+    (one rounding of the float32 value, as ``.to(dtype)`` of the float32 update would do;
+    ``compile_options`` such as ``enable_fp_fusion`` are for the tuning script)."""
     w_buf, w_update = _float32(1 - momentum), _float32(momentum)
-    update = torch.empty_like(grad)
+    update = torch.empty_like(grad, dtype=dtype)
     n = grad.numel()
     launch(_momentum_kernel, (triton.cdiv(n, _BLOCK),), grad, grad, buf, update, n, w_buf, w_update,
            SMALL_BUF=abs(w_buf) < 0.5, SMALL_UPDATE=abs(w_update) < 0.5, BLOCK=_BLOCK, **compile_options)
@@ -134,13 +177,69 @@ def divide_(x: Tensor, divisor: Tensor) -> Tensor:
     return x.div_(divisor)
 
 
-def momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool, fused: bool = True) -> Tensor:
+def momentum_update(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool, fused: bool = True,
+                    dtype: torch.dtype | None = None) -> Tensor:
     """``buf.lerp_(grad, 1 - momentum)``; return ``grad.lerp(buf, momentum)`` (Nesterov) or ``buf``.
 
-    With ``fused``, Nesterov and CUDA tensors the kernel covers, one Triton launch;
-    otherwise torch's ops (without Nesterov there is nothing to fuse).
+    With ``fused``, Nesterov and CUDA tensors the kernel covers, one Triton launch, which
+    writes the update in ``dtype`` if given (the caller casts to it next: a pass saved);
+    otherwise torch's ops (without Nesterov there is nothing to fuse), in ``grad``'s dtype.
     """
     if fused and nesterov and _fusable(grad, buf):
-        return _fused_momentum(grad, buf, momentum)
+        return _fused_momentum(grad, buf, momentum, dtype if dtype in _FUSED_DTYPES else None)
     buf.lerp_(grad, 1 - momentum)
     return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def divide_each_(x: Tensor, divisors: Tensor) -> Tensor:
+    """``x.div_(divisors)`` for a 3D stack ``x`` and one divisor per matrix (shape ``(B, 1, 1)``);
+    returns ``x``. The kernel of :func:`divide_` over the stack's storage (``x`` or its ``mT``
+    contiguous), each entry divided by its matrix's divisor; torch's broadcast division
+    elsewhere."""
+    dense = x if x.is_contiguous() else (x.mT if x.ndim == 3 and x.mT.is_contiguous() else None)
+    if (dense is not None and x.ndim == 3 and x.is_cuda and triton_usable(x) and x.dtype in _FUSED_DTYPES
+            and divisors.shape == (x.size(0), 1, 1) and divisors.dtype == x.dtype
+            and divisors.device == x.device and divisors.is_contiguous() and x.numel() > 0):
+        _divide_each(dense, divisors)
+        return x
+    return x.div_(divisors)
+
+
+def _divide_each(dense: Tensor, divisors: Tensor) -> None:
+    """The kernel: ``dense[k] /= divisors[k]`` over the contiguous storage of a stack."""
+    n = dense.numel()
+    launch(_divide_each_kernel, (triton.cdiv(n, _BLOCK),), dense, dense, divisors, n, n // dense.size(0),
+           BLOCK=_BLOCK)
+
+
+def decay_add_(p: Tensor, update: Tensor, decay: float, alpha: float) -> Tensor:
+    """``p.mul_(decay)`` (skipped when ``decay == 1``, as the optimizers skip it) then
+    ``p.add_(update, alpha=alpha)``, in one pass on CUDA where ``p`` is contiguous and ``update``
+    of its shape, contiguous or the transposed view of a contiguous stack (then read tile by
+    tile); returns ``p``. Bitwise torch's two ops where the compiler contracts ``a + alpha * b``
+    as torch's CUDA build does (measured: docs/benchmarks.md); torch's ops elsewhere."""
+    if p.is_cuda and _decay_add(p, update, decay, alpha):
+        return p
+    if decay != 1:
+        p.mul_(decay)
+    return p.add_(update, alpha=alpha)
+
+
+def _decay_add(p: Tensor, update: Tensor, decay: float, alpha: float) -> bool:
+    """The kernels of :func:`decay_add_` where they apply (``update`` contiguous, or the
+    transposed view of a contiguous 2D/3D tensor); False where they do not."""
+    if not (triton_usable(p) and p.dtype in _FUSED_DTYPES and update.dtype in _FUSED_DTYPES
+            and p.shape == update.shape and p.device == update.device and p.is_contiguous() and p.numel() > 0):
+        return False
+    if update.is_contiguous():
+        n = p.numel()
+        launch(_decay_add_kernel, (triton.cdiv(n, _BLOCK),), p, p, update, n, _float32(decay), _float32(alpha),
+               DECAY=decay != 1, BLOCK=_BLOCK)
+        return True
+    if p.ndim in (2, 3) and update.mT.is_contiguous() and p.size(-2) * p.size(-1) < 2**31:
+        rows, cols = p.shape[-2:]
+        grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), p.size(0) if p.ndim == 3 else 1)
+        launch(_decay_add_t_kernel, grid, p, p, update, rows, cols, _float32(decay), _float32(alpha),
+               DECAY=decay != 1, TILE=_TILE, num_warps=4)
+        return True
+    return False

@@ -14,11 +14,16 @@ import torch
 from torch import Tensor
 
 from .coefficients import Coefficients
-from .fused import divide_
+from .fused import divide_, divide_each_
 from .symmetric import symmetric_addmm, symmetric_blocks
 from .transpose import transposed
 
-__all__ = ["check_matrix", "gram_orthogonalize_with", "orthogonalize_batched", "orthogonalize_with"]
+__all__ = ["check_matrix", "gram_orthogonalize_with", "orthogonalize_batched", "orthogonalize_stack",
+           "orthogonalize_with"]
+
+#: Tall stacks go row-major (one coalesced batched transpose in, one out) when their symmetric
+#: products are blocked, as single matrices do (:func:`orthogonalize_with`).
+BATCH_ROW_MAJOR = True
 
 
 def check_matrix(grad: Tensor) -> None:
@@ -33,18 +38,13 @@ def _iterate(x: Tensor, schedule: Sequence[Coefficients], blocks: int = 1) -> Te
     With ``blocks == 1`` the op sequence (``@`` then ``addmm`` twice) is exactly
     torch.optim.Muon's, which is what makes the 2D result bitwise equal to it; with
     more blocks ``A`` and ``b A + c A^2`` come from :func:`symmetric_addmm`. 3D input
-    uses the batched ops.
+    uses the batched ops (one launch per product, or per row block).
     """
-    if x.ndim == 2:
-        for a, b, c in schedule:
-            gram = symmetric_addmm(x, x.T, blocks)
-            gram_update = symmetric_addmm(gram, gram, blocks, input=gram, beta=b, alpha=c)
-            x = torch.addmm(x, gram_update, x, beta=a)
-        return x
+    addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in schedule:
-        gram = torch.bmm(x, x.mT)
-        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, gram_update, x, beta=a)
+        gram = symmetric_addmm(x, x.mT, blocks)
+        gram_update = symmetric_addmm(gram, gram, blocks, input=gram, beta=b, alpha=c)
+        x = addmm(x, gram_update, x, beta=a)
     return x
 
 
@@ -72,9 +72,14 @@ def orthogonalize_with(grad: Tensor, schedule: Sequence[Coefficients], eps: floa
 
 
 def orthogonalize_batched(
-    grads: Sequence[Tensor], schedule: Sequence[Coefficients], eps: float, gram_restarts: set[int] | None = None
+    grads: Sequence[Tensor],
+    schedule: Sequence[Coefficients],
+    eps: float,
+    gram_restarts: set[int] | None = None,
+    blocks: int | None = 1,
 ) -> list[Tensor]:
-    """Stack same-shape matrices and iterate on the stack (in Gram space with ``gram_restarts``)."""
+    """Stack same-shape matrices and iterate on the stack (in Gram space with ``gram_restarts``;
+    ``blocks``: symmetric row blocks of the plain iteration, see :func:`orthogonalize_stack`)."""
     if len(grads) == 0:
         return []
     shape, device = grads[0].shape, grads[0].device
@@ -86,15 +91,49 @@ def orthogonalize_batched(
                 f"{tuple(shape)} on {device} and {tuple(g.shape)} on {g.device}"
             )
     x = torch.stack([g.bfloat16() for g in grads])
+    if gram_restarts is None:
+        return list(orthogonalize_stack(x, schedule, eps, blocks).unbind(0))
     tall = shape[0] > shape[1]
     if tall:
         x = x.mT
     norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     x.div_(norms.clamp(min=eps))
-    x = _iterate(x, schedule) if gram_restarts is None else _gram_iterate(x, schedule, gram_restarts, 1)
+    x = _gram_iterate(x, schedule, gram_restarts, 1)
     if tall:
         x = x.mT
     return list(x.unbind(0))
+
+
+def orthogonalize_stack(stack: Tensor, schedule: Sequence[Coefficients], eps: float,
+                        blocks: int | None = 1, contiguous: bool = True) -> Tensor:
+    """Run ``schedule`` on every matrix of the 3D ``stack`` at once (batched GEMMs); a bf16 stack
+    of the same shape, possibly a transposed view.
+
+    The stack need not be a copy: an expert stack's update viewed as its pieces goes in as it
+    is. A bf16 ``stack`` may be normalized in place (as torch.optim.Muon normalizes a bf16
+    update), so pass a temporary. ``blocks``: symmetric row blocks (:func:`symmetric_blocks`;
+    ``None`` picks :data:`~.symmetric.BATCH_SYMMETRIC_BLOCKS` on CUDA); with 1 the ops are
+    torch's batched ``bmm``/``baddbmm``. Blocked tall stacks are iterated row-major
+    (:data:`BATCH_ROW_MAJOR`: the normalization and the transpose are one coalesced pass, exact)
+    and come back in ``stack``'s layout, or, with ``contiguous=False``, as the transposed view
+    of the row-major result (for a consumer that reads it transposed).
+    """
+    if stack.ndim != 3:
+        raise ValueError(f"orthogonalize_stack needs a 3D stack of matrices, got shape {tuple(stack.shape)}")
+    x = stack.bfloat16()
+    tall = stack.size(1) > stack.size(2)
+    wide = x.mT if tall else x
+    norms = torch.linalg.vector_norm(wide, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    nblocks = symmetric_blocks(wide, blocks)
+    row_major = BATCH_ROW_MAJOR and nblocks > 1 and tall and x.is_cuda and x.is_contiguous()
+    if row_major:
+        wide = transposed(x, divisors=norms)  # (x / norm).mT, contiguous
+    else:
+        divide_each_(wide, norms)
+    wide = _iterate(wide, schedule, nblocks)
+    if row_major:
+        return transposed(wide) if contiguous else wide.mT
+    return wide.mT if tall else wide
 
 
 def _gram_iterate(x: Tensor, schedule: Sequence[Coefficients], restarts: set[int], blocks: int) -> Tensor:

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .fast import fast_newton_schulz, fast_newton_schulz_batched
-from .fused import momentum_update
+from .fast import FAST_SCHEDULE, fast_newton_schulz, fast_newton_schulz_batched
+from .fused import decay_add_, momentum_update
+from .iteration import orthogonalize_stack
 from .orthogonalize import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
@@ -54,6 +55,14 @@ BATCH_MAX_ELEMENTS = 2**27
 #: Momentum and Nesterov update in one Triton pass on CUDA (:mod:`.fused`); measured
 #: bitwise equal to torch's two lerps on an H200 (docs/benchmarks.md).
 FUSED_MOMENTUM = True
+
+#: Expert stacks whose pieces share one shape are orthogonalized as views of the stack's update
+#: (:meth:`Muon._step_stack_whole`) rather than piece by piece into a stacked copy.
+STACK_WHOLE = True
+_STACKED = ("newton_schulz", "fast", "batched")
+#: In that path on CUDA, the momentum kernel writes the update in bf16 (the cast it would get
+#: next) and the weight decay and update are one Triton pass (:func:`.fused.decay_add_`).
+FUSED_UPDATE = True
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -94,8 +103,9 @@ class Muon(TailOptimizer):
             ``ns_steps`` (it replaces exactly that iteration) and raises otherwise.
         symmetric_blocks: row blocks for the symmetric products ``X X^T`` and
             ``A A`` of the iteration (only their upper block triangle is
-            multiplied); ``None`` = automatic: 1 (torch.optim.Muon's exact ops) on
-            CPU and for small matrices, several on CUDA. See
+            multiplied), of single matrices and of batches; ``None`` = automatic: 1
+            (torch.optim.Muon's exact ops) on CPU and for small matrices, several on
+            CUDA (3 from 4096 rows, 4 for batches from 2048 rows). See
             :func:`~lightning_matrixfsdp.optim.orthogonalize.symmetric_addmm`.
         batch_shapes: stack same-shape matrices whose smaller side is below 4096
             into one batched Newton-Schulz (``bmm``), in stacks of at most
@@ -251,6 +261,8 @@ class Muon(TailOptimizer):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        if self._step_stack_whole(group, p):
+            return
         update = momentum_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"],
                                  FUSED_MOMENTUM)
         # each piece in nn.Linear's orientation (out, in), contiguous as a separate matrix's update is
@@ -262,6 +274,48 @@ class Muon(TailOptimizer):
             p.mul_(decay)
         for (_, _, target), out in zip(stack_pieces(p, p), results):  # lr adjusted from (out, in)
             target.add_(out, alpha=-adjust_lr(lr, group["adjust_lr_fn"], out.shape))
+
+    def _step_stack_whole(self, group: dict[str, Any], p: Tensor) -> bool:
+        """The whole step of an expert stack whose pieces share one shape, where
+        :meth:`_orthogonalize_batch` would batch them all: momentum (on CUDA written straight
+        in bf16, the iteration's dtype), one batched iteration per chunk of pieces viewed in
+        place in the stack's update (no per-piece cast or stacking copy), and the weight decay
+        and update as one pass per chunk (one learning rate: one shape). The same numbers as the
+        piece-by-piece path: the views hold the same entries and the ops are the batched ones.
+        Returns False (nothing done) where it does not apply."""
+        stack, grad, buf = stack_of(p), p.grad, self.state[p]["momentum_buffer"]
+        name = group["orthogonalizer"]
+        if not STACK_WHOLE or type(self).orthogonalize is not Muon.orthogonalize or name not in _STACKED:
+            return False
+        if len(set(stack.blocks)) != 1 or not (p.is_contiguous() and grad.is_contiguous() and buf.is_contiguous()):
+            return False
+        rows, cols = stack.blocks[0], p.shape[-1]
+        batch = group.get("batch_shapes")
+        if name != "batched" and (min(rows, cols) >= SYMMETRIC_MIN_ROWS or batch is False
+                                  or (batch is None and not p.is_cuda)):
+            return False
+        if not group["nesterov"] and grad.dtype == torch.bfloat16:
+            return False  # torch normalizes the aliased buffer in place: the piece path keeps that
+        update = momentum_update(grad, buf, group["momentum"], group["nesterov"], FUSED_MOMENTUM,
+                                 torch.bfloat16 if FUSED_UPDATE else None)
+        lr = as_float(group["lr"])
+        schedule = FAST_SCHEDULE if name == "fast" else (
+            [tuple(float(c) for c in group["ns_coefficients"])] * group["ns_steps"])
+        decay = 1 - lr * group["weight_decay"]
+        alpha = -adjust_lr(lr, group["adjust_lr_fn"], torch.Size((rows, cols)))
+        pieces, target = update.view(-1, rows, cols), p.view(-1, rows, cols)
+        per_stack = max(1, BATCH_MAX_ELEMENTS // (rows * cols))
+        for k in range(0, pieces.size(0), per_stack):
+            out = orthogonalize_stack(pieces[k:k + per_stack], schedule, group["eps"], group.get("symmetric_blocks"),
+                                      contiguous=not FUSED_UPDATE)  # decay_add_ reads a transposed result as is
+            chunk = target[k:k + per_stack]
+            if FUSED_UPDATE:
+                decay_add_(chunk, out, decay, alpha)  # each chunk's weights read and written once
+            else:
+                if decay != 1:
+                    chunk.mul_(decay)
+                chunk.add_(out, alpha=alpha)
+        return True
 
     def _orthogonalize_batch(self, group: dict[str, Any], updates: list[Tensor]) -> list[Tensor]:
         """Orthogonalize separate 2-D matrices, batching those of one shape exactly where
@@ -357,16 +411,16 @@ class Muon(TailOptimizer):
         blocks = group.get("symmetric_blocks")
         if name == "newton_schulz":
             if len(updates) > 1:  # a stack from _buckets (batch_shapes)
-                return newton_schulz_batched(updates, coefficients, steps, eps)
+                return newton_schulz_batched(updates, coefficients, steps, eps, blocks)
             return [newton_schulz(u, coefficients, steps, eps, blocks) for u in updates]
         if name == "batched":
-            return newton_schulz_batched(updates, coefficients, steps, eps)
+            return newton_schulz_batched(updates, coefficients, steps, eps, blocks)
         if name == "polar_express":
             return [polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "gram_polar_express":
             return [gram_polar_express(u, steps, eps, blocks=blocks) for u in updates]
         if name == "fast":
             if len(updates) > 1:
-                return fast_newton_schulz_batched(updates, eps)
+                return fast_newton_schulz_batched(updates, eps, blocks)
             return [fast_newton_schulz(u, eps, blocks) for u in updates]
         raise ValueError(f"Unknown orthogonalizer {name!r}; valid: {', '.join(ORTHOGONALIZERS)}")

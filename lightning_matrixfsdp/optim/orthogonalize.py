@@ -103,6 +103,7 @@ def newton_schulz_batched(
     ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
     ns_steps: int = DEFAULT_NS_STEPS,
     eps: float = 1e-7,
+    blocks: int | None = 1,
 ) -> list[Tensor]:
     """:func:`newton_schulz` for many matrices of one shape, one batched GEMM per product.
 
@@ -110,10 +111,12 @@ def newton_schulz_batched(
     small matrices: docs/benchmarks.md). Measured bitwise equal to the loop on CPU
     (oneDNN, AVX512, torch 2.13) and on an H200 (torch 2.11, CUDA 13); other backends'
     batched kernels may round differently, so only equality to bf16 rounding is promised.
+    ``blocks``: symmetric row blocks of the batched products (1: torch's plain batched ops;
+    ``None``: automatic, :func:`symmetric_blocks`).
     """
     check_steps(ns_steps)
     coefficients = check_coefficients(ns_coefficients)
-    return orthogonalize_batched(grads, [coefficients] * ns_steps, eps)
+    return orthogonalize_batched(grads, [coefficients] * ns_steps, eps, blocks=blocks)
 
 
 def polar_express(

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .transpose import mirror_lower_blocks_
 
-__all__ = ["CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS", "symmetric_addmm", "symmetric_blocks"]
+__all__ = ["BATCH_SYMMETRIC_BLOCKS", "BATCH_SYMMETRIC_MIN_ROWS", "CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS",
+           "symmetric_addmm", "symmetric_blocks"]
 
 #: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`): the most
 #: that stayed bitwise equal to torch.optim.Muon on an H200 (docs/benchmarks.md).
@@ -21,6 +22,19 @@ CUDA_SYMMETRIC_BLOCKS = 3
 #: Smallest ``min(m, n)`` for which the symmetric products are used automatically (the
 #: size measured to gain; smaller products are closer to launch-bound).
 SYMMETRIC_MIN_ROWS = 4096
+#: Row blocks for the symmetric products of a batched iteration (a 3D stack of same-shape
+#: matrices) on CUDA when ``blocks`` is ``None``; 1 is torch's plain batched ops. A stack fills
+#: the GPU even in row blocks, which one small matrix does not. On an H200 (torch 2.11) 2-8
+#: blocks were bitwise torch.optim.Muon's per-matrix iteration on the MoE benchmark's stacks,
+#: and 3-4 on seven other stack shapes from 1024 to 3072 rows; 4 was the fastest
+#: (docs/benchmarks.md, "The experts' step alone").
+BATCH_SYMMETRIC_BLOCKS = 4
+#: Smallest ``m`` whose batches use :data:`BATCH_SYMMETRIC_BLOCKS` automatically (at 1024 rows
+#: the blocks were slower on the H200, at 1536 even).
+BATCH_SYMMETRIC_MIN_ROWS = 2048
+#: ``b A + c A A`` in blocks: copy ``A`` once (contiguous) and accumulate each row block in
+#: place, rather than copying each upper block into a fresh result (strided copies).
+ACCUMULATE_IN_PLACE = True
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
 
 
@@ -30,12 +44,19 @@ def symmetric_blocks(x: Tensor, blocks: int | None) -> int:
     ``None`` picks automatically: :data:`CUDA_SYMMETRIC_BLOCKS` on CUDA when ``m`` is at
     least :data:`SYMMETRIC_MIN_ROWS` (where the saved GEMM work beats the extra launches),
     else 1, which is torch.optim.Muon's exact op sequence. CPU stays at 1 so that our
-    Muon is bitwise the stock one where the tests compare them.
+    Muon is bitwise the stock one where the tests compare them. For a 3D stack ``x`` the
+    automatic choice is :data:`BATCH_SYMMETRIC_BLOCKS` on CUDA from
+    :data:`BATCH_SYMMETRIC_MIN_ROWS` rows on.
     """
     if blocks is None:
-        if x.device.type != "cuda" or x.size(-2) < SYMMETRIC_MIN_ROWS:
+        if x.device.type != "cuda":
             return 1
-        blocks = CUDA_SYMMETRIC_BLOCKS
+        if x.ndim == 3:
+            blocks = BATCH_SYMMETRIC_BLOCKS if x.size(-2) >= BATCH_SYMMETRIC_MIN_ROWS else 1
+        elif x.size(-2) < SYMMETRIC_MIN_ROWS:
+            return 1
+        else:
+            blocks = CUDA_SYMMETRIC_BLOCKS
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ValueError(f"symmetric blocks must be a positive int or None, got {blocks!r}")
     return max(1, min(blocks, x.size(-2) // _BLOCK_ALIGN))
@@ -59,7 +80,8 @@ def symmetric_addmm(
     beta: float = 1.0,
     alpha: float = 1.0,
 ) -> Tensor:
-    """``beta * input + alpha * left @ right`` for a result known to be symmetric.
+    """``beta * input + alpha * left @ right`` for a result known to be symmetric (2D, or 3D
+    stacks with the batched ops).
 
     Only the upper block triangle is multiplied, one row block per GEMM
     (``out[r0:r1, r0:] = left[r0:r1] @ right[:, r0:]``); the strict lower blocks are
@@ -71,17 +93,30 @@ def symmetric_addmm(
     ``X X^T`` and ``A A`` in the Newton-Schulz family, where the symmetry is exact
     in exact arithmetic; the off-diagonal blocks of the result are exact mirrors.
     """
-    m = left.size(0)
+    m = left.size(-2)
+    if left.ndim == 3:
+        mm, addmm = torch.bmm, torch.baddbmm
+    else:
+        mm, addmm = torch.mm, torch.addmm
     if blocks <= 1:
         if input is None:
-            return left @ right
-        return torch.addmm(input, left, right, beta=beta, alpha=alpha)
-    out = torch.empty(m, m, dtype=left.dtype, device=left.device)
+            return mm(left, right)
+        return addmm(input, left, right, beta=beta, alpha=alpha)
     edges = _block_edges(m, blocks)
+    if input is not None and ACCUMULATE_IN_PLACE and input.is_contiguous() and input.dtype == left.dtype:
+        # One contiguous copy of the accumulator, then each row block accumulates into itself:
+        # the same numbers as copying each upper block into place (what addmm does when its
+        # output is not its input), but a plain memcpy instead of one strided copy per block.
+        out = input.clone()
+        for r0, r1 in zip(edges[:-1], edges[1:]):
+            block = out[..., r0:r1, r0:]
+            addmm(block, left[..., r0:r1, :], right[..., r0:], beta=beta, alpha=alpha, out=block)
+        return mirror_lower_blocks_(out, edges)
+    out = torch.empty(*left.shape[:-1], m, dtype=left.dtype, device=left.device)
     for r0, r1 in zip(edges[:-1], edges[1:]):
         if input is None:
-            torch.mm(left[r0:r1], right[:, r0:], out=out[r0:r1, r0:])
+            mm(left[..., r0:r1, :], right[..., r0:], out=out[..., r0:r1, r0:])
         else:
-            torch.addmm(input[r0:r1, r0:], left[r0:r1], right[:, r0:], beta=beta, alpha=alpha,
-                        out=out[r0:r1, r0:])
+            addmm(input[..., r0:r1, r0:], left[..., r0:r1, :], right[..., r0:], beta=beta, alpha=alpha,
+                  out=out[..., r0:r1, r0:])
     return mirror_lower_blocks_(out, edges)

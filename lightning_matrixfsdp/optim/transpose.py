@@ -50,8 +50,10 @@ if HAS_TRITON:
                 + (x >= e7).to(tl.int32))
 
     @triton.jit
-    def _mirror_kernel(a, m, stride, e1, e2, e3, e4, e5, e6, e7, TILE: tl.constexpr):
-        """One tile: ``a[r, c] = a[c, r]`` wherever block(r) > block(c) (other entries untouched)."""
+    def _mirror_kernel(a, m, stride, batch_stride, e1, e2, e3, e4, e5, e6, e7, TILE: tl.constexpr):
+        """One tile of matrix ``program_id(2)``: ``a[r, c] = a[c, r]`` wherever block(r) > block(c)
+        (other entries untouched)."""
+        a += tl.program_id(2).to(tl.int64) * batch_stride
         r0 = tl.program_id(0) * TILE
         c0 = tl.program_id(1) * TILE
         # Tiles with no strictly-lower entry (two thirds of them for 3 blocks) stop here.
@@ -67,58 +69,75 @@ if HAS_TRITON:
         tl.store(a + r[:, None] * stride + c[None, :], tl.trans(tile), mask=inside)
 
     @triton.jit
-    def _transpose_kernel(src, dst, rows, cols, TILE: tl.constexpr):
-        """One tile of ``dst = src.T``: dst is ``rows x cols``, both contiguous."""
+    def _transpose_kernel(src, dst, divisors, rows, cols, DIVIDE: tl.constexpr, TILE: tl.constexpr):
+        """One tile of ``dst = src.T`` for matrix ``program_id(2)``: dst is ``rows x cols``, both
+        contiguous (stacks of them for a batch); with ``DIVIDE`` each entry is divided by the
+        matrix's divisor on the way (float32 IEEE division, as torch's ``div`` of 16-bit values)."""
+        k = tl.program_id(2).to(tl.int64)
+        src += k * rows * cols
+        dst += k * rows * cols
         r = tl.program_id(0) * TILE + tl.arange(0, TILE)
         c = tl.program_id(1) * TILE + tl.arange(0, TILE)
         inside = (r[:, None] < rows) & (c[None, :] < cols)  # [r, c]
         tile = tl.load(src + c[:, None] * rows + r[None, :], mask=tl.trans(inside))
+        if DIVIDE:
+            d = tl.load(divisors + k).to(tl.float32)
+            tile = tl.div_rn(tile.to(tl.float32), d).to(src.dtype.element_ty)
         tl.store(dst + r[:, None] * cols + c[None, :], tl.trans(tile), mask=inside)
 
 
-def transposed(src: Tensor) -> Tensor:
-    """``src.T.contiguous()`` for a contiguous 2D ``src``, with the coalesced kernel on CUDA.
+def transposed(src: Tensor, divisors: Tensor | None = None) -> Tensor:
+    """``src.mT.contiguous()`` for a contiguous 2D ``src`` or 3D stack of matrices, with the
+    coalesced kernel on CUDA; with ``divisors`` (one per matrix of a stack, shape ``(B, 1, 1)``,
+    ``src``'s dtype) it is ``src.div(divisors).mT.contiguous()`` in the same one pass.
 
     Newton-Schulz runs tall matrices in their wide orientation: one transposed copy of
     the input before the iteration and one of the result after it. PyTorch's strided
     copy costs about as much as a GEMM of the iteration there (measured on an H200).
     """
-    if src.ndim != 2:
-        raise ValueError(f"transposed needs a 2D tensor, got shape {tuple(src.shape)}")
-    cols, rows = src.shape
-    if not triton_usable(src) or not src.is_contiguous() or src.numel() >= 2**31 or src.numel() == 0:
-        return src.T.contiguous()
-    dst = torch.empty(rows, cols, dtype=src.dtype, device=src.device)
-    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE))
-    launch(_transpose_kernel, grid, src, src, dst, rows, cols, TILE=_TILE, num_warps=_WARPS)
+    if src.ndim not in (2, 3):
+        raise ValueError(f"transposed needs a 2D or 3D tensor, got shape {tuple(src.shape)}")
+    cols, rows = src.shape[-2:]
+    divide = divisors is not None
+    if (not triton_usable(src) or not src.is_contiguous() or rows * cols >= 2**31 or src.numel() == 0
+            or (divide and (src.ndim != 3 or divisors.shape != (src.size(0), 1, 1) or divisors.dtype != src.dtype
+                            or not divisors.is_contiguous() or divisors.device != src.device))):
+        return (src.div(divisors) if divide else src).mT.contiguous()
+    dst = torch.empty(*src.shape[:-2], rows, cols, dtype=src.dtype, device=src.device)
+    grid = (triton.cdiv(rows, _TILE), triton.cdiv(cols, _TILE), src.size(0) if src.ndim == 3 else 1)
+    launch(_transpose_kernel, grid, src, src, dst, divisors if divide else src, rows, cols, DIVIDE=divide,
+           TILE=_TILE, num_warps=_WARPS)
     return dst
 
 
 def _kernel_ok(a: Tensor, edges: Sequence[int]) -> bool:
     if not triton_usable(a) or len(edges) - 1 > MAX_BLOCKS:
         return False
-    m = a.size(0)
-    return a.stride(1) == 1 and (m - 1) * a.stride(0) + m < 2**31
+    m = a.size(-1)
+    return a.stride(-1) == 1 and (m - 1) * a.stride(-2) + m < 2**31
 
 
 def mirror_lower_blocks_(a: Tensor, edges: Sequence[int]) -> Tensor:
-    """Fill each strictly-lower block of square ``a`` from its upper mirror; returns ``a``.
+    """Fill each strictly-lower block of square ``a`` (or of each matrix of a 3D stack) from its
+    upper mirror; returns ``a``.
 
     ``edges`` are the block boundaries ``0 = e_0 < e_1 < ... < e_b = m``: afterwards
-    ``a[e_j:e_{j+1}, e_i:e_{i+1}] = a[e_i:e_{i+1}, e_j:e_{j+1}].T`` for every ``j > i``.
-    Diagonal blocks and the upper blocks are not touched.
+    ``a[..., e_j:e_{j+1}, e_i:e_{i+1}] = a[..., e_i:e_{i+1}, e_j:e_{j+1}].mT`` for every ``j > i``.
+    Diagonal blocks and the upper blocks are not touched. A stack is one launch.
     """
-    m = a.size(0) if a.ndim == 2 else -1
-    if m < 0 or a.size(1) != m or list(edges[:1]) != [0] or edges[-1] != m:
-        raise ValueError(f"mirror_lower_blocks_ needs a square matrix and edges from 0 to its size; got "
-                         f"{tuple(a.shape)} and {list(edges)}")
-    if len(edges) <= 2:
+    m = a.size(-1) if a.ndim in (2, 3) else -1
+    if m < 0 or a.size(-2) != m or list(edges[:1]) != [0] or edges[-1] != m:
+        raise ValueError(f"mirror_lower_blocks_ needs a square matrix (or a 3D stack of them) and edges from 0 "
+                         f"to its size; got {tuple(a.shape)} and {list(edges)}")
+    if len(edges) <= 2 or a.numel() == 0:
         return a
     if not _kernel_ok(a, edges):
         for r0, r1 in zip(edges[:-2], edges[1:-1]):
-            a[r1:, r0:r1].copy_(a[r0:r1, r1:].T)
+            a[..., r1:, r0:r1].copy_(a[..., r0:r1, r1:].mT)
         return a
     interior = list(edges[1:-1]) + [m] * (MAX_BLOCKS - 1 - (len(edges) - 2))  # 7 scalars
-    grid = (triton.cdiv(m, _TILE), triton.cdiv(m, _TILE))
-    launch(_mirror_kernel, grid, a, a, m, a.stride(0), *interior, TILE=_TILE, num_warps=_WARPS)
+    batch = a.size(0) if a.ndim == 3 else 1
+    grid = (triton.cdiv(m, _TILE), triton.cdiv(m, _TILE), batch)
+    launch(_mirror_kernel, grid, a, a, m, a.stride(-2), a.stride(0) if a.ndim == 3 else 0, *interior,
+           TILE=_TILE, num_warps=_WARPS)
     return a
