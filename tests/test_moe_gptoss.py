@@ -83,6 +83,20 @@ def test_gptoss_stacks_step_as_torch_muon_on_the_separate_linear_weights(case):
             assert torch.equal(bufs[k], ref.state[q]["momentum_buffer"]), (case, "momentum", divmod(k, 3))
 
 
+def test_gptoss_stacks_on_the_whole_stack_path_equal_the_separate_linear_weights():
+    """``orthogonalizer="batched"`` takes the whole-stack path (a stack's pieces viewed in place as
+    ``[-1, rows, cols]``) wherever it applies, on CPU too: a transposed, interleaved stack must not
+    be viewed that way. The oracle is the same optimizer on the separate (out, in) matrices."""
+    a, b, separate = _setup(seed=5)
+    ours = Muon([a, b], lr=0.02, orthogonalizer="batched")
+    ref = Muon(separate, lr=0.02, orthogonalizer="batched")
+    for _ in _feed(a, b, separate, seed=6, steps=2):
+        ours.step()
+        ref.step()
+        for mine, theirs in zip(_linear_weights(a.data, b.data), separate):
+            assert torch.equal(mine, theirs.data)
+
+
 @pytest.mark.parametrize("transposed,interleaved", [(False, True), (True, False)])
 def test_the_other_layout_combinations_step_as_torch_muon(transposed, interleaved):
     """A user's own stacks: interleaved rows stored [E, out, in], and contiguous blocks stored

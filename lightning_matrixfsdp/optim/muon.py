@@ -289,6 +289,8 @@ class Muon(TailOptimizer):
             return False
         if len(set(stack.blocks)) != 1 or not (p.is_contiguous() and grad.is_contiguous() and buf.is_contiguous()):
             return False
+        if stack.transposed or stack.interleaved:  # its pieces are not [-1, rows, cols] views of the stack
+            return False
         rows, cols = stack.blocks[0], p.shape[-1]
         batch = group.get("batch_shapes")
         if name != "batched" and (min(rows, cols) >= SYMMETRIC_MIN_ROWS or batch is False
