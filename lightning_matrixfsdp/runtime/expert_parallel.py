@@ -107,8 +107,11 @@ class ExpertParallel:
         self.mesh = expert_mesh(self.groups)
         for fqn, p in self.params.items():
             s = expert_slice_of(p)
-            local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
-            p.data = local.to(self.device if self.device is not None else p.device)
+            if p.is_meta:  # initialized with the rest of the model, whole once (``tp_init``): its local shape now
+                p.data = torch.empty((s.count, *s.global_shape[1:]), dtype=p.dtype, device="meta")
+            else:
+                local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
+                p.data = local.to(self.device if self.device is not None else p.device)
             tag_stack(p, stacks.get(fqn))
 
     def describe(self) -> str:
@@ -175,13 +178,6 @@ def _agree(ep: int, seams: list[ExpertSeam], mesh: MeshInfo) -> None:
         if s.num_experts % ep:
             raise MatrixShardError(f"expert_parallel_size={ep} does not divide the {s.num_experts} experts of "
                                    f"{s.fqn!r}; each rank of an expert-parallel group must hold the same number")
-        meta = [n for n in s.names if s.module._parameters[n].is_meta]
-        if meta:
-            raise MatrixShardError(
-                f"expert_parallel_size={ep}: {s.fqn}.{meta[0]} is on the meta device; a rank could not initialize "
-                "its experts as a one-process initialization would (its random stream covers every expert). Build "
-                "the experts on the CPU (the rest of the model may stay on meta), or load them from a checkpoint "
-                "without expert parallelism")
 
 
 def _first_difference(a: list, b: list) -> str:
