@@ -58,6 +58,9 @@ class ExpertSlice:
     first: int
     count: int
     groups: ExpertGroups
+    #: built on the meta device: initialized with the model's other meta-device modules (``tp_init``:
+    #: the whole stack once, rank 0's experts to every rank), not taken from rank 0's tensor
+    from_meta: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -78,8 +81,11 @@ class ExpertParallel:
     """The local expert parameters of a sharded model and their gradients' way to DDP's mean."""
 
     def __init__(self, params: dict[str, nn.Parameter], groups: ExpertGroups, stats: CommStats,
-                 device: Optional[torch.device]) -> None:
+                 device: Optional[torch.device], registrations: Optional[dict[str, list[tuple[nn.Module, str]]]] = None
+                 ) -> None:
         self.params = params
+        #: every (module, name) each stack is registered as (a meta-device stack is replaced there by ``split``)
+        self.registrations = registrations or {}
         self.groups = groups
         self.stats = stats
         self.device = device
@@ -105,14 +111,26 @@ class ExpertParallel:
         optimizers step the ``E/EP`` local experts as matrices of their own."""
         rank0 = dist.get_rank() == 0
         self.mesh = expert_mesh(self.groups)
-        for fqn, p in self.params.items():
+        for fqn, p in list(self.params.items()):
             s = expert_slice_of(p)
-            if p.is_meta:  # initialized with the rest of the model, whole once (``tp_init``): its local shape now
-                p.data = torch.empty((s.count, *s.global_shape[1:]), dtype=p.dtype, device="meta")
+            if s.from_meta:  # its local experts, uninitialized until the model's meta-device initialization
+                p = self._replace(fqn, p, torch.empty((s.count, *s.global_shape[1:]), dtype=p.dtype, device=self.device))
             else:
                 local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
                 p.data = local.to(self.device if self.device is not None else p.device)
             tag_stack(p, stacks.get(fqn))
+
+    def _replace(self, fqn: str, p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+        """A new parameter of ``data`` in place of meta-device ``p`` (whose data cannot become a real
+        tensor), registered where ``p`` was, with its expert slice and gradient hook."""
+        q = nn.Parameter(data, requires_grad=p.requires_grad)
+        for m, name in self.registrations.get(fqn, ()):
+            m._parameters[name] = q
+        tag_expert_slice(q, expert_slice_of(p))
+        self.params[fqn] = q
+        if p.requires_grad:
+            self._handles.append(q.register_hook(self._take(q)))
+        return q
 
     def describe(self) -> str:
         """One line for the plan printout."""
@@ -199,14 +217,17 @@ def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional
     groups = expert_groups(ep)
     dispatch = functools.partial(expert_parallel_forward, stats=stats)
     params: dict[str, nn.Parameter] = {}
+    registrations: dict[str, list[tuple[nn.Module, str]]] = {}
     for s in seams:
         count = s.num_experts // ep
         for n in s.names:
             p = s.module._parameters[n]
-            if expert_slice_of(p) is not None:
-                continue  # registered twice: split once
+            if expert_slice_of(p) is not None:  # registered twice: split once
+                registrations[expert_slice_of(p).fqn].append((s.module, n))
+                continue
             fqn = f"{s.fqn}.{n}" if s.fqn else n
-            tag_expert_slice(p, ExpertSlice(fqn, tuple(p.shape), groups.ep_rank * count, count, groups))
+            tag_expert_slice(p, ExpertSlice(fqn, tuple(p.shape), groups.ep_rank * count, count, groups, p.is_meta))
             params[fqn] = p
+            registrations[fqn] = [(s.module, n)]
         install_forward(s, dispatch, groups.ep_group, fused=hf_experts_forward)
-    return ExpertParallel(params, groups, stats, device)
+    return ExpertParallel(params, groups, stats, device, registrations)

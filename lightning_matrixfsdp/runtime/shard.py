@@ -42,7 +42,7 @@ from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_re
 from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_tp, tag_tp_shape
 from lightning_matrixfsdp.runtime.topology_comm import resolve
 from lightning_matrixfsdp.runtime.tp import local_data, read_layout
-from lightning_matrixfsdp.runtime.tp_init import init_tp_meta, replays_whole
+from lightning_matrixfsdp.runtime.tp_init import awaits_init, init_tp_meta, replays_whole
 from lightning_matrixfsdp.runtime.tp_comm import TPFragment
 from lightning_matrixfsdp.runtime.tp_plan import TPPlan, assign_tp_steppers, localize
 from lightning_matrixfsdp.runtime.unit import Unit
@@ -300,7 +300,7 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     check = make_sequence_check(sg, [u.fqn for u in plan.units]) if agreed["sequence_check"] else None
     if check is not None:
         check.describe = state.describe_waiting
-    meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
+    meta_modules = [m for m in module.modules() if any(awaits_init(p) for p in m._parameters.values())]
     for index, (layout, (_, umod)) in enumerate(zip(plan.units, collected.units)):
         sparams = [ShardedParam(shard, params[shard.fqn], collected.registrations[shard.fqn], sg.rank, device,
                                 config.param_dtype, config.reduce_dtype, alone=sg.size == 1,

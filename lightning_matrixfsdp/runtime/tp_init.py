@@ -18,13 +18,14 @@ they drew. Memory: one module's parameters whole at a time.
 
 ``reset_parameters`` must initialize the module's own parameters only (torch's convention for
 meta-device initialization): a parameter a parent's method writes is written to its resident
-tensor (an expert stack: to its meta placeholder, so not at all), not to the whole one. An experts
-module without ``reset_parameters`` keeps uninitialized experts, as a one-process meta
-initialization would (a Hugging Face model's: for ``load_pretrained`` to fill).
+tensor (an expert stack: this rank's experts), not to the whole one. An experts module without
+``reset_parameters`` keeps uninitialized experts, as a one-process meta initialization would (a
+Hugging Face model's: for ``load_pretrained`` to fill).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -34,22 +35,35 @@ from torch import nn
 from lightning_matrixfsdp.runtime.comm import CommStats
 from lightning_matrixfsdp.runtime.expert_comm import rank0_slices
 from lightning_matrixfsdp.runtime.param import ShardedParam
-from lightning_matrixfsdp.runtime.tags import expert_slice_of
+from lightning_matrixfsdp.runtime.tags import expert_slice_of, tag_expert_slice
 from lightning_matrixfsdp.runtime.tp_init_comm import scatter_initialized
 
-__all__ = ["init_tp_meta", "replays_whole"]
+__all__ = ["awaits_init", "init_tp_meta", "replays_whole"]
+
+
+def awaits_init(p: Optional[torch.Tensor]) -> bool:
+    """Whether parameter ``p`` is to be initialized as a meta-device one: on the meta device, or an
+    expert stack built there (already this rank's uninitialized experts: ``ExpertParallel.split``)."""
+    if p is None:
+        return False
+    s = expert_slice_of(p)
+    return p.is_meta or (s is not None and s.from_meta)
 
 
 def replays_whole(meta_modules: list[nn.Module], tp_plan: Any) -> bool:
     """Whether the meta-device modules are initialized here (whole tensors, then slices): with
-    tensor parallelism, or where an expert stack under expert parallelism is on the meta device."""
+    tensor parallelism, or where an expert stack under expert parallelism was on the meta device."""
     return bool(meta_modules) and (tp_plan is not None or any(
         p is not None and expert_slice_of(p) is not None for m in meta_modules for p in m._parameters.values()))
 
 
 def _expert_stacks(m: nn.Module) -> list[tuple[str, nn.Parameter, Any]]:
-    return [(n, p, expert_slice_of(p)) for n, p in m._parameters.items()
-            if p is not None and expert_slice_of(p) is not None and p.is_meta]
+    out, seen = [], set()
+    for n, p in m._parameters.items():
+        if awaits_init(p) and expert_slice_of(p) is not None and id(p) not in seen:
+            seen.add(id(p))
+            out.append((n, p, expert_slice_of(p)))
+    return out
 
 
 def init_tp_meta(meta_modules: list[nn.Module], params: list[ShardedParam], tp_plan: Any, tp: Any,
@@ -67,9 +81,8 @@ def init_tp_meta(meta_modules: list[nn.Module], params: list[ShardedParam], tp_p
         stacks = _expert_stacks(m)
         if callable(reset) and (own or stacks):
             _replay(m, reset, own, stacks, tp_plan, tp, device, stats)
-        for _, p, s in stacks:
-            if p.is_meta:  # no reset_parameters: uninitialized, as a one-process meta initialization leaves it
-                p.data = torch.empty((s.count, *s.global_shape[1:]), dtype=p.dtype, device=device)
+        for _, p, s in stacks:  # initialized (without reset_parameters: uninitialized, as in one process)
+            tag_expert_slice(p, replace(s, from_meta=False))
 
 
 def _replay(m: nn.Module, reset: Any, own: list[tuple[str, ShardedParam]], stacks: list[tuple[str, nn.Parameter, Any]],
@@ -100,6 +113,7 @@ def _replay(m: nn.Module, reset: Any, own: list[tuple[str, ShardedParam]], stack
                 sp.resident.data.copy_(whole[name])
     rank0 = dist.get_rank() == 0 if stacks else False
     for name, p, s in stacks:  # global rank 0's experts to every rank (a one-process init under its seed)
-        local: Optional[torch.Tensor] = rank0_slices(whole[name] if rank0 else None, s.global_shape, p.dtype,
-                                                     s.groups, stats if stats is not None else CommStats())
-        p.data = local.to(device)  # type: ignore[union-attr]
+        local = rank0_slices(whole[name] if rank0 else None, s.global_shape, p.dtype, s.groups,
+                             stats if stats is not None else CommStats())
+        with torch.no_grad():
+            p.copy_(local)
