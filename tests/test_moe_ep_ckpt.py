@@ -315,6 +315,27 @@ def meta_init(rank: int, world: int, ep: int) -> dict:
     return out
 
 
+def meta_then_pretrained(rank: int, world: int, root: str) -> list[str]:
+    """A meta-device model whose experts modules have no ``reset_parameters`` (as Hugging Face's):
+    its experts stay uninitialized when sharded with EP=2, and ``load_pretrained`` of the
+    one-process model's safetensors fills each rank's experts (and the owners' dense weights)."""
+    import lightning_matrixfsdp as mf
+    from safetensors.torch import save_file
+
+    path = os.path.join(root, "pretrained.safetensors")
+    ref = build(3)
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, path)
+    dist.barrier()
+    with torch.device("meta"):
+        model = Net().to(DTYPE)
+    for block in model.blocks:
+        block.experts.reset_parameters = None  # nothing initializes the experts: they wait for the weights
+    mf.matrix_shard(model, expert_parallel_size=2, expert_stacks=STACKS)
+    mf.load_pretrained(model, path)
+    return held_wrong(model, ref)
+
+
 def trainer_meta_init(rank: int, world: int) -> list[str]:
     """The same through the Trainer: ``init_module(empty_init=True)``, sharded by the strategy
     with EP=2 in a fit of no step (float32, Lightning's default precision)."""
@@ -360,6 +381,7 @@ def _world2(rank: int, world: int, root: str) -> dict:
     out = {name: load_elsewhere(rank, world, root, name) for name in ("shampoo", "muon")}
     out["meta_ep2"] = meta_init(rank, world, 2)
     out["trainer_meta"] = trainer_meta_init(rank, world)
+    out["meta_pretrained"] = meta_then_pretrained(rank, world, root)
     return out
 
 
@@ -413,3 +435,8 @@ def test_meta_init_with_expert_parallelism_equals_one_process_init(launches, wor
 def test_meta_init_with_expert_parallelism_through_the_trainer(launches):
     for r in launches.w2:
         assert r["trainer_meta"] == [], r["trainer_meta"]
+
+
+def test_meta_init_with_expert_parallelism_then_load_pretrained(launches):
+    for r in launches.w2:
+        assert r["meta_pretrained"] == [], r["meta_pretrained"]

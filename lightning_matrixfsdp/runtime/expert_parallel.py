@@ -7,7 +7,10 @@ marks each stacked parameter with this rank's :class:`ExpertSlice` (marked param
 no unit: they are never materialized and never reduced to an owner) and installs the
 dispatching forward. Once the roles are known, :meth:`ExpertParallel.split` keeps on each rank
 its ``E/EP`` experts of global rank 0's stacks as a *local* parameter ``[E/EP, ...]`` (the
-same ``nn.Parameter`` object).
+same ``nn.Parameter`` object). A stack built on the meta device has no rank 0 value yet: it is
+replaced there by a new parameter of this rank's uninitialized experts, which the model's
+meta-device initialization fills as one process would (``tp_init.py``: the whole stack
+initialized once, rank 0's experts sent to every rank).
 
 :class:`ExpertParallel` is their gradient's way to DDP's mean: backward accumulates each
 rank's local gradient aside (a hook on the parameter), and the end-of-backward flush sums it
