@@ -357,8 +357,9 @@ def trainer_meta_init(rank: int, world: int) -> list[str]:
             return optimizer("muon", self)
 
     strategy = mf.MatrixFSDPStrategy(expert_parallel_size=2, expert_stacks=STACKS)
-    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0)
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=0, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0)
     with trainer.init_module(empty_init=True):
         lit = Lit()
     assert all(p.is_meta for p in lit.parameters())

@@ -178,9 +178,10 @@ class StateRule:
         if e.part is None:
             return self.index.fragment_request(key, m.properties.dtype)
         lay = expert_state_layout(self.index, key, tuple(size), local=False)
+        assert lay is not None  # _sliced said so
         device = e.local.device if e.local is not None else torch.device("cpu")
-        local = torch.empty(lay.local_shape(e.part), dtype=m.properties.dtype, device=device)  # type: ignore[union-attr]
-        return fragment_dtensor(local, e.part_mesh, 0, lay.global_shape)  # type: ignore[union-attr]
+        local = torch.empty(lay.local_shape(e.part), dtype=m.properties.dtype, device=device)
+        return fragment_dtensor(local, e.part_mesh, 0, lay.global_shape)
 
     def from_file(self, key: str, state: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's part of ``key``'s whole saved state (a consolidated file): fragments
@@ -191,7 +192,6 @@ class StateRule:
                 v = (self._narrow(key, v) if self._sliced(key, name, tuple(v.shape)) else v).clone()
             out[name] = v
         return out
-
 
     def _narrow(self, key: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole state tensor: its experts of an expert stack's, else its TP fragment."""

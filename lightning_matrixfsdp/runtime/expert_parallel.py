@@ -117,7 +117,8 @@ class ExpertParallel:
         for fqn, p in list(self.params.items()):
             s = expert_slice_of(p)
             if s.from_meta:  # its local experts, uninitialized until the model's meta-device initialization
-                p = self._replace(fqn, p, torch.empty((s.count, *s.global_shape[1:]), dtype=p.dtype, device=self.device))
+                local = torch.empty((s.count, *s.global_shape[1:]), dtype=p.dtype, device=self.device)
+                p = self._replace(fqn, p, local)
             else:
                 local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
                 p.data = local.to(self.device if self.device is not None else p.device)
