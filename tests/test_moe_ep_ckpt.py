@@ -336,6 +336,34 @@ def meta_then_pretrained(rank: int, world: int, root: str) -> list[str]:
     return held_wrong(model, ref)
 
 
+def parent_writes_experts(rank: int, world: int) -> tuple[str, float]:
+    """A block whose own ``reset_parameters`` also draws the experts' ``w1``: under EP it would draw
+    for this rank's experts only (another random stream than one process), so it is refused, on
+    every rank, within seconds. The message and the seconds."""
+    import time
+    import types
+
+    import lightning_matrixfsdp as mf
+
+    def reset(block: nn.Module) -> None:
+        nn.init.ones_(block.scale)
+        nn.init.normal_(block.experts.w1)
+
+    with torch.device("meta"):
+        model = Net().to(DTYPE)
+        for block in model.blocks:
+            block.scale = nn.Parameter(torch.ones(DIM, dtype=DTYPE))
+            block.reset_parameters = types.MethodType(reset, block)
+    start = time.monotonic()
+    try:
+        mf.matrix_shard(model, expert_parallel_size=2, expert_stacks=STACKS)
+        return "no error", 0.0
+    except mf.MatrixShardError as e:
+        return str(e), time.monotonic() - start
+    finally:
+        dist.barrier()
+
+
 def trainer_meta_init(rank: int, world: int) -> list[str]:
     """The same through the Trainer: ``init_module(empty_init=True)``, sharded by the strategy
     with EP=2 in a fit of no step (float32, Lightning's default precision)."""
@@ -383,6 +411,7 @@ def _world2(rank: int, world: int, root: str) -> dict:
     out["meta_ep2"] = meta_init(rank, world, 2)
     out["trainer_meta"] = trainer_meta_init(rank, world)
     out["meta_pretrained"] = meta_then_pretrained(rank, world, root)
+    out["parent_writes"] = parent_writes_experts(rank, world)
     return out
 
 
@@ -441,3 +470,10 @@ def test_meta_init_with_expert_parallelism_through_the_trainer(launches):
 def test_meta_init_with_expert_parallelism_then_load_pretrained(launches):
     for r in launches.w2:
         assert r["meta_pretrained"] == [], r["meta_pretrained"]
+
+
+def test_meta_init_refuses_a_parent_that_writes_the_experts_on_every_rank(launches):
+    for r in launches.w2:
+        message, seconds = r["parent_writes"]
+        assert "writes the expert stack" in message and "blocks.0.experts.w1" in message, message
+        assert seconds < 10, seconds

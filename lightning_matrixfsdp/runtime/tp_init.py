@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.comm import CommStats
 from lightning_matrixfsdp.runtime.expert_comm import rank0_slices
+from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, tag_expert_slice
 from lightning_matrixfsdp.runtime.tp_init_comm import scatter_initialized
@@ -75,14 +76,36 @@ def init_tp_meta(meta_modules: list[nn.Module], params: list[ShardedParam], tp_p
     on the modules as residents); ``tp``: the TP group (``ShardGroup``). Collective over the TP
     group, and over the world where a module holds expert stacks."""
     by_id = {id(sp.resident): sp for sp in params}
+    every = [s for m in meta_modules for s in _expert_stacks(m)]
+    with torch.no_grad():
+        for _, p, _ in every:  # uninitialized: a write by another module's reset_parameters shows (refused)
+            if p.is_floating_point():
+                p.fill_(float("nan"))
     for m in meta_modules:
         reset = getattr(m, "reset_parameters", None)
         own = [(name, by_id[id(p)]) for name, p in m._parameters.items() if p is not None and id(p) in by_id]
         stacks = _expert_stacks(m)
         if callable(reset) and (own or stacks):
+            inside = [s for sub in m.modules() if sub is not m for s in _expert_stacks(sub)] if every else []
             _replay(m, reset, own, stacks, tp_plan, tp, device, stats)
+            _refuse_written(m, inside)
         for _, p, s in stacks:  # initialized (without reset_parameters: uninitialized, as in one process)
             tag_expert_slice(p, replace(s, from_meta=False))
+
+
+def _refuse_written(m: nn.Module, inside: list[tuple[str, nn.Parameter, Any]]) -> None:
+    """Refuse (on every rank: the same code ran everywhere) a ``reset_parameters`` of ``m`` that
+    wrote an expert stack of a module inside it: it drew for this rank's experts only, so neither
+    those values nor the random stream after them are a one-process initialization's."""
+    for _, p, s in inside:
+        if p.is_floating_point() and not bool(torch.isnan(p).all()):
+            raise MatrixShardError(
+                f"meta-device initialization with expert parallelism: {type(m).__name__}.reset_parameters writes "
+                f"the expert stack {s.fqn!r} of a module inside it. Each module's reset_parameters runs on whole "
+                "tensors of its own parameters only, so this rank would draw for its own experts, and neither those "
+                "values nor the random numbers after them would be a one-process initialization's. Initialize the "
+                "stack in its own module's reset_parameters, build the model on the CPU, or load its weights "
+                "(load_pretrained) into a model whose parents leave the experts alone")
 
 
 def _replay(m: nn.Module, reset: Any, own: list[tuple[str, ShardedParam]], stacks: list[tuple[str, nn.Parameter, Any]],
