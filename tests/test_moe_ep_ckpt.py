@@ -1,12 +1,12 @@
 """Checkpoints and meta-device initialization with expert parallelism (CPU gloo, float64).
 
-A tiny token model of two MoE blocks in torchtitan's shape (stacked experts declared with
-``parallelize_experts``), 4 experts. One launch of 4 processes saves at EP=2 (Muon, Shampoo, SOAP),
-keeps training to give the uninterrupted run, resumes at EP=2 (bitwise) and loads at EP=1; then one
-launch of 2 processes loads the same checkpoints at EP=2 and EP=1 (another world size) and keeps
-training. The oracles are plain: the uninterrupted run itself, the weights and the optimizer state
-gathered whole at the save, and a one-process meta-device initialization (``to_empty`` and each
-module's ``reset_parameters`` in module order) written here.
+A tiny token model of two MoE blocks in torchtitan's shape (``parallelize_experts``, the stacks
+declared with ``expert_stacks``), 4 experts. One task on the session's 4 gloo workers saves at EP=2
+(Muon, Shampoo, SOAP), keeps training to give the uninterrupted run, resumes at EP=2 (bitwise) and
+loads at EP=1; then one task on the 2 workers loads the same checkpoints at EP=2 and EP=1 (another
+world size) and keeps training. The oracles are plain: the uninterrupted run itself, the weights
+and the optimizer state gathered whole at the save, and a one-process meta-device initialization
+(``to_empty`` and each module's ``reset_parameters`` in module order) written here.
 """
 from __future__ import annotations
 
@@ -185,18 +185,24 @@ def save_and_reference(rank: int, world: int, root: str, name: str) -> dict:
     uninterrupted run on to ``STEPS``; resume at EP=2 (directory, file) and load at EP=1."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.checkpoint import save_sharded
+    from lightning_matrixfsdp.checkpoint.async_save import AsyncCheckpointer
 
     out: dict = {}
     model, opt = sharded(name, 2)
     train(model, opt, range(SAVE_AT), rank, world)
     save_sharded(model, os.path.join(root, name), [opt])
-    if name == "shampoo":
+    saver = AsyncCheckpointer() if name == "shampoo" else None
+    if saver is not None:  # a consolidated file, and an asynchronous save written while training goes on
         save_sharded(model, os.path.join(root, "shampoo.ckpt"), [opt], full=True)
+        saver.save_sharded(model, os.path.join(root, "shampoo_async"), [opt])
     at_save, state_at_save = whole(model), stack_state(model, opt)
     if name != "muon":  # per-expert statistics [E, m, m] / [E, n, n], not shaped like the stack
         assert any(v.shape[1:] != at_save[n].shape[1:] for n, st in state_at_save.items() for v in st.values()
                    if v.ndim == 3), f"{name}: no per-expert statistics in the stacks' state"
     train(model, opt, range(SAVE_AT, STEPS), rank, world)
+    if saver is not None:
+        saver.wait()
+        saver.close()
     reference = whole(model)
     if rank == 0:
         torch.save({"at_save": at_save, "state": state_at_save, "reference": reference},
@@ -220,6 +226,9 @@ def save_and_reference(rank: int, world: int, root: str, name: str) -> dict:
         mf.load_sharded(again, os.path.join(root, "shampoo.ckpt"), [aopt])
         train(again, aopt, range(SAVE_AT, STEPS), rank, world)
         out["resume_file_bitwise"] = equal(whole(again), reference)
+        mf.load_sharded(again, os.path.join(root, "shampoo_async"), [aopt])
+        out["async_equal"] = equal(whole(again), at_save) and all(
+            equal(stack_state(again, aopt)[k], v) for k, v in state_at_save.items())
         if rank == 0:
             out.update(consolidated(os.path.join(root, "shampoo.ckpt"), at_save, state_at_save))
     return out
@@ -437,10 +446,10 @@ def test_resume_at_ep2_is_bitwise_and_loads_at_ep1(launches, name):
         assert c["ep1_continues"] < TOL, c
 
 
-def test_consolidated_file_of_an_ep_checkpoint(launches):
+def test_consolidated_file_and_async_save_of_an_ep_checkpoint(launches):
     for rank, r in enumerate(launches.w4):
         c = r["shampoo"]
-        assert c["resume_file_bitwise"], c
+        assert c["resume_file_bitwise"] and c["async_equal"], c
         if rank == 0:
             assert c["file_weights_equal"] and c["file_state_equal"], c
 
