@@ -431,7 +431,7 @@ def launches(dist_pools):
     try:
         w4 = dist_pools(4).run(_world4, root, timeout=600)
         w2 = dist_pools(2).run(_world2, root, timeout=600)
-        yield SimpleNamespace(w4=w4, w2=w2)
+        yield SimpleNamespace(w4=w4, w2=w2, root=root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -486,3 +486,27 @@ def test_meta_init_refuses_a_parent_that_writes_the_experts_on_every_rank(launch
         message, seconds = r["parent_writes"]
         assert "writes the expert stack" in message and "blocks.0.experts.w1" in message, message
         assert seconds < 10, seconds
+
+
+def test_world4_checkpoint_loads_in_one_process_without_a_process_group(launches, name="shampoo"):
+    """This process alone loads the EP=2 directory: into the plain model (the stacks tagged as
+    outside ``matrix_shard``), every weight and the whole stacks' state equal to every rank's
+    gathered at the save; into the model sharded over this one process, and two more steps on all
+    the micro-batches follow the uninterrupted 4-process run."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.classify import tag_expert_stacks
+
+    ref = torch.load(os.path.join(launches.root, f"{name}_ref.pt"), weights_only=False)
+    plain = build()
+    tag_expert_stacks(plain, expert_stacks=STACKS)
+    opt = optimizer(name, plain)
+    mf.load_sharded(plain, os.path.join(launches.root, name), [opt])
+    params = dict(plain.named_parameters())
+    assert equal({n: p.detach() for n, p in params.items()}, ref["at_save"])
+    for n, state in ref["state"].items():
+        assert equal({k: v for k, v in opt.state[params[n]].items() if isinstance(v, torch.Tensor)}, state), n
+
+    model, opt = sharded(name, 1)
+    mf.load_sharded(model, os.path.join(launches.root, name), [opt])
+    train(model, opt, range(SAVE_AT, STEPS), 0, 1)
+    assert apart({n: p.detach() for n, p in model.named_parameters()}, ref["reference"]) < TOL

@@ -146,6 +146,8 @@ class StateRule:
             return split_now
         if len(shape) == 0:
             return False
+        if not split_now and len(e.shape) > 2 and shape[0] == e.shape[0]:
+            return False  # an expert stack's per-expert state [E, ...] (chunks under EP at the save): whole here
         where = (f"split along dim {e.tp.dim} here" if split_now else "split over tensor parallelism at the save")
         raise CheckpointMismatchError(
             f"{self.what}: optimizer state {name!r} of {key!r} has the shape {tuple(shape)}, but {key!r} is "
