@@ -13,6 +13,14 @@ chunks the save happened to write (those depend on the saving mesh):
   written per fragment) and is refused.
 * whole state (Shampoo's and SOAP's state of a split matrix): kept whole on the matrix's TP
   stepper, which writes it whole; only that rank reads it, whole (without TP: the owner, as always).
+
+An expert stack under expert parallelism is split along its experts (dim 0), and every optimizer
+keeps its state per expert: Muon's momentum and AdamW's moments shaped like the local stack,
+Shampoo's and SOAP's statistics stacked with a leading dimension of the local experts
+(``optim.matrix_library``). So every state tensor of such a stack with a leading dimension is a
+chunk of the global ``[E, ...]`` state tensor (:func:`expert_state_layout`), written as this
+rank's chunk and read as the chunk this rank holds now, or whole where the stack is whole now
+(without expert parallelism); a scalar (a step count) is alike on every rank.
 """
 from __future__ import annotations
 
@@ -25,14 +33,42 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointError, CheckpointMi
 from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 from lightning_matrixfsdp.optim.tail import keeps_whole_tp_state
+from lightning_matrixfsdp.runtime.tp import TPLayout, fragment_dtensor
 
-__all__ = ["StateRule", "apply_optimizer", "check_joinable", "saved_splits", "whole_state"]
+__all__ = ["StateRule", "apply_optimizer", "check_joinable", "expert_state_layout", "saved_splits", "state_as_saved",
+           "whole_state"]
 
 
 def whole_state(index: KeyIndex, optimizer: torch.optim.Optimizer, key: str) -> bool:
     """Whether ``optimizer``'s state of ``key`` is whole state: a matrix role, and an optimizer that
-    keeps a split matrix's state whole on its TP stepper (for a key that is not split: the same)."""
-    return keeps_whole_tp_state(optimizer) and index.entries[key].role == "matrix"
+    keeps a split matrix's state whole on its TP stepper (for a key that is not split: the same).
+    Never for an expert stack under expert parallelism: its state is per expert, in chunks."""
+    e = index.entries[index.entries[key].primary]
+    return keeps_whole_tp_state(optimizer) and e.role == "matrix" and e.part is None
+
+
+def expert_state_layout(index: KeyIndex, key: str, shape: Sequence[int], local: bool) -> Optional[TPLayout]:
+    """For an expert stack under expert parallelism (else None): the split along the experts of
+    its state tensor of ``shape``, this rank's chunk (``local``) or the global tensor on disk;
+    None for a tensor without the leading expert dimension (a scalar)."""
+    e = index.entries[index.entries[key].primary]
+    if e.part is None or not len(shape):
+        return None
+    lay = e.tp
+    if shape[0] != (lay.sizes[e.part] if local else lay.global_shape[0]):
+        return None
+    return TPLayout(lay.fqn, 0, (lay.global_shape[0], *tuple(shape)[1:]), lay.sizes)
+
+
+def state_as_saved(index: KeyIndex, optimizer: torch.optim.Optimizer, key: str, v: torch.Tensor) -> Any:
+    """State tensor ``v`` of ``key`` as DCP gets it: whole state as it is; an expert stack's state
+    with the leading expert dimension as this rank's chunk of the global tensor; a TP fragment's
+    state as its chunk of the global tensor (``KeyIndex.as_saved``)."""
+    e = index.entries[index.entries[key].primary]
+    if e.part is not None:
+        lay = expert_state_layout(index, key, v.shape, local=True)
+        return v if lay is None else fragment_dtensor(v, e.part_mesh, 0, lay.global_shape)
+    return v if whole_state(index, optimizer, key) else index.as_saved(key, v)
 
 
 def check_joinable(index: KeyIndex, optimizer: torch.optim.Optimizer) -> None:
@@ -46,6 +82,9 @@ def check_joinable(index: KeyIndex, optimizer: torch.optim.Optimizer) -> None:
             frag = index.fragment_shape(key)
             if frag is None or p not in optimizer.state or not index.steps(key) or whole_state(index, optimizer, key):
                 continue
+            if index.entries[key].part is not None:
+                _check_expert_state(index, optimizer, key, optimizer.state[p])
+                continue
             for name, v in optimizer.state[p].items():
                 if isinstance(v, torch.Tensor) and v.ndim > 0 and tuple(v.shape) != frag:
                     raise CheckpointError(
@@ -55,6 +94,19 @@ def check_joinable(index: KeyIndex, optimizer: torch.optim.Optimizer) -> None:
                         "would overwrite the others'). Use lightning_matrixfsdp.Muon, Shampoo or SOAP (whole-matrix "
                         "steps) or an elementwise optimizer for TP-split matrices, or keep this parameter replicated "
                         "in the parallelize plan")
+
+
+def _check_expert_state(index: KeyIndex, optimizer: torch.optim.Optimizer, key: str, state: Mapping[str, Any]
+                       ) -> None:
+    count = index.fragment_shape(key)[0]  # type: ignore[index]
+    for name, v in state.items():
+        if isinstance(v, torch.Tensor) and v.ndim > 0 and expert_state_layout(index, key, v.shape, True) is None:
+            raise CheckpointError(
+                f"optimizer state {name!r} of the expert stack {key!r} has the shape {tuple(v.shape)}, without this "
+                f"rank's {count} experts as its leading dimension: {type(optimizer).__name__} keeps state that is not "
+                "per expert, which cannot be joined into the whole stack's state under expert parallelism (each "
+                "rank's would overwrite the others'). Use lightning_matrixfsdp.Muon, Shampoo or SOAP, or an "
+                "elementwise optimizer, for expert stacks")
 
 
 def saved_splits(layout: Optional[Mapping[str, Any]], from_ck: Mapping[str, str]) -> frozenset[str]:
@@ -85,6 +137,8 @@ class StateRule:
         """Whether state tensor ``name`` (saved ``shape``) of ``key`` is read as this rank's TP
         fragment; raises for fragment state of a split parameter that is not shaped like it."""
         e = self.index.entries[key]
+        if e.part is not None:  # an expert stack now: every tensor with the leading expert dimension
+            return self._expert_sliced(key, name, shape)
         split_now = e.tp is not None
         if self.whole(key) or not (split_now or key in self.saved_split):
             return False
@@ -92,6 +146,8 @@ class StateRule:
             return split_now
         if len(shape) == 0:
             return False
+        if not split_now and len(e.shape) > 2 and shape[0] == e.shape[0]:
+            return False  # an expert stack's per-expert state [E, ...] (chunks under EP at the save): whole here
         where = (f"split along dim {e.tp.dim} here" if split_now else "split over tensor parallelism at the save")
         raise CheckpointMismatchError(
             f"{self.what}: optimizer state {name!r} of {key!r} has the shape {tuple(shape)}, but {key!r} is "
@@ -100,13 +156,34 @@ class StateRule:
             "by another optimizer or per fragment; restore it with the optimizer and mesh that saved it, or load "
             "the weights only (load_weights) and restart the optimizer state")
 
+    def _expert_sliced(self, key: str, name: str, shape: Sequence[int]) -> bool:
+        if len(shape) == 0:
+            return False
+        if expert_state_layout(self.index, key, shape, local=False) is not None:
+            return True
+        e = self.index.entries[key]
+        raise CheckpointMismatchError(
+            f"{self.what}: optimizer state {name!r} of the expert stack {key!r} has the shape {tuple(shape)}, not "
+            f"the {e.shape[0]} experts of the stack as its leading dimension, so this rank cannot take its "
+            f"experts' part of it (expert parallelism here). It was written per rank (an older save with "
+            "expert parallelism, or another optimizer); restore it with the optimizer and expert-parallel size "
+            "that saved it, or load the weights only (load_weights) and restart the optimizer state")
+
     def dcp_buffer(self, key: str, name: str, m: Any) -> Any:
         """What DCP loads saved state entry ``m`` (storage metadata) of ``key`` into: this TP rank's
-        fragment (a DTensor) of fragment state, else a CPU tensor of the saved size (None: object)."""
+        fragment (a DTensor) of fragment state (of an expert stack: this rank's experts' chunk), else
+        a CPU tensor of the saved size (None: object)."""
         size = getattr(m, "size", None)
-        if size is not None and self._sliced(key, name, tuple(size)):
+        if size is None or not self._sliced(key, name, tuple(size)):
+            return placeholder(m)
+        e = self.index.entries[self.index.entries[key].primary]
+        if e.part is None:
             return self.index.fragment_request(key, m.properties.dtype)
-        return placeholder(m)
+        lay = expert_state_layout(self.index, key, tuple(size), local=False)
+        assert lay is not None  # _sliced said so
+        device = e.local.device if e.local is not None else torch.device("cpu")
+        local = torch.empty(lay.local_shape(e.part), dtype=m.properties.dtype, device=device)
+        return fragment_dtensor(local, e.part_mesh, 0, lay.global_shape)
 
     def from_file(self, key: str, state: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's part of ``key``'s whole saved state (a consolidated file): fragments
@@ -114,9 +191,17 @@ class StateRule:
         out = {}
         for name, v in state.items():
             if isinstance(v, torch.Tensor):
-                v = (self.index.narrow(key, v) if self._sliced(key, name, tuple(v.shape)) else v).clone()
+                v = (self._narrow(key, v) if self._sliced(key, name, tuple(v.shape)) else v).clone()
             out[name] = v
         return out
+
+    def _narrow(self, key: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole state tensor: its experts of an expert stack's, else its TP fragment."""
+        e = self.index.entries[self.index.entries[key].primary]
+        if e.part is None:
+            return self.index.narrow(key, whole)
+        lay = e.tp
+        return whole.narrow(0, lay.offset(e.part), lay.sizes[e.part])
 
 
 def apply_optimizer(index: KeyIndex, optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]],

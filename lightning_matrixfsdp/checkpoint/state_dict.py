@@ -19,7 +19,7 @@ from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, curr
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
-from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, whole_state
+from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, expert_state_layout, state_as_saved
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
@@ -72,11 +72,12 @@ def tp_sources(index: KeyIndex) -> dict[str, list[Optional[int]]]:
 
 
 def fragments_to_rank0(index: KeyIndex, key: str, local: Optional[torch.Tensor], sources: Optional[Sequence],
-                       dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+                       dtype: torch.dtype, device: torch.device, layout: Any = None) -> Optional[torch.Tensor]:
     """The whole tensor of TP-split ``key`` (its weight, or a state tensor of its fragment's shape)
     on rank 0's CPU: fragment t from global rank ``sources[t]`` (agreed), concatenated along the
-    split dimension; None elsewhere. ``local``: this rank's fragment where it is a source."""
-    lay = index.entries[index.entries[key].primary].tp
+    split dimension; None elsewhere. ``local``: this rank's fragment where it is a source.
+    ``layout``: the split of a state tensor of another shape (an expert stack's), else the key's."""
+    lay = layout if layout is not None else index.entries[index.entries[key].primary].tp
     if sources is None or None in sources:  # the same verdict on every rank: the sources are agreed
         missing = [t for t, s in enumerate(sources or []) if s is None] or "any"
         raise CheckpointError(f"{key!r}: no rank holds TP fragment(s) {missing} "
@@ -125,16 +126,16 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     optimizer = unwrap_optimizer(optimizer)
     index = index if index is not None else build_index(module)
     groups = full_groups(index, optimizer)
-    if index.tp_size > 1:  # per-fragment state that a whole tensor cannot hold: refused on every rank
-        agree(check_joinable, index, optimizer)
+    if index.tp_size > 1 or any(e.part is not None for e in index.entries.values()):  # TP or expert parallelism:
+        agree(check_joinable, index, optimizer)  # per-fragment state a whole tensor cannot hold, refused everywhere
     if not full:
         state = {}
         for g in optimizer.param_groups:
             for p in g["params"]:
                 key = index.key(p)
                 if p in optimizer.state and index.steps(key):  # TP fragments of the state: chunks of the whole
-                    whole = whole_state(index, optimizer, key)  # Shampoo's, SOAP's on the TP stepper: written whole
-                    state[key] = {n: ((v.detach() if whole else index.as_saved(key, v.detach()))
+                    # (Shampoo's, SOAP's on the TP stepper: written whole; an expert stack's: chunks by expert)
+                    state[key] = {n: (state_as_saved(index, optimizer, key, v.detach())
                                       if isinstance(v, torch.Tensor) else v) for n, v in optimizer.state[p].items()}
         return {"state": state,
                 "param_groups": [{**hparams(g), "params": list(f)} for g, f in zip(optimizer.param_groups, groups)]}
@@ -170,7 +171,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
                 value = to_rank0(local, how[2], how[3], src, True, device)  # src: agreed by every rank
             else:
                 local = optimizer.state[params_of[key]][name] if rank in how[1] else None
-                value = fragments_to_rank0(index, key, local, how[1], how[2], device)
+                value = fragments_to_rank0(index, key, local, how[1], how[2], device, *how[3:])
             if rank == 0:
                 state.setdefault(key, {})[name] = value
     if rank != 0:
@@ -204,8 +205,14 @@ def _state_plan(index: KeyIndex, key: str, holders: dict[Optional[int], tuple[in
     out: list[tuple[str, tuple]] = []
     for name, item in specs[0].items():
         items = [s.get(name) for s in specs]
+        lay = (expert_state_layout(index, key, (e.tp.global_shape[0], *item[1][1:]), local=False)
+               if item[0] == "t" and e.part is not None and len(item[1]) else None)
         if item[0] == "o":
             out.append((name, item))
+        elif lay is not None and all(  # an expert stack's state: each rank's experts, by expert
+                i is not None and i[0] == "t" and (i[1][0], *i[1][1:]) == (e.tp.sizes[t], *item[1][1:])
+                for t, i in enumerate(items)):
+            out.append((name, ("f", tuple(holders[t][0] for t in range(size)), item[2], lay)))
         elif all(i is not None and i[0] == "t" and tuple(i[1]) == tuple(e.tp.local_shape(t))
                  for t, i in enumerate(items)):
             out.append((name, ("f", tuple(holders[t][0] for t in range(size)), item[2])))

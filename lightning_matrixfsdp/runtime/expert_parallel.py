@@ -7,7 +7,10 @@ marks each stacked parameter with this rank's :class:`ExpertSlice` (marked param
 no unit: they are never materialized and never reduced to an owner) and installs the
 dispatching forward. Once the roles are known, :meth:`ExpertParallel.split` keeps on each rank
 its ``E/EP`` experts of global rank 0's stacks as a *local* parameter ``[E/EP, ...]`` (the
-same ``nn.Parameter`` object).
+same ``nn.Parameter`` object). A stack built on the meta device has no rank 0 value yet: it is
+replaced there by a new parameter of this rank's uninitialized experts, which the model's
+meta-device initialization fills as one process would (``tp_init.py``: the whole stack
+initialized once, rank 0's experts sent to every rank).
 
 :class:`ExpertParallel` is their gradient's way to DDP's mean: backward accumulates each
 rank's local gradient aside (a hook on the parameter), and the end-of-backward flush sums it
@@ -58,6 +61,9 @@ class ExpertSlice:
     first: int
     count: int
     groups: ExpertGroups
+    #: built on the meta device: initialized with the model's other meta-device modules (``tp_init``:
+    #: the whole stack once, rank 0's experts to every rank), not taken from rank 0's tensor
+    from_meta: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -78,8 +84,11 @@ class ExpertParallel:
     """The local expert parameters of a sharded model and their gradients' way to DDP's mean."""
 
     def __init__(self, params: dict[str, nn.Parameter], groups: ExpertGroups, stats: CommStats,
-                 device: Optional[torch.device]) -> None:
+                 device: Optional[torch.device], registrations: Optional[dict[str, list[tuple[nn.Module, str]]]] = None
+                 ) -> None:
         self.params = params
+        #: every (module, name) each stack is registered as (a meta-device stack is replaced there by ``split``)
+        self.registrations = registrations or {}
         self.groups = groups
         self.stats = stats
         self.device = device
@@ -105,11 +114,27 @@ class ExpertParallel:
         optimizers step the ``E/EP`` local experts as matrices of their own."""
         rank0 = dist.get_rank() == 0
         self.mesh = expert_mesh(self.groups)
-        for fqn, p in self.params.items():
+        for fqn, p in list(self.params.items()):
             s = expert_slice_of(p)
-            local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
-            p.data = local.to(self.device if self.device is not None else p.device)
+            if s.from_meta:  # its local experts, uninitialized until the model's meta-device initialization
+                local = torch.empty((s.count, *s.global_shape[1:]), dtype=p.dtype, device=self.device)
+                p = self._replace(fqn, p, local)
+            else:
+                local = rank0_slices(p.data if rank0 else None, s.global_shape, p.dtype, self.groups, self.stats)
+                p.data = local.to(self.device if self.device is not None else p.device)
             tag_stack(p, stacks.get(fqn))
+
+    def _replace(self, fqn: str, p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+        """A new parameter of ``data`` in place of meta-device ``p`` (whose data cannot become a real
+        tensor), registered where ``p`` was, with its expert slice and gradient hook."""
+        q = nn.Parameter(data, requires_grad=p.requires_grad)
+        for m, name in self.registrations.get(fqn, ()):
+            m._parameters[name] = q
+        tag_expert_slice(q, expert_slice_of(p))
+        self.params[fqn] = q
+        if p.requires_grad:
+            self._handles.append(q.register_hook(self._take(q)))
+        return q
 
     def describe(self) -> str:
         """One line for the plan printout."""
@@ -175,13 +200,6 @@ def _agree(ep: int, seams: list[ExpertSeam], mesh: MeshInfo) -> None:
         if s.num_experts % ep:
             raise MatrixShardError(f"expert_parallel_size={ep} does not divide the {s.num_experts} experts of "
                                    f"{s.fqn!r}; each rank of an expert-parallel group must hold the same number")
-        meta = [n for n in s.names if s.module._parameters[n].is_meta]
-        if meta:
-            raise MatrixShardError(
-                f"expert_parallel_size={ep}: {s.fqn}.{meta[0]} is on the meta device; a rank could not initialize "
-                "its experts as a one-process initialization would (its random stream covers every expert). Build "
-                "the experts on the CPU (the rest of the model may stay on meta), or load them from a checkpoint "
-                "without expert parallelism")
 
 
 def _first_difference(a: list, b: list) -> str:
@@ -203,14 +221,17 @@ def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional
     groups = expert_groups(ep)
     dispatch = functools.partial(expert_parallel_forward, stats=stats)
     params: dict[str, nn.Parameter] = {}
+    registrations: dict[str, list[tuple[nn.Module, str]]] = {}
     for s in seams:
         count = s.num_experts // ep
         for n in s.names:
             p = s.module._parameters[n]
-            if expert_slice_of(p) is not None:
-                continue  # registered twice: split once
+            if expert_slice_of(p) is not None:  # registered twice: split once
+                registrations[expert_slice_of(p).fqn].append((s.module, n))
+                continue
             fqn = f"{s.fqn}.{n}" if s.fqn else n
-            tag_expert_slice(p, ExpertSlice(fqn, tuple(p.shape), groups.ep_rank * count, count, groups))
+            tag_expert_slice(p, ExpertSlice(fqn, tuple(p.shape), groups.ep_rank * count, count, groups, p.is_meta))
             params[fqn] = p
+            registrations[fqn] = [(s.module, n)]
         install_forward(s, dispatch, groups.ep_group, fused=hf_experts_forward)
-    return ExpertParallel(params, groups, stats, device)
+    return ExpertParallel(params, groups, stats, device, registrations)

@@ -42,7 +42,7 @@ from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_re
 from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_role, tag_tp, tag_tp_shape
 from lightning_matrixfsdp.runtime.topology_comm import resolve
 from lightning_matrixfsdp.runtime.tp import local_data, read_layout
-from lightning_matrixfsdp.runtime.tp_init import init_tp_meta
+from lightning_matrixfsdp.runtime.tp_init import awaits_init, init_tp_meta, replays_whole
 from lightning_matrixfsdp.runtime.tp_comm import TPFragment
 from lightning_matrixfsdp.runtime.tp_plan import TPPlan, assign_tp_steppers, localize
 from lightning_matrixfsdp.runtime.unit import Unit
@@ -303,7 +303,7 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     check = make_sequence_check(sg, [u.fqn for u in plan.units]) if agreed["sequence_check"] else None
     if check is not None:
         check.describe = state.describe_waiting
-    meta_modules = [m for m in module.modules() if any(p.is_meta for p in m._parameters.values() if p is not None)]
+    meta_modules = [m for m in module.modules() if any(awaits_init(p) for p in m._parameters.values())]
     for index, (layout, (_, umod)) in enumerate(zip(plan.units, collected.units)):
         sparams = [ShardedParam(shard, params[shard.fqn], collected.registrations[shard.fqn], sg.rank, device,
                                 config.param_dtype, config.reduce_dtype, alone=sg.size == 1,
@@ -325,8 +325,9 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
         state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange, first=root_index)
         for unit in state.units:
             unit.replicas = state.replicas
-    _materialize_meta(module, [] if tp_plan is not None else meta_modules, device)
-    if tp_plan is not None and meta_modules:  # whole tensors initialized once, sliced over the TP group
+    whole = replays_whole(meta_modules, tp_plan)  # TP, or expert stacks on meta: whole tensors initialized once,
+    _materialize_meta(module, [] if whole else meta_modules, device)  # sliced over the TP group / the experts' ranks
+    if whole:
         init_tp_meta(meta_modules, state.params, tp_plan, mesh.tp, device, stats)
     if meta_modules:  # owners initialized their own roles: the replicas of each owner take replica 0's
         agree_replicas([p.resident.data for p in state.params if p.owned], replicate_pg, stats)
