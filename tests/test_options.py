@@ -217,6 +217,7 @@ BAD_VALUES: dict[str, list] = {
     "async_save": [None, "background", 1],
     "expert_stacks": [5, True, 2.5, [3], {"*.w1": "two"}, {"*.w1": 0}, {"*.w1": [2, 0]}, {3: 2}, _no_args],
     "expert_parallel_size": [0, -2, True, 2.0, "2", None],
+    "split_stacks": [None, "yes", 1],
     "device": [True, 2.5, "gpu7", "cpu:x", -1, object()],
     "mesh": ["cpu", 2, True, [0, 1], object()],
 }
