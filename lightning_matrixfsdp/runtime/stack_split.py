@@ -1,10 +1,10 @@
 """Split expert stacks: when a stack's experts go to several owners, and what each block costs. Pure.
 
-A stack ``[E, m, n]`` placed whole is one role on one owner. When that role alone is more than
-an even share of its unit (its resident bytes or its Newton-Schulz FLOPs times the shard span
-``W`` exceed the unit's), no placement of whole roles can balance the unit, so the planner
-*splits* it: rank ``r`` of the shard group owns the contiguous experts of ``torch.chunk``'s
-``r``-th chunk (``chunk_sizes(E, W)``: ``ceil(E / W)`` experts each, the last ranks fewer).
+A stack ``[E, m, n]`` placed whole is one role on one owner. When a unit's roles placed whole
+leave its busiest owner well above an even share (resident bytes or Newton-Schulz FLOPs, each
+stack priced per expert), the planner *splits* the fewest of its largest stacks that bring it
+within 1.25 times the even share (or come closest): rank ``r`` of the shard group owns the contiguous experts of ``torch.chunk``'s ``r``-th
+chunk (``chunk_sizes(E, W)``: ``ceil(E / W)`` experts each, the last ranks fewer).
 A stack is split only when every rank gets at least one expert. That layout is the one a
 ``Shard(0)`` DTensor over the shard group has, which is how checkpoints store each owner's
 block as a chunk of the global ``[E, ...]`` tensor (as expert parallelism stores its slices).
@@ -38,15 +38,44 @@ def _splittable(role: Role, world: int) -> bool:
             and min(chunk_sizes(int(p.shape[0]), world)) > 0)
 
 
+#: A unit whose busiest owner would hold more than this times the even share (bytes or Newton-Schulz
+#: FLOPs) with its stacks whole gets a stack split.
+IMBALANCE = 1.25
+
+
+def _unit_gamma(unit: Sequence[Role], split: set[str], world: int) -> float:
+    """Busiest owner over the even share (the worse of bytes and FLOPs) of one unit placed alone:
+    the ``split`` stacks' blocks on their ranks, every other role whole, largest first, on the
+    lightest rank (the planners' greedy)."""
+    loads_b, loads_f = [0] * world, [0] * world
+    for r in unit:
+        if r.key in split:
+            e = int(r.params[0].shape[0])
+            for rank, count in enumerate(chunk_sizes(e, world)):
+                loads_b[rank] += r.nbytes * count // e
+                loads_f[rank] += r.flops * count // e
+    for r in sorted((r for r in unit if r.key not in split), key=lambda r: (-r.nbytes, r.key)):
+        k = min(range(world), key=lambda i: (loads_b[i], i))
+        loads_b[k] += r.nbytes
+        loads_f[k] += r.flops
+    return max(max(loads) * world / sum(loads) for loads in (loads_b, loads_f) if sum(loads) > 0)
+
+
 def choose_splits(roles: Sequence[Sequence[Role]], world: int) -> Splits:
-    """The stacks to split (every unit's roles given): those more than an even share of their unit."""
+    """The stacks to split (every unit's roles given). Per unit, its stacks largest first (bytes, then
+    FLOPs, then name): split the fewest of them that bring the busiest owner within
+    :data:`IMBALANCE` times the even share, or, where no number does, the number that comes closest
+    (none when splitting does not help)."""
     out: Splits = {}
     for unit in roles:
-        nbytes = sum(r.nbytes for r in unit)
-        flops = sum(r.flops for r in unit)
-        for r in unit:
-            if _splittable(r, world) and (r.nbytes * world > nbytes or r.flops * world > flops):
-                out[r.key] = chunk_sizes(int(r.params[0].shape[0]), world)
+        candidates = sorted((r for r in unit if _splittable(r, world)), key=lambda r: (-r.nbytes, -r.flops, r.key))
+        if not candidates:
+            continue
+        gammas = [_unit_gamma(unit, {r.key for r in candidates[:k]}, world) for k in range(len(candidates) + 1)]
+        within = [k for k, g in enumerate(gammas) if g <= IMBALANCE]
+        k = within[0] if within else min(range(len(gammas)), key=lambda i: (gammas[i], i))
+        for r in candidates[:k]:
+            out[r.key] = chunk_sizes(int(r.params[0].shape[0]), world)
     return out
 
 
