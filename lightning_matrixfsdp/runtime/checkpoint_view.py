@@ -55,6 +55,9 @@ class ParamView:
     part: Optional[int] = None
     part_mesh: Any = None
     part_sources: tuple[int, ...] = ()
+    #: an expert stack the plan split into blocks of experts, one per owner of the shard group (``part``:
+    #: this rank's block, ``part_mesh`` the shard group's DeviceMesh, ``part_sources`` its global ranks)
+    split_stack: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ def _block_view(sp: Any, names: tuple[str, ...], st: MatrixFSDPState) -> ParamVi
     layout = TPLayout(sp.shard.fqn, 0, tuple(sp.shard.shape), sizes)
     return ParamView(sp.shard.fqn, names, tuple(sp.shard.shape), sp.resident.dtype, None, None,  # type: ignore[arg-type]
                      sp.shard.role.value, sp.resident.detach(), None, True, id(sp.resident), layout, None,
-                     st.sg.rank, st.stack_mesh, tuple(st.sg.global_ranks))
+                     st.sg.rank, st.stack_mesh, tuple(st.sg.global_ranks), True)
 
 
 def model_view_of(module: nn.Module) -> ModelView:
