@@ -230,7 +230,7 @@ def _each_norm_split(params: Sequence[torch.Tensor], p: float, group: Optional[d
     expert once: every block on one owner); the other gradients' norms from their owners as usual."""
     inf = math.isinf(p)
     split = [_split(t) for t in params]
-    present, each = _each_norm(params, lambda g: g.norm(p), group, stats, keep=lambda i: not split[i])
+    present, each = _each_norm(params, lambda t, i: t.grad.norm(p), group, stats, keep=lambda i: not split[i])
     device = each.device
     local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
     for i, t in enumerate(params):
