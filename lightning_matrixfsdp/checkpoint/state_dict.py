@@ -20,7 +20,6 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, whole_state
-from lightning_matrixfsdp.optim.tail import keeps_whole_tp_state
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
@@ -77,7 +76,7 @@ def refuse_split_stack_whole_state(index: KeyIndex, optimizers: Sequence[torch.o
     per-expert state of one owner's block is not stored as a chunk of the whole stack's). Run it under
     ``agree``; the same verdict on every rank (every rank of the shard group holds a block)."""
     split = [k for k, e in index.entries.items() if e.split_stack and e.primary == k]
-    whole = [type(o).__name__ for o in optimizers if keeps_whole_tp_state(o)]
+    whole = [type(o).__name__ for o in optimizers if split and whole_state(index, o, split[0])]
     if split and whole:
         raise CheckpointError(
             f"{whole[0]}'s state of the expert stack {split[0]!r}, which the plan splits into blocks of experts on "

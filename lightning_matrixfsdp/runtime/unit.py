@@ -205,11 +205,10 @@ class Unit(RefusePickle):
         todo = [p for p in todo if not p.aliases]
         if not todo:
             return
-        items = [t for p in todo for t in p.transfers()]  # a split stack: one item per expert block
+        # one item per piece: the whole parameter, or each expert block of a split stack
+        shards, sources, outs = zip(*[t for p in todo for t in p.transfers()])
         with torch.no_grad():
-            self._pending_unshard = self.collective.start_materialize(
-                [s for s, _, _ in items], [src for _, src, _ in items], [out for _, _, out in items]
-            )
+            self._pending_unshard = self.collective.start_materialize(list(shards), list(sources), list(outs))
         self._pending_unshard.what = f"the materialization of unit {self.fqn or '<root>'!r}"
         self._pending_params = todo
 
