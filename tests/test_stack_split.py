@@ -361,3 +361,25 @@ def test_custom_planner_blocks_must_be_torch_chunks() -> None:
         make_plan(_specs(), 4, off_by_one, split_stacks=True)
     with pytest.raises(ValueError, match="cannot serve"):
         make_plan(_specs(), 4, lambda units, world: make_plan(units, world, split_stacks=True), split_stacks=False)
+
+
+def test_split_stacks_off_where_not_served() -> None:
+    """Tensor parallelism, HSDP replicas and expert parallelism keep stacks whole (the printout says
+    why); ``split_stacks=False`` too; a model without stacks has nothing to say."""
+    from lightning_matrixfsdp.runtime.classify import RoleChoice
+    from lightning_matrixfsdp.runtime.comm import ShardGroup
+    from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
+    from lightning_matrixfsdp.runtime.experts import ExpertStack
+    from lightning_matrixfsdp.runtime.mesh import MeshInfo
+    from lightning_matrixfsdp.runtime.shard import splits_served
+
+    roles = {"w": RoleChoice(True, ExpertStack(8, (H,)), "declared")}
+    plain = MeshInfo(ShardGroup(None))
+    assert splits_served(MatrixFSDPConfig(), plain, roles) == (True, "")
+    assert splits_served(MatrixFSDPConfig(split_stacks=False), plain, roles) == (False, "")
+    assert splits_served(MatrixFSDPConfig(), plain, {"w": RoleChoice(True, None, "2-D")}) == (False, "")
+    for mesh, config, word in ((MeshInfo(ShardGroup(None), replicate_size=2), MatrixFSDPConfig(), "HSDP"),
+                               (MeshInfo(ShardGroup(None), tp_size=2), MatrixFSDPConfig(), "tensor parallelism"),
+                               (plain, MatrixFSDPConfig(expert_parallel_size=2), "expert parallelism")):
+        split, why = splits_served(config, mesh, roles)
+        assert not split and word in why, why
