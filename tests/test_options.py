@@ -219,6 +219,7 @@ BAD_VALUES: dict[str, list] = {
                       {"*.w1": {"blocks": 2, "transposed": 1}}, {"*.w1": {"rows": 2}}, {"*.w1": {"interleaved": True}},
                       {"*.w1": {"blocks": [2, 3], "interleaved": True}}],
     "expert_parallel_size": [0, -2, True, 2.0, "2", None],
+    "split_stacks": [None, "yes", 1],
     "device": [True, 2.5, "gpu7", "cpu:x", -1, object()],
     "mesh": ["cpu", 2, True, [0, 1], object()],
 }

@@ -43,6 +43,7 @@ class Entry:
     part: Optional[int] = None
     part_mesh: Any = None
     part_sources: tuple[int, ...] = ()
+    split_stack: bool = False       # an expert stack split into blocks of experts over the owners (``part``: this rank's)
 
 
 @dataclass
@@ -161,7 +162,8 @@ def build_index(module: nn.Module) -> KeyIndex:
             primary = first.setdefault(p.ident, key)
             key_of[p.ident] = primary
             entries[key] = Entry(key, p.shape, p.dtype, p.owner, p.owner_global, p.local, primary, p.role,
-                                 p.stepper, p.steps, p.tp, p.tp_stepper, p.part, p.part_mesh, p.part_sources)
+                                 p.stepper, p.steps, p.tp, p.tp_stepper, p.part, p.part_mesh, p.part_sources,
+                                 p.split_stack)
         elif isinstance(v, torch.Tensor):
             primary = first.setdefault(id(v), key)
             key_of[id(v)] = primary

@@ -84,7 +84,13 @@ def clip_grad_norm_(
         # group, whose gradients are equal): this is torch's own clipping, its fused kernels included.
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
     grads = _owned_grads(params)
-    exact = _same_everywhere(params, group, stats)
+    split = [p for p in params if _split(p)]
+    if split and norm_type == 0:  # the same list on every rank holding blocks: refused on every rank
+        raise ValueError(f"clip_grad_norm_(norm_type=0) counts the gradients with a non-zero entry, but "
+                         f"{shard_of(split[0]).fqn!r} is an expert stack split into blocks on several owners, each "
+                         "counted on its own; use another norm_type, or split_stacks=False")
+    # a split stack's blocks live on several owners: their pieces are added, not their norms
+    exact = _same_everywhere(params, group, stats) and not split
     if exact:
         total = _exact_total(params, norm_type, group, stats)
     else:
@@ -190,6 +196,10 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_
         present, each = _each_norm_tensor_parallel([p for _, p in named], norm_type, group, groups.tp_group,
                                                    groups.stats)
         values = {i: each[i].to(named[i][1].device, named[i][1].dtype) for i in present}
+    elif any(_split(p) for _, p in named):
+        present, each = _each_norm_split([p for _, p in named], norm_type, group,
+                                         groups.stats if groups is not None else None)
+        values = {i: each[i].to(named[i][1].device, named[i][1].dtype) for i in present}
     elif any(expert_slice_of(p) is not None for _, p in named):
         present, each = _each_norm_expert_parallel([p for _, p in named], norm_type, group,
                                                    groups.stats if groups is not None else None)
@@ -205,6 +215,35 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_
     if norms:  # as Lightning: the norm of the per-parameter norms, on the host
         norms[f"grad_{norm_type}_norm_total"] = torch.tensor(list(norms.values())).norm(norm_type)
     return norms
+
+
+def _split(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a block of an expert stack split over several owners (``runtime/stack_split.py``)."""
+    s = shard_of(p)
+    return s is not None and s.experts is not None
+
+
+def _each_norm_split(params: Sequence[torch.Tensor], p: float, group: Optional[dist.ProcessGroup],
+                     stats: Optional[CommStats]) -> tuple[list[int], torch.Tensor]:
+    """:func:`_each_norm` with split expert stacks: the norm of each whole stack from its owners'
+    blocks (``sum |g|^p`` in float64, or ``max |g|``, added or maximized over the shard group, each
+    expert once: every block on one owner); the other gradients' norms from their owners as usual."""
+    inf = math.isinf(p)
+    split = [_split(t) for t in params]
+    present, each = _each_norm(params, lambda t, i: t.grad.norm(p), group, stats, keep=lambda i: not split[i])
+    device = each.device
+    local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
+    for i, t in enumerate(params):
+        if split[i] and t.grad is not None and held(t):
+            local[0, i] = (t.grad.detach().abs().max().double() if inf else _magnitudes(t.grad).pow(p).sum()).to(device)
+            local[1, i] = 1.0
+    both = all_reduce_norm(local.flatten(), maximum=inf, group=group, stats=stats).view(2, len(params))
+    norms = each.clone()
+    at = [i for i, s in enumerate(split) if s]
+    idx = torch.tensor(at, dtype=torch.long, device=device)
+    norms[idx] = both[0, idx] if inf else both[0, idx].pow(1.0 / p)
+    found = [i for i in at if both[1, i].item() > 0]
+    return sorted(set(present) | set(found)), norms
 
 
 def _alone(group: Optional[dist.ProcessGroup]) -> bool:

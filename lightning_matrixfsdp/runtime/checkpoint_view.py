@@ -55,6 +55,9 @@ class ParamView:
     part: Optional[int] = None
     part_mesh: Any = None
     part_sources: tuple[int, ...] = ()
+    #: an expert stack the plan split into blocks of experts, one per owner of the shard group (``part``:
+    #: this rank's block, ``part_mesh`` the shard group's DeviceMesh, ``part_sources`` its global ranks)
+    split_stack: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,17 @@ def _expert_views(prefix: str, experts: Any) -> dict[str, ParamView]:
     return out
 
 
+def _block_view(sp: Any, names: tuple[str, ...], st: MatrixFSDPState) -> ParamView:
+    """A split expert stack (``runtime/stack_split.py``): every rank of the shard group owns one block of
+    experts, the ``Shard(0)`` chunk of the whole stack at its shard rank (the split in ``tp``), written
+    by its owner. Served on one shard group (no HSDP replicas), so the chunks' writers are that group."""
+    sizes = tuple(s.experts[1] - s.experts[0] for s in sp.pieces)
+    layout = TPLayout(sp.shard.fqn, 0, tuple(sp.shard.shape), sizes)
+    return ParamView(sp.shard.fqn, names, tuple(sp.shard.shape), sp.resident.dtype, None, None,  # type: ignore[arg-type]
+                     sp.shard.role.value, sp.resident.detach(), None, True, id(sp.resident), layout, None,
+                     st.sg.rank, st.stack_mesh, tuple(st.sg.global_ranks), True)
+
+
 def model_view_of(module: nn.Module) -> ModelView:
     """The view of every sharded root inside ``module`` (``module`` itself included).
 
@@ -129,9 +143,12 @@ def model_view_of(module: nn.Module) -> ModelView:
             tp = layouts.get(shard.fqn)
             tp = tp if tp is not None and tp.split else None  # the plan holds this TP rank's fragment shapes
             shape = tuple(tp.global_shape) if tp is not None else tuple(shard.shape)
-            view = ParamView(shard.fqn, names, shape, resident.dtype, shard.owner, st.sg.g(shard.owner),
-                             shard.role.value, resident.detach() if is_owned(resident) else None, stepper,
-                             stepper is None or stepper == replica, id(resident), tp, tp_steppers.get(shard.fqn))
+            if sp.split:  # a split expert stack: each owner's block a chunk of the whole, as expert parallelism's
+                view = _block_view(sp, names, st)
+            else:
+                view = ParamView(shard.fqn, names, shape, resident.dtype, shard.owner, st.sg.g(shard.owner),
+                                 shard.role.value, resident.detach() if is_owned(resident) else None, stepper,
+                                 stepper is None or stepper == replica, id(resident), tp, tp_steppers.get(shard.fqn))
             params.update(dict.fromkeys(names, view))
         if st.experts is not None:
             params.update(_expert_views(prefix, st.experts))

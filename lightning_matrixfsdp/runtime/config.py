@@ -138,6 +138,9 @@ class MatrixFSDPConfig:
     #: expert parallelism: each declared expert stack split over groups of this many data-parallel
     #: ranks, every rank keeping its ``E / EP`` experts (docs/moe.md); 1: off
     expert_parallel_size: int = _opt(1, check_positive_int)
+    #: the planner may split an expert stack into contiguous blocks of experts on different owners
+    #: when the stack whole would unbalance its unit (runtime/stack_split.py; docs/moe.md)
+    split_stacks: bool = _opt(True, check_bool)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -194,6 +194,10 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
             if id(p) in done or shard is None:
                 continue
             done.add(id(p))
+            if shard.experts is not None:  # the same plan on every rank: refused everywhere
+                raise RuntimeError(f"a copy of the model (e.g. a weight-averaging callback's) holds {name!r}, an expert "
+                                   "stack the plan splits into blocks of experts on several owners; copies of split "
+                                   "stacks are not supported yet: pass split_stacks=False")
             fragment = _tp_fragment(p, layouts.get(id(ref)))
             if fragment is not None:  # a copy made before sharding: this TP rank's fragment, as the model holds
                 new = nn.Parameter(fragment, requires_grad=p.requires_grad)

@@ -20,7 +20,7 @@ from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_timeout
 
-__all__ = ["build_hsdp_mesh", "hsdp_mesh", "is_tp_mesh", "mesh_info", "shard_and_replicate_groups"]
+__all__ = ["build_hsdp_mesh", "hsdp_mesh", "is_tp_mesh", "mesh_info", "shard_and_replicate_groups", "shard_mesh"]
 
 #: Lightning's ``ModelParallelStrategy`` mesh dimensions.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
@@ -142,3 +142,12 @@ def mesh_info(mesh: Any = None, shard_size: Optional[int] = None, device: Option
         mesh = mesh[DATA_PARALLEL]  # what configure_model sees as self.device_mesh
     shard_group, replicate_group = shard_and_replicate_groups(mesh)
     return MeshInfo.of(shard_group, replicate_group, device_mesh=mesh)
+
+
+def shard_mesh(group: dist.ProcessGroup, ranks: list[int]) -> Any:
+    """The shard group (global ``ranks``, in shard-rank order) as a 1-D DeviceMesh ``("shard",)``: a
+    split expert stack's block is then a ``Shard(0)`` DTensor chunk of the whole stack, which is how
+    checkpoints hand it to DCP (wrapping the existing group: nothing is created)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, comm_device(group).type, mesh=torch.tensor(ranks), mesh_dim_names=("shard",))

@@ -27,18 +27,23 @@ def gather_whole(params: Sequence[ShardedParam], sg: ShardGroup, stats: CommStat
     me = sg.g(sg.rank)
     works, received, sent, got = [], {}, 0, 0
     for i, p in enumerate(params):
-        owner = sg.g(p.shard.owner)
-        dests = [t for t in targets if t != owner]
-        if me == owner:
-            src = p.resident.data.contiguous()
-            for t in dests:
-                works.append(dist.isend(src, dst=t, group=sg.group))
-                sent += nbytes(src)
-        elif me in dests:
-            buf = torch.empty(p.shape, dtype=p.orig_dtype, device=p.resident.device)
-            works.append(dist.irecv(buf, src=owner, group=sg.group))
+        buf = torch.empty(p.shape, dtype=p.orig_dtype, device=p.resident.device) if me in targets else None
+        for piece in p.pieces:  # a split expert stack: each block from its owner into its rows
+            owner = sg.g(piece.owner)
+            rows = buf if buf is None or piece.experts is None else buf[piece.experts[0]:piece.experts[1]]
+            dests = [t for t in targets if t != owner]
+            if me == owner:
+                src = p.resident.data.contiguous()
+                for t in dests:
+                    works.append(dist.isend(src, dst=t, group=sg.group))
+                    sent += nbytes(src)
+                if rows is not None and piece.experts is not None:
+                    rows.copy_(src)  # this target's own block
+            elif me in dests:
+                works.append(dist.irecv(rows, src=owner, group=sg.group))
+                got += nbytes(rows)
+        if buf is not None and (p.split or me != sg.g(p.shard.owner)):
             received[i] = buf
-            got += nbytes(buf)
     PendingOp(works, blocking=sg.blocks_host, what="full_model: the owners' weights").wait()
     if works:
         stats.add("full_model", sent, got)

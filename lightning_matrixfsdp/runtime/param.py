@@ -10,7 +10,7 @@ tensors that autograd saved in forward see the data again in backward.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +26,15 @@ def placeholder_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class ShardedParam:
-    """Resident and unsharded states of one parameter (possibly registered in several places)."""
+    """Resident and unsharded states of one parameter (possibly registered in several places).
+
+    ``pieces``: the parameter's entries in the plan: ``(shard,)`` for a whole parameter, one per
+    block of experts for a split expert stack (``stack_split.py``). A block is a piece of its
+    owner's segment like any whole parameter: the owner's resident tensor is its block
+    ``[count, m, n]`` (an empty placeholder elsewhere), materialization fills each block's rows of
+    the unsharded ``[E, m, n]`` from its owner, and the reduction delivers each block's rows of the
+    gradient to its owner. ``shard`` is this rank's block (the first one where it holds none).
+    """
 
     def __init__(
         self,
@@ -39,7 +47,11 @@ class ShardedParam:
         reduce_dtype: Optional[torch.dtype],
         alone: bool = False,
         dtensor: Optional[tuple[Any, tuple, torch.Size, tuple[int, ...]]] = None,
+        pieces: Sequence[MatrixShard] = (),
     ) -> None:
+        self.pieces: tuple[MatrixShard, ...] = tuple(pieces) or (shard,)
+        mine = [s for s in self.pieces if s.owner == rank]
+        shard = mine[0] if mine else self.pieces[0]
         self.shard = shard
         #: tensor parallelism: (TP mesh, placements, global shape, global stride) of the DTensor the
         #: user's parameter was; the unsharded parameter is that DTensor again (over this rank's
@@ -88,7 +100,11 @@ class ShardedParam:
     # ------------------------------------------------------------------ resident state
     def _make_resident(self) -> None:
         p = self.resident
-        shape = self.shape if self.owned else placeholder_shape(tuple(self.shape))
+        shape = self.shard.block_shape if self.owned else placeholder_shape(tuple(self.shape))
+        if self.owned and self.shard.experts is not None and not p.is_meta:  # a split stack: keep this block
+            start, stop = self.shard.experts
+            p.data = p.data[start:stop].to(self.device).clone()
+            return
         if p.is_meta:
             # A meta tensor cannot take real data in place: register a new Parameter
             # (only the owner allocates the full tensor).
@@ -109,6 +125,25 @@ class ShardedParam:
     def source(self) -> Optional[torch.Tensor]:
         """What the owner contributes to materialization (the resident data)."""
         return self.resident.data if self.owned else None
+
+    @property
+    def split(self) -> bool:
+        """An expert stack split into blocks on several owners."""
+        return len(self.pieces) > 1
+
+    def transfers(self) -> list[tuple[MatrixShard, Optional[torch.Tensor], torch.Tensor]]:
+        """(entry, what this rank sends or None, where it lands in the unsharded buffer) of each
+        piece: the whole parameter, or each expert block of a split stack."""
+        if not self.split:
+            return [(self.shard, self.source(), self.data)]
+        return [(s, self.resident.data if s is self.shard and self.owned else None,
+                 self.data[s.experts[0]:s.experts[1]]) for s in self.pieces]
+
+    def grad_pieces(self, g: torch.Tensor) -> list[tuple[MatrixShard, torch.Tensor]]:
+        """(entry, rows of the full local gradient ``g``) of each piece, as :meth:`transfers`."""
+        if not self.split:
+            return [(self.shard, g)]
+        return [(s, g[s.experts[0]:s.experts[1]]) for s in self.pieces]
 
     # ------------------------------------------------------------------ unsharded state
     def alloc(self) -> None:
@@ -166,6 +201,8 @@ class ShardedParam:
     def accumulate_grad(self, g: torch.Tensor) -> None:
         """Add the reduced full gradient to the resident parameter's ``.grad`` (owner only)."""
         g = g.to(self.orig_dtype)
+        if self.split and g.untyped_storage().nbytes() > g.numel() * g.element_size():
+            g = g.clone()  # a block's rows of a whole gradient: keep the block, not the whole
         if self.resident.grad is None:
             self.resident.grad = g
         else:

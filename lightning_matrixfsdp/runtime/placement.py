@@ -86,6 +86,10 @@ class MatrixShard(_Sized):
     ``segment_offset`` is the element offset of the parameter inside its owner's
     segment of the unit (owned parameters concatenated in unit order), the layout
     that the padded all-gather implementation uses.
+
+    ``experts``: a *split* expert stack's block ``[start, stop)`` of experts, which this entry's
+    owner holds (one entry per block, in expert order; ``shape`` stays the whole stack's, while
+    ``numel``/``nbytes`` are the block's: what the owner's segment holds). None: the whole parameter.
     """
 
     fqn: str
@@ -98,14 +102,33 @@ class MatrixShard(_Sized):
     requires_grad: bool = True
     #: the expert-stack declaration of a stacked matrix role (None: an ordinary parameter)
     stack: Optional[ExpertStack] = None
+    #: a split stack's block of experts ``(start, stop)`` held by ``owner`` (None: the whole tensor)
+    experts: Optional[tuple[int, int]] = None
+
+    @property
+    def numel(self) -> int:
+        """Elements this entry's owner holds: the block of a split stack, else the whole tensor."""
+        if self.experts is None:
+            return numel_of(self.shape)
+        return (self.experts[1] - self.experts[0]) * numel_of(self.shape[1:])
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of what the owner holds (a split stack's block, else the whole shape)."""
+        if self.experts is None:
+            return tuple(self.shape)
+        return (self.experts[1] - self.experts[0], *self.shape[1:])
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
         d["role"] = self.role.value
         d.pop("stack")
+        d.pop("experts")
         if self.stack is not None:  # absent otherwise, so the layouts (and digests) of earlier plans stay valid
             d["stack"] = self.stack.to_dict()
+        if self.experts is not None:  # likewise: only a split stack's blocks carry their expert range
+            d["experts"] = list(self.experts)
         return d
 
     @staticmethod
@@ -115,6 +138,7 @@ class MatrixShard(_Sized):
             role=RoleKind(d["role"]), owner=int(d["owner"]),
             segment_offset=int(d["segment_offset"]), requires_grad=bool(d["requires_grad"]),
             stack=ExpertStack.from_dict(d["stack"]) if d.get("stack") else None,
+            experts=(int(d["experts"][0]), int(d["experts"][1])) if d.get("experts") else None,
         )
 
 
@@ -185,13 +209,35 @@ class Plan:
 
     @property
     def owners(self) -> dict[str, int]:
-        return {s.fqn: s.owner for s in self.shards()}
+        """fqn -> owner rank; a split expert stack's is the owner of its first block (all of them:
+        :meth:`pieces`)."""
+        out: dict[str, int] = {}
+        for s in self.shards():
+            out.setdefault(s.fqn, s.owner)
+        return out
 
     def shard(self, fqn: str) -> MatrixShard:
+        """The placement of ``fqn`` (a split expert stack: its first block; all of them: :meth:`pieces`)."""
         for s in self.shards():
             if s.fqn == fqn:
                 return s
         raise KeyError(fqn)
+
+    def pieces(self, fqn: str) -> tuple[MatrixShard, ...]:
+        """Every entry of ``fqn``: one for a whole parameter, one per expert block of a split stack."""
+        out = tuple(s for s in self.shards() if s.fqn == fqn)
+        if not out:
+            raise KeyError(fqn)
+        return out
+
+    @property
+    def split_stacks(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
+        """fqn -> ((start, stop, owner), ...) of every expert stack split into blocks, in plan order."""
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for s in self.shards():
+            if s.experts is not None:
+                out.setdefault(s.fqn, []).append((s.experts[0], s.experts[1], s.owner))
+        return {k: tuple(v) for k, v in out.items()}
 
     @property
     def replica_split(self) -> bool:
@@ -278,6 +324,10 @@ class Plan:
                 f"{r:>4} | {self.loads_bytes[r] / 2**20:>12.2f} | "
                 f"{self.loads_flops[r] / 1e9:>15.3f} | {n_mat[r]:>8}"
             )
+        for fqn, blocks in self.split_stacks.items():  # each owner's contiguous experts of a split stack
+            lines.append(f"split stack {fqn}: " + ", ".join(f"rank {o} experts [{a}, {b})" for a, b, o in blocks))
+        if self.options.get("split_stacks_reason"):  # why no stack is split (TP, replica_split, option off)
+            lines.append(f"split_stacks: {self.options['split_stacks_reason']}")
         if "collective" in self.options:  # matrix_shard's resolved choice ("auto" or explicit) and why
             lines.append(f"collective: {self.options['collective']} ({self.options.get('collective_reason', '')}); "
                          f"replica_split: {self.replica_split} ({self.options.get('replica_split_reason', '')})")

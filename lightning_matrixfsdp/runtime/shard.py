@@ -29,10 +29,10 @@ from lightning_matrixfsdp.runtime.copies import track_copies
 from lightning_matrixfsdp.runtime.expert_parallel import prepare_experts
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
-from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info
+from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info, shard_mesh
 from lightning_matrixfsdp.runtime.options import MatrixShardError, check_device, check_mesh
 from lightning_matrixfsdp.runtime.param import ShardedParam
-from lightning_matrixfsdp.runtime.placement import ParamSpec, Plan, RoleKind, UnitSpec
+from lightning_matrixfsdp.runtime.placement import MatrixShard, ParamSpec, Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 from lightning_matrixfsdp.runtime.prune_guard import install_prune_guard
 from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
@@ -168,8 +168,11 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
         for fqn, p in experts.params.items():  # a local slice that is not a stack (GPT-OSS's expert biases) is tail
             if not collected.roles[fqn].is_matrix:
                 tag_role(p, RoleKind.TAIL)
+    split, why_not = splits_served(config, mesh, collected.roles)
     plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
-                     replicate=mesh.replicate_size, replica_split=config.replica_split)
+                     replicate=mesh.replicate_size, replica_split=config.replica_split, split_stacks=split)
+    if why_not:
+        plan.options["split_stacks_reason"] = why_not  # printed; not in the digest
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
                         replica_split_reason=choice.replica_split_reason,  # printed; not in the digest
                         roles=describe_roles(collected.roles))
@@ -290,9 +293,9 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     stats = CommStats() if stats is None else stats  # matrix_shard's (expert parallelism counted already)
     params = collected.params
     layouts = [shard for layout in plan.units for shard in layout.shards]
-    if not any(p.is_meta for p in params.values()):
-        agree_params([local_data(params[s.fqn]).data for s in layouts], [s.owner for s in layouts], sg, replicate_pg,
-                     stats)
+    if not any(p.is_meta for p in params.values()):  # a split stack's blocks: each block's rows, to its owner
+        agree_params([_rows(local_data(params[s.fqn]).data, s) for s in layouts], [s.owner for s in layouts], sg,
+                     replicate_pg, stats)
 
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     coll = make_collective(config.collective, sg, stats)
@@ -305,10 +308,13 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
         check.describe = state.describe_waiting
     meta_modules = [m for m in module.modules() if any(awaits_init(p) for p in m._parameters.values())]
     for index, (layout, (_, umod)) in enumerate(zip(plan.units, collected.units)):
-        sparams = [ShardedParam(shard, params[shard.fqn], collected.registrations[shard.fqn], sg.rank, device,
+        pieces: dict[str, list] = {}  # a split expert stack: its blocks, one entry each
+        for shard in layout.shards:
+            pieces.setdefault(shard.fqn, []).append(shard)
+        sparams = [ShardedParam(ps[0], params[fqn], collected.registrations[fqn], sg.rank, device,
                                 config.param_dtype, config.reduce_dtype, alone=sg.size == 1,
-                                dtensor=dtensor_spec(params[shard.fqn]))
-                   for shard in layout.shards]
+                                dtensor=dtensor_spec(params[fqn]), pieces=ps)
+                   for fqn, ps in pieces.items()]
         if tp_plan is not None:
             for sp in sparams:
                 if tp_plan.layouts[sp.shard.fqn].split:
@@ -320,6 +326,8 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
         state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
                             config.reshard_after_forward and not is_root, zero_missing_grads=config.zero_missing_grads,
                             index=index, check=check))
+    if plan.split_stacks:  # blocks of experts: checkpoints store each as a chunk of the whole stack
+        state.stack_mesh = shard_mesh(sg.group, list(sg.global_ranks))
     root_index = next(i for i, u in enumerate(state.units) if u.module is module)
     if exchange is not None:
         state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange, first=root_index)
@@ -341,6 +349,28 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     for unit in state.units:  # a deepcopy of the model or of a unit: sharded like it (weight averaging)
         track_copies(unit.module, state)
     return state
+
+
+def _rows(t: torch.Tensor, shard: MatrixShard) -> torch.Tensor:
+    """The rows of the whole tensor ``t`` that ``shard`` places (a split stack's block, else all)."""
+    return t if shard.experts is None else t[shard.experts[0]:shard.experts[1]]
+
+
+def splits_served(config: MatrixFSDPConfig, mesh: MeshInfo, roles: dict[str, RoleChoice]) -> tuple[bool, str]:
+    """Whether the planner may split expert stacks in this run, and why not (for the printout, when
+    the model has stacks): not with tensor parallelism, HSDP replicas or expert parallelism (not
+    served yet)."""
+    if not config.split_stacks:
+        return False, ""
+    if not any(r.is_matrix and r.stack is not None for r in roles.values()):
+        return False, ""
+    if mesh.tp_size > 1:
+        return False, "off: tensor parallelism keeps every expert stack whole (TP fragments are not split by expert)"
+    if mesh.replicate_size > 1:
+        return False, "off: HSDP replicas keep every expert stack whole (split stacks are served on one shard group)"
+    if config.expert_parallel_size > 1:
+        return False, "off: expert parallelism keeps its experts local; other stacks stay whole beside it"
+    return True, ""
 
 
 def dtensor_spec(p: nn.Parameter) -> Optional[tuple[Any, tuple, torch.Size, tuple[int, ...]]]:

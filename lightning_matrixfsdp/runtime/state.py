@@ -35,6 +35,8 @@ class MatrixFSDPState(RefusePickle):
         self.replicas: Optional[ReplicaSync] = None
         #: tensor parallelism: every parameter's TP layout and stepper (``tp_plan.TPPlan``; None without TP)
         self.tp_plan: Optional[Any] = None
+        #: split expert stacks: the shard group as a 1-D DeviceMesh (checkpoints: each block a chunk)
+        self.stack_mesh: Optional[Any] = None
         self._root_handles: list[Any] = []
         #: rank 0's buffers for every rank (``sync.BufferSync``; ``matrix_shard`` sets it)
         self.buffers: Optional[BufferSync] = None

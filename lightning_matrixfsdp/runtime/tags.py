@@ -143,7 +143,12 @@ def global_numel(p: Any) -> int:
     if experts is not None:  # this rank's experts of a stack: the whole stack over the expert-parallel group
         return experts.global_numel
     shard = shard_of(p)
-    return shard.numel if shard is not None else p.numel()
+    if shard is None:
+        return p.numel()
+    n = 1
+    for s in shard.shape:  # the whole shape (a split stack's entry counts only its block in ``numel``)
+        n *= int(s)
+    return n
 
 
 def tag_expert_slice(p: Any, expert_slice: Any) -> None:

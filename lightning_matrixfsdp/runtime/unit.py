@@ -205,10 +205,10 @@ class Unit(RefusePickle):
         todo = [p for p in todo if not p.aliases]
         if not todo:
             return
+        # one item per piece: the whole parameter, or each expert block of a split stack
+        shards, sources, outs = zip(*[t for p in todo for t in p.transfers()])
         with torch.no_grad():
-            self._pending_unshard = self.collective.start_materialize(
-                [p.shard for p in todo], [p.source() for p in todo], [p.data for p in todo]
-            )
+            self._pending_unshard = self.collective.start_materialize(list(shards), list(sources), list(outs))
         self._pending_unshard.what = f"the materialization of unit {self.fqn or '<root>'!r}"
         self._pending_params = todo
 

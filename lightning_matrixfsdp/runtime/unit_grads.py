@@ -51,6 +51,20 @@ def start_reduction(params: list[ShardedParam], reducer: GradientReducer, index:
         p.unsharded.grad = None
     if check is not None:
         check(REDUCE, index)
+    # one item per piece (a split stack's expert blocks: each block's rows to that block's owner)
+    items = [(i, s, b) for i, (p, g) in enumerate(zip(params, grads)) for s, b in p.grad_pieces(g)]
     with torch.no_grad():
-        pending = reducer.start([p.shard for p in params], grads, used, f"the gradient reduction of unit {name!r}")
-    return pending, used
+        pending = reducer.start([s for _, s, _ in items], [b for _, _, b in items], [used[i] for i, _, _ in items],
+                                f"the gradient reduction of unit {name!r}")
+    if len(items) == len(params):
+        return pending, used
+
+    def regroup() -> list[Optional[torch.Tensor]]:
+        """Per parameter: the reduced piece this rank owns (its block of a split stack), else None."""
+        out: list[Optional[torch.Tensor]] = [None] * len(params)
+        for (i, _, _), g in zip(items, pending.wait()):
+            if g is not None:
+                out[i] = g
+        return out
+
+    return PendingOp(finish=regroup, what=pending.what), used

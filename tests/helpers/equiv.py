@@ -31,10 +31,20 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """
     from lightning_matrixfsdp.runtime.tags import state_of
 
-    sg = state_of(model).sg
+    st = state_of(model)
+    sg = st.sg
     out = {}
     for name, p in model.named_parameters():
         shard = p._mfsdp_shard
+        if shard.experts is not None:  # a split expert stack: each block from its owner
+            t = torch.empty(shard.shape, dtype=p.dtype)
+            for piece in st.plan.pieces(shard.fqn):
+                rows = t[piece.experts[0]:piece.experts[1]]
+                if piece.owner == sg.rank:
+                    rows.copy_(p.data)
+                dist.broadcast(rows, src=sg.g(piece.owner), group=sg.group)
+            out[name] = t
+            continue
         t = p.data.clone() if p._mfsdp_owned else torch.empty(shard.shape, dtype=p.dtype)
         if sg.size > 1:
             dist.broadcast(t, src=sg.g(shard.owner), group=sg.group)
