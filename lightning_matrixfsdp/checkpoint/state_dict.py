@@ -19,7 +19,7 @@ from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, curr
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
-from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, expert_state_layout, state_as_saved
+from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, expert_state_layout, state_as_saved, whole_state
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
