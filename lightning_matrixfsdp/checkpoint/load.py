@@ -48,7 +48,7 @@ from lightning_matrixfsdp.checkpoint.save import PARTIAL_PREFIX, PathLike
 from lightning_matrixfsdp.checkpoint.optimizer_state import StateRule, apply_optimizer, saved_splits
 from lightning_matrixfsdp.checkpoint.sidecar import META_NAME, SIDECAR_NAME, check_sidecar, layout_change, read_sidecar
 from lightning_matrixfsdp.checkpoint.sidecar import roles_of
-from lightning_matrixfsdp.checkpoint.state_dict import full_groups, refuse_split_stack_whole_state
+from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, check_resumable, match_model
 from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
 
@@ -92,7 +92,6 @@ def load_sharded(module: nn.Module, path: PathLike, optimizers: Iterable[torch.o
     agree(pending_saves.wait_for, path)  # a save of it in the background (async_save) completes first
     kind = agree(_detect, path)
     index = build_index(module)
-    agree(refuse_split_stack_whole_state, index, optimizers)
     load = _load_dir if kind == "dir" else _load_file
     return load(module, index, path, optimizers, strict, weights_only, verify, reset_changed_roles, resume,
                 before_optimizers, with_state_dict)

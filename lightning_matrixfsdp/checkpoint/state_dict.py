@@ -19,12 +19,12 @@ from lightning_matrixfsdp.checkpoint.agree import agree, all_gather_object, curr
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
-from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, expert_state_layout, state_as_saved, whole_state
+from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, expert_state_layout, state_as_saved
 from lightning_matrixfsdp.runtime.comm import comm_device
 from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
 from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
 
-__all__ = ["fragments_to_rank0", "full_groups", "refuse_split_stack_whole_state", "sharded_model_state_dict", "sharded_optimizer_state_dict",
+__all__ = ["fragments_to_rank0", "full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict",
            "to_rank0", "tp_sources"]
 
 
@@ -69,19 +69,6 @@ def tp_sources(index: KeyIndex) -> dict[str, list[Optional[int]]]:
     held = {k: index.tp_rank for k, e in index.entries.items()
             if e.primary == k and e.tp is not None and e.local is not None and e.part is None}
     return {**fragment_sources(held, index.tp_size, current_group()), **experts}
-
-
-def refuse_split_stack_whole_state(index: KeyIndex, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Refuse a checkpoint of Shampoo's or SOAP's state with split expert stacks (not served yet: their
-    per-expert state of one owner's block is not stored as a chunk of the whole stack's). Run it under
-    ``agree``; the same verdict on every rank (every rank of the shard group holds a block)."""
-    split = [k for k, e in index.entries.items() if e.split_stack and e.primary == k]
-    whole = [type(o).__name__ for o in optimizers if split and whole_state(index, o, split[0])]
-    if split and whole:
-        raise CheckpointError(
-            f"{whole[0]}'s state of the expert stack {split[0]!r}, which the plan splits into blocks of experts on "
-            "several owners, cannot be saved or loaded yet (Muon's and AdamW's can); shard the model with "
-            "split_stacks=False to checkpoint Shampoo or SOAP state of expert stacks")
 
 
 def fragments_to_rank0(index: KeyIndex, key: str, local: Optional[torch.Tensor], sources: Optional[Sequence],
@@ -139,7 +126,6 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     optimizer = unwrap_optimizer(optimizer)
     index = index if index is not None else build_index(module)
     groups = full_groups(index, optimizer)
-    agree(refuse_split_stack_whole_state, index, [optimizer])
     if index.tp_size > 1 or any(e.part is not None for e in index.entries.values()):  # TP or expert parallelism:
         agree(check_joinable, index, optimizer)  # per-fragment state a whole tensor cannot hold, refused everywhere
     if not full:
