@@ -227,7 +227,11 @@ def train_against_oracle(rank: int, world: int, experts: int, ep: int, clip: boo
         opt.zero_grad()
         loss = loss_of(model, batch(step, rank))
         loss.backward()
+        if clip:  # grad_norm's total (each expert counted once) is the norm the clip reports
+            total = mf.grad_norm(model, 2)["grad_2.0_norm_total"]
         norm = mf.clip_grad_norm_(model, MAX_NORM) if clip else torch.tensor(0.0)
+        if clip:
+            worst["grad_norm"] = max(worst.get("grad_norm", 0.0), abs(total.item() - norm.item()))
         with count_collectives() as seen:
             opt.step()
         step_calls += seen.calls
@@ -421,6 +425,7 @@ def _check_training(result: dict) -> None:
     assert result["moved"] > 1e-3, "the weights did not train"
     assert result["loss"] < 1e-5, result  # Hugging Face computes the loss in float32 (its last bits)
     assert result["norm"] < TOL, result
+    assert result.get("grad_norm", 0.0) < 1e-5, result  # float32 per-parameter norms in the total
     assert result["expert_grad"] < TOL, result
     assert result["weights"] < TOL, result
 

@@ -321,7 +321,7 @@ def _each_norm_expert_parallel(params: Sequence[torch.Tensor], p: float, group: 
     maximized over the world); the other gradients' norms from their owners as usual."""
     inf = math.isinf(p)
     slices = [expert_slice_of(t) for t in params]
-    present, each = _each_norm(params, lambda g: g.norm(p), group, stats, keep=lambda i: slices[i] is None)
+    present, each = _each_norm(params, lambda t, i: t.grad.norm(p), group, stats, keep=lambda i: slices[i] is None)
     device = each.device
     local = torch.zeros(2, len(params), dtype=torch.float64, device=device)
     for i, (t, s) in enumerate(zip(params, slices)):
