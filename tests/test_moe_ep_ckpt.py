@@ -141,7 +141,7 @@ def _first_group(t: torch.Tensor, ep: int) -> torch.Tensor:
 
 def whole(model) -> dict[str, torch.Tensor]:
     """Every parameter whole on every rank: dense ones from their owners, expert stacks joined."""
-    from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, shard_of, state_of
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of, shard_of, state_of
 
     sg = state_of(model).sg
     out = {}
@@ -151,8 +151,13 @@ def whole(model) -> dict[str, torch.Tensor]:
             out[name] = _first_group(p.detach(), s.groups.ep_size)
             continue
         shard = shard_of(p)
-        t = p.detach().clone() if is_owned(p) else torch.empty(shard.shape, dtype=p.dtype)
-        dist.broadcast(t, src=sg.g(shard.owner), group=sg.group)
+        t = torch.empty(shard.shape, dtype=p.dtype)
+        # each piece from its owner: the whole parameter, or each block of a stack the plan split
+        for piece in state_of(model).plan.pieces(shard.fqn):
+            rows = t if piece.experts is None else t[piece.experts[0]:piece.experts[1]]
+            if piece.owner == sg.rank:
+                rows.copy_(p.detach())
+            dist.broadcast(rows, src=sg.g(piece.owner), group=sg.group)
         out[name] = t
     return out
 
