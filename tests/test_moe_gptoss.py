@@ -315,7 +315,42 @@ def worker(rank: int, world: int, root: str) -> dict[str, Any]:
             o.zero_grad(set_to_none=True)
         compare(full_params(sharded), dict(oracle.named_parameters()), EXACT, "param", step)
     stacks = {s.fqn: s.stack.to_dict() for s in plan.shards() if s.stack is not None}
-    return {"stacks": stacks, "plan": str(plan), "ep": _expert_parallel(rank, world)}
+    return {"stacks": stacks, "plan": str(plan), "checkpoint": _resume(sharded, opts, oracle, rank, root),
+            "ep": _expert_parallel(rank, world)}
+
+
+def _resume(sharded: nn.Module, opts: list, oracle: nn.Module, rank: int, root: str) -> dict[str, Any]:
+    """Save (directory and consolidated file), one more step, and a fresh model resumed from the
+    directory taking the same step: bitwise the same weights. The file holds GPT-OSS's own keys
+    and layout (the whole transposed, interleaved stacks), equal to the oracle's weights."""
+    import lightning_matrixfsdp as mf
+    from helpers.equiv import EXACT, compare, full_params, make_sharded_optimizer
+    from helpers.models import batch_for, lm_loss
+
+    def step(model: nn.Module, optimizers: list) -> None:
+        idx = batch_for(STEPS, rank)
+        lm_loss(model(idx).logits, idx).backward()
+        for o in optimizers:
+            o.step()
+            o.zero_grad(set_to_none=True)
+
+    mf.save_sharded(sharded, f"{root}/gptoss", opts)
+    mf.save_sharded(sharded, f"{root}/gptoss.ckpt", opts, full=True)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        saved = torch.load(f"{root}/gptoss.ckpt", weights_only=False)["state_dict"]
+        want = dict(oracle.named_parameters())
+        out["file_differs"] = sorted(k for k in want if k not in saved or not torch.equal(saved[k], want[k].detach()))
+    step(sharded, opts)
+    torch.manual_seed(1)  # another init: the load must replace it
+    fresh = _tiny_gptoss(layers=2, experts=4, hidden=16, inter=12, vocab=VOCAB)
+    mf.matrix_shard(fresh)
+    fresh_opts = make_sharded_optimizer(fresh, "ours")
+    mf.load_sharded(fresh, f"{root}/gptoss", fresh_opts)
+    step(fresh, fresh_opts)
+    compare(full_params(fresh), full_params(sharded), EXACT, "resumed", STEPS)
+    out["resumed"] = True
+    return out
 
 
 def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -390,6 +425,13 @@ def test_tiny_gptoss_at_2_processes_equals_ddp_with_per_expert_muon():
                 if fqn.endswith("gate_up_proj") else {"num_experts": 4, "blocks": [16], "transposed": True})
         assert d == want, (fqn, d)
     assert "each as 2 interleaved blocks (12, 12), stored transposed [E, in, out]" in res["plan"], res["plan"]
+
+
+def test_tiny_gptoss_checkpoint_resumes_bitwise_and_its_file_holds_the_hugging_face_layout():
+    pytest.importorskip("transformers")
+    results = LAUNCH.results()
+    assert results[0]["checkpoint"]["file_differs"] == [], results[0]["checkpoint"]
+    assert all(r["checkpoint"]["resumed"] for r in results)
 
 
 def test_tiny_gptoss_under_expert_parallelism_equals_one_process():
