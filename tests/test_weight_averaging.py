@@ -168,6 +168,66 @@ def test_swa_batchnorm_update_like_ddp(dist_pools):
     assert r0["batches"] == 3  # the statistics are the update pass's own: reset, then its 3 batches
 
 
+# ---------------------------------------------------------------------- EMA of a model whose expert stack is split
+class LitStack(LightningModule):
+    """A layer, an expert stack ``[4, 8, 8]`` (declared by ``expert_stacks``; every expert applied
+    to every row) and a head: at 2 ranks the planner splits the stack into two blocks of experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8) * 0.3)
+        self.out = nn.Linear(8, 1)
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        h = torch.relu(self.inp(x))
+        return self.out(sum(h @ self.experts[e].T for e in range(self.experts.shape[0])))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # noqa: D102
+        x, y = batch
+        loss = ((self(x) - y) ** 2).mean()
+        self.losses.append(loss.item())
+        return loss
+
+    def train_dataloader(self):  # noqa: D102
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(12, 8, generator=g), torch.randn(12, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=2)
+
+    def configure_optimizers(self):  # noqa: D102
+        import lightning_matrixfsdp as mf
+        from lightning_matrixfsdp.runtime.classify import tag_expert_stacks
+        from lightning_matrixfsdp.runtime.tags import shard_of
+
+        if shard_of(self.experts) is None:  # DDP: tag the stack as matrix_shard does (each expert a matrix)
+            tag_expert_stacks(self, "experts")
+        return mf.Muon(self.parameters(), lr=0.02)
+
+
+def _stack_worker(rank: int, world: int) -> dict:
+    import lightning_matrixfsdp as mf
+
+    root = _shared_dir()
+    ddp = _fit("ddp", "ema", os.path.join(root, "ddp"), module=LitStack, epochs=2)
+    ours = _fit(mf.MatrixFSDPStrategy(expert_stacks="experts"), "ema", os.path.join(root, "mf"), module=LitStack,
+                epochs=2)
+    avg = dict(ours["callback"]._average_model.module.named_parameters())
+    return {"weights": _equal(ddp["weights"], ours["weights"]), "losses": ddp["losses"] == ours["losses"],
+            "averaged": not _equal(ours["weights"], ours["raw"]),
+            "split": dict(mf.get_plan(ours["module"]).split_stacks),
+            "copy_block": tuple(avg["experts"].shape), "model_block": tuple(ours["module"].experts.shape)}
+
+
+def test_ema_of_a_model_with_a_split_expert_stack_like_ddp(dist_pools):
+    """The averaged copy holds each owner's block of the split stack (copied before sharding, cut
+    like the model); the final weights equal DDP's bitwise."""
+    for r in dist_pools(2).run(_stack_worker):
+        assert r["split"], r  # the planner really split the stack
+        assert r["weights"] and r["losses"] and r["averaged"], r
+        assert r["copy_block"] == r["model_block"] == (2, 8, 8), r
+
+
 # ---------------------------------------------------------------------- checkpoints: interrupt, resume, convert
 def _resume_worker(rank: int, world: int, kind: str) -> dict:
     import lightning_matrixfsdp as mf

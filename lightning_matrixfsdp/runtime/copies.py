@@ -6,7 +6,8 @@ hook, which runs *before* the strategy shards the model. Afterwards they only wa
 ``model.parameters()`` and the copy's side by side (average, swap, copy back) and call
 ``state_dict``/``load_state_dict`` on the copy. So a copy works under owner sharding if
 each of its parameters has the shape of the model's parameter on the same rank: the
-whole tensor where this rank owns it, an empty placeholder elsewhere. Each owner then
+whole tensor where this rank owns it (its block of experts for a stack the plan splits), an
+empty placeholder elsewhere. Each owner then
 averages exactly what it owns, elementwise, as DDP does on the whole tensor.
 
 ``track_copies`` makes every ``deepcopy`` of a module such a copy: copies made before the
@@ -194,10 +195,6 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
             if id(p) in done or shard is None:
                 continue
             done.add(id(p))
-            if shard.experts is not None:  # the same plan on every rank: refused everywhere
-                raise RuntimeError(f"a copy of the model (e.g. a weight-averaging callback's) holds {name!r}, an expert "
-                                   "stack the plan splits into blocks of experts on several owners; copies of split "
-                                   "stacks are not supported yet: pass split_stacks=False")
             fragment = _tp_fragment(p, layouts.get(id(ref)))
             if fragment is not None:  # a copy made before sharding: this TP rank's fragment, as the model holds
                 new = nn.Parameter(fragment, requires_grad=p.requires_grad)
@@ -205,8 +202,11 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
                     m._parameters[pname] = new
                 p = new
             owned = is_owned(ref)
-            full, empty = tuple(shard.shape), placeholder_shape(tuple(shard.shape))
-            if tuple(p.shape) not in (full, empty):
+            full, empty, block = tuple(shard.shape), placeholder_shape(tuple(shard.shape)), tuple(shard.block_shape)
+            if owned and block != full and tuple(p.shape) == full and not p.is_meta:
+                # a split expert stack copied before sharding: keep this owner's block of experts
+                p.data = p.data[shard.experts[0]:shard.experts[1]].clone()
+            if tuple(p.shape) not in (full, empty, block):
                 raise RuntimeError(f"parameter {name!r} of a copy of the model has shape {tuple(p.shape)}; the "
                                    f"model's is {full}: the copy is not a copy of this model")
             if p.is_meta:  # a copy of a meta-device model: a new Parameter, holding the initialized values

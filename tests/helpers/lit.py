@@ -105,6 +105,19 @@ def gather_full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if shard is None:
             out[name] = p.detach().clone()
             continue
+        if shard.experts is not None:  # a split expert stack: each block from its owner
+            from lightning_matrixfsdp.runtime.tags import sharded_roots, state_of
+
+            t = torch.empty(shard.shape, dtype=p.dtype)
+            pieces = next(ps for r in sharded_roots(module)
+                          for ps in [[s for s in state_of(r).plan.shards() if s.fqn == shard.fqn]] if ps)
+            for piece in pieces:
+                rows = t[piece.experts[0]:piece.experts[1]]
+                if p._mfsdp_owned and piece.experts == shard.experts:
+                    rows.copy_(p.data)
+                dist.broadcast(rows, src=piece.owner)
+            out[name] = t
+            continue
         t = p.data.clone() if p._mfsdp_owned else torch.empty(shard.shape, dtype=p.dtype)
         dist.broadcast(t, src=shard.owner)
         out[name] = t
