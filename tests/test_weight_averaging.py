@@ -213,7 +213,14 @@ def _stack_worker(rank: int, world: int) -> dict:
     ours = _fit(mf.MatrixFSDPStrategy(expert_stacks="experts"), "ema", os.path.join(root, "mf"), module=LitStack,
                 epochs=2)
     avg = dict(ours["callback"]._average_model.module.named_parameters())
+    # interrupted at the epoch-0 checkpoint (the averaged copy's blocks written by their owners) and resumed
+    where = os.path.join(root, "ck")
+    _fit(mf.MatrixFSDPStrategy(expert_stacks="experts"), "ema", where, module=LitStack, epochs=2,
+         every_epoch_ckpt=True)
+    resumed = _fit(mf.MatrixFSDPStrategy(expert_stacks="experts"), "ema", where + "-resumed", module=LitStack,
+                   epochs=2, ckpt_path=os.path.join(where, "epoch=0.ckpt"))
     return {"weights": _equal(ddp["weights"], ours["weights"]), "losses": ddp["losses"] == ours["losses"],
+            "resumed": _equal(ddp["weights"], resumed["weights"]),
             "averaged": not _equal(ours["weights"], ours["raw"]),
             "split": dict(mf.get_plan(ours["module"]).split_stacks),
             "copy_block": tuple(avg["experts"].shape), "model_block": tuple(ours["module"].experts.shape)}
@@ -221,10 +228,11 @@ def _stack_worker(rank: int, world: int) -> dict:
 
 def test_ema_of_a_model_with_a_split_expert_stack_like_ddp(dist_pools):
     """The averaged copy holds each owner's block of the split stack (copied before sharding, cut
-    like the model); the final weights equal DDP's bitwise."""
+    like the model); the final weights equal DDP's bitwise, also after a resume from a checkpoint
+    taken mid-fit (the averaged blocks written by their owners and read back)."""
     for r in dist_pools(2).run(_stack_worker):
         assert r["split"], r  # the planner really split the stack
-        assert r["weights"] and r["losses"] and r["averaged"], r
+        assert r["weights"] and r["losses"] and r["averaged"] and r["resumed"], r
         assert r["copy_block"] == r["model_block"] == (2, 8, 8), r
 
 
