@@ -412,6 +412,30 @@ def trainer_meta_init(rank: int, world: int) -> list[str]:
     return held_wrong(lit.net, ref)
 
 
+def fabric_meta_init(rank: int, world: int) -> list[str]:
+    """The same through Fabric: ``init_module(empty_init=True)``, then ``fabric.setup`` shards it
+    with EP=2 (float32)."""
+    import lightning_matrixfsdp as mf
+    from lightning.fabric import Fabric
+
+    strategy = mf.MatrixFSDPFabricStrategy(log_plan=False, expert_parallel_size=2, expert_stacks=STACKS)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        net = Net()
+    assert all(p.is_meta for p in net.parameters())
+    torch.manual_seed(7)  # the seed right before the strategy shards (so initializes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = fabric.setup(net)
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of
+
+    inner = getattr(net, "module", net)
+    assert any(expert_slice_of(p) is not None for p in inner.parameters()), "Fabric did not shard the experts"
+    ref, _ = one_process_init(7, torch.float32)
+    return held_wrong(inner, ref)
+
+
 # ---------------------------------------------------------------------- launches
 def _world4(rank: int, world: int, root: str) -> dict:
     out = {name: save_and_reference(rank, world, root, name) for name in ("shampoo", "soap", "muon")}
@@ -424,6 +448,7 @@ def _world2(rank: int, world: int, root: str) -> dict:
     out = {name: load_elsewhere(rank, world, root, name) for name in ("shampoo", "muon")}
     out["meta_ep2"] = meta_init(rank, world, 2)
     out["trainer_meta"] = trainer_meta_init(rank, world)
+    out["fabric_meta"] = fabric_meta_init(rank, world)
     out["meta_pretrained"] = meta_then_pretrained(rank, world, root)
     out["parent_writes"] = parent_writes_experts(rank, world)
     return out
@@ -479,6 +504,11 @@ def test_meta_init_with_expert_parallelism_equals_one_process_init(launches, wor
 def test_meta_init_with_expert_parallelism_through_the_trainer(launches):
     for r in launches.w2:
         assert r["trainer_meta"] == [], r["trainer_meta"]
+
+
+def test_meta_init_with_expert_parallelism_through_fabric(launches):
+    for r in launches.w2:
+        assert r["fabric_meta"] == [], r["fabric_meta"]
 
 
 def test_meta_init_with_expert_parallelism_then_load_pretrained(launches):
