@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import lightning_matrixfsdp as mf
+from helpers.models import GroupedExperts
 
 TOL = 1e-9  # float64: only the order of the expert sums differs from the oracle
 DTYPE = torch.float64
@@ -26,25 +26,6 @@ TIMEOUT = 180  # a hang shows as a timeout of the task
 
 
 # ---------------------------------------------------------------------- a torchtitan-shaped MoE
-class GroupedExperts(torch.nn.Module):
-    """Stacked ``w1``/``w2``/``w3``; rows sorted by expert with their counts (as in test_moe_ep)."""
-
-    def __init__(self, dim: int, hidden: int, experts: int) -> None:
-        super().__init__()
-        self.num_experts = experts
-        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) / hidden ** 0.5)
-        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
-
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        outs, start = [], 0
-        for e, n in enumerate(num_tokens_per_expert.tolist()):
-            xe = x[start:start + n]
-            start += n
-            outs.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
-        return torch.cat(outs)
-
-
 class GroupedMoE(torch.nn.Module):
     """Router, top-2, tokens sorted by expert, experts, unsorted; ``skew``: the router always picks
     experts 0 and 1 (a bias of +-5, no weight), so every token goes to expert-parallel place 0."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from helpers.dist import OneLaunch
 from helpers.equiv import count_collectives
+from helpers.models import GroupedExperts
 
 pytest.importorskip("transformers")
 # the first test of each launch waits for the whole launch (a loaded 2-core machine: minutes)
@@ -42,25 +43,6 @@ def tiny_mixtral(experts: int = 4, seed: int = 0):
                         router_aux_loss_coef=0.05, tie_word_embeddings=False, experts_implementation="eager")
     torch.manual_seed(seed)
     return MixtralForCausalLM(cfg).to(DTYPE)
-
-
-class GroupedExperts(torch.nn.Module):
-    """torchtitan's shape: stacked ``w1``/``w2``/``w3``, rows sorted by expert with their counts."""
-
-    def __init__(self, dim: int, hidden: int, experts: int) -> None:
-        super().__init__()
-        self.num_experts = experts
-        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) / hidden ** 0.5)
-        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
-
-    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        outs, start = [], 0
-        for e, n in enumerate(num_tokens_per_expert.tolist()):
-            xe = x[start:start + n]
-            start += n
-            outs.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
-        return torch.cat(outs)
 
 
 class GroupedMoE(torch.nn.Module):

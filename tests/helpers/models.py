@@ -78,3 +78,22 @@ def batch_for(step: int, rank: int, vocab: int = 64, batch: int = 2, seq: int = 
     """Distinct, reproducible data per (step, rank)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's shape: stacked ``w1``/``w2``/``w3``, rows sorted by expert with their counts."""
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) / hidden ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for e, n in enumerate(num_tokens_per_expert.tolist()):
+            xe = x[start:start + n]
+            start += n
+            outs.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
+        return torch.cat(outs)
