@@ -60,10 +60,11 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "sym8_all": ({"STACK_WHOLE": True, "FUSED_UPDATE": True, "ACCUMULATE_IN_PLACE": True}, {"symmetric_blocks": 8}),
     "sym4_colmajor": ({"STACK_WHOLE": True, "BATCH_ROW_MAJOR": False}, {"symmetric_blocks": 4}),
     "sym4_nofuse": ({"STACK_WHOLE": True, "FUSED_UPDATE": False}, {"symmetric_blocks": 4}),
+    "no_mirror_copies": ({"MIRROR_COPIES": False}, {}),
     "default": ({}, {}),
 }
 _SWITCHES = {"STACK_WHOLE": muon, "FUSED_UPDATE": muon, "BATCH_SYMMETRIC_BLOCKS": symmetric,
-             "ACCUMULATE_IN_PLACE": symmetric, "BATCH_ROW_MAJOR": iteration}
+             "ACCUMULATE_IN_PLACE": symmetric, "BATCH_ROW_MAJOR": iteration, "MIRROR_COPIES": symmetric}
 
 
 def _set_switches(values: dict) -> dict:
@@ -212,6 +213,57 @@ def _gpu_ms(step, dev: torch.device, reps: int = 5) -> float:
     return sorted(out)[len(out) // 2]
 
 
+def _gpu_clock() -> list[float] | None:
+    """nvidia-smi's SM clock (MHz), power (W) and temperature (C) now, or None without it."""
+    import subprocess
+
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+        return [float(v) for v in line.splitlines()[0].split(",")]
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def _sustained(step, dev: torch.device, flops: float, rounds: int = 7) -> dict:
+    """The step beside the floor at the matmul rate the GPU sustains in the same state: ``rounds``
+    of [8192^3 matmuls carrying the step's Newton-Schulz FLOPs, timed as one block; one step,
+    timed], back to back after one untimed round; medians. The burst rate of ``matmul_tflops``
+    (10 matmuls on a cool GPU) is above what a 100 ms stretch of matmuls keeps up once the
+    clocks settle under load; this floor is the same FLOPs in the best-shaped GEMM, measured
+    alternately with the step. The SM clock, power and temperature are read mid-block."""
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    count = max(1, round(flops / (2 * n ** 3)))
+
+    def timed(fn) -> tuple[float, list[float] | None]:
+        torch.cuda.synchronize(dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        clock = _gpu_clock()  # the host issued the block; the GPU is still in it
+        torch.cuda.synchronize(dev)
+        return start.elapsed_time(end), clock
+
+    def matmuls() -> None:
+        for _ in range(count):
+            torch.mm(a, a, out=c)
+
+    floors, steps, clocks = [], [], []
+    for r in range(rounds + 1):
+        g, g_clock = timed(matmuls)
+        s, s_clock = timed(step)
+        if r:
+            floors.append(g * flops / (count * 2 * n ** 3))
+            steps.append(s)
+            clocks.append({"matmuls": g_clock, "step": s_clock})
+    floor, ms = sorted(floors)[len(floors) // 2], sorted(steps)[len(steps) // 2]
+    return {"floor_ms": floor, "step_ms": ms, "over_floor": ms / floor, "matmul_tflops": flops / (floor * 1e-3) / 1e12,
+            "rounds": rounds, "floors_ms": floors, "steps_ms": steps, "clock_mhz_w_c": clocks}
+
+
 def _batch_check(dev: torch.device, shapes: list[tuple[int, int]], blocks: list[int], reps: int) -> dict:
     """Stacks of 8 same-shape matrices: the batched iteration with symmetric blocks against
     torch.optim.Muon's per-matrix iteration (bits) and the plain batched one (time)."""
@@ -240,6 +292,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--profile", nargs="*", default=[])
+    p.add_argument("--sustained", nargs="*", default=[],
+                   help="variants also measured alternately with matmuls of the same FLOPs (see _sustained)")
     p.add_argument("--layers", type=int)
     p.add_argument("--experts", type=int)
     p.add_argument("--hidden", type=int)
@@ -295,12 +349,18 @@ def main() -> None:
                 row["host_ms"] = _cpu_ms(opt.step, dev)
                 row["gpu_only_ms"] = _gpu_ms(opt.step, dev)
             row["over_floor"] = row["ms"] / res["floor_ms"]
+            if name in args.sustained and dev.type == "cuda":
+                row["sustained"] = _sustained(opt.step, dev, flops)
             if name in args.profile and dev.type == "cuda":
                 row["profile"] = _profile(opt.step, dev)
             del params, opt
         finally:
             _set_switches(old)
         res["variants"][name] = row
+        if "sustained" in row:
+            print(f"[gpu_expert_step] {name}, alternating with matmuls: {row['sustained']['step_ms']:.1f} ms = "
+                  f"{row['sustained']['over_floor']:.3f}x the floor at the sustained rate "
+                  f"({row['sustained']['matmul_tflops']:.0f} TFLOP/s)", flush=True)
         print(f"[gpu_expert_step] {name}: {row['ms']:.1f} ms = {row['over_floor']:.3f}x floor; "
               f"{row['differ']} of {row['entries']} entries differ from torch.optim.Muon "
               f"(max {row['max_abs_diff']:.3g})", flush=True)

@@ -160,6 +160,28 @@ def test_batched_symmetric_products(monkeypatch, in_place):
     assert torch.equal(ortho.symmetric_addmm(gram, gram, 3, input=gram, beta=-4.775, alpha=2.0315), upd)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_iteration_with_mirror_copies_is_the_clone_path(monkeypatch, batched):
+    """``A``'s copy written by the mirror pass (``MIRROR_COPIES``) and accumulated into in place is
+    the same iteration, bit for bit, as cloning ``A`` (and as the strided per-block copies);
+    a copy holding anything but ``A`` would change ``b A + c A A``."""
+    from lightning_matrixfsdp.optim.iteration import _iterate
+
+    shape = (2, 768, 1024) if batched else (768, 1024)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(9)).bfloat16()
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    schedule = [TORCH_NS[0]] * 2
+    runs = []
+    for copies, in_place in [(True, True), (False, True), (False, False)]:
+        monkeypatch.setattr(symmetric, "MIRROR_COPIES", copies)
+        monkeypatch.setattr(symmetric, "ACCUMULATE_IN_PLACE", in_place)
+        runs.append(_iterate(x.clone(), schedule, 3))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    gram, copy = symmetric.symmetric_mm_twice(x, x.mT, 3)
+    assert torch.equal(gram, copy) and copy.data_ptr() != gram.data_ptr()
+    assert torch.equal(gram, symmetric.symmetric_addmm(x, x.mT, 3))
+
+
 @pytest.mark.skipif(torch_newton_schulz is None, reason="torch's Newton-Schulz helper moved")
 @pytest.mark.parametrize("shape", [(768, 512), (512, 768)])
 def test_stack_with_blocks_matches_torch_per_matrix(shape):
@@ -182,7 +204,13 @@ def test_batched_mirror_and_divided_transpose_fallbacks():
     a = torch.randn(2, 600, 600)
     edges = [0, 256, 512, 600]
     expected = torch.stack([_per_block_mirror(m, edges) for m in a])
+    copy = torch.full_like(a, float("nan"))
+    assert torch.equal(mirror_lower_blocks_(a.clone(), edges, copy=copy), expected) and torch.equal(copy, expected)
     assert torch.equal(mirror_lower_blocks_(a, edges), expected)
+    with pytest.raises(ValueError, match="copy must be contiguous"):
+        mirror_lower_blocks_(a, edges, copy=torch.empty(2, 600, 600).mT)
+    with pytest.raises(ValueError, match="copy must be contiguous"):
+        mirror_lower_blocks_(a, edges, copy=torch.empty(2, 600, 600, dtype=torch.bfloat16))
     src, d = torch.randn(3, 70, 40).bfloat16(), torch.rand(3, 1, 1).bfloat16() + 0.5
     out = transposed(src, divisors=d)
     assert out.is_contiguous() and torch.equal(out, src.div(d).mT)
@@ -227,6 +255,9 @@ def test_mirror_kernel_under_the_triton_interpreter(tmp_path):
                 expected = a.clone()
                 for r0, r1 in zip(edges[:-2], edges[1:-1]):
                     expected[r1:, r0:r1] = expected[r0:r1, r1:].T.clone()
+                copy = torch.full_like(a, float("nan"))
+                assert torch.equal(transpose.mirror_lower_blocks_(a.clone(), edges, copy=copy), expected)
+                assert torch.equal(copy, expected), ("copy", m, edges, dtype)
                 assert torch.equal(transpose.mirror_lower_blocks_(a, edges), expected), (m, edges, dtype)
         for shape in [(1000, 300), (64, 64), (130, 7), (1, 5)]:
             src = torch.randn(shape).bfloat16()
@@ -243,6 +274,9 @@ def test_mirror_kernel_under_the_triton_interpreter(tmp_path):
             for r0, r1 in zip(edges[:-2], edges[1:-1]):
                 expected[:, r1:, r0:r1] = expected[:, r0:r1, r1:].mT.clone()
             assert transpose._kernel_ok(a, edges)
+            copy = torch.full_like(a, float("nan"))
+            assert torch.equal(transpose.mirror_lower_blocks_(a.clone(), edges, copy=copy), expected), dtype
+            assert torch.equal(copy, expected), ("stack copy", dtype)
             assert torch.equal(transpose.mirror_lower_blocks_(a, edges), expected), dtype
             src, d = torch.randn(3, 300, 130).to(dtype), (torch.rand(3, 1, 1) + 0.5).to(dtype)
             out = transpose.transposed(src)

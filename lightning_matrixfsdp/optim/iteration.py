@@ -15,7 +15,8 @@ from torch import Tensor
 
 from .coefficients import Coefficients
 from .fused import divide_, divide_each_
-from .symmetric import symmetric_addmm, symmetric_blocks
+from . import symmetric
+from .symmetric import symmetric_addmm, symmetric_blocks, symmetric_mm_twice
 from .transpose import transposed
 
 __all__ = ["check_matrix", "gram_orthogonalize_with", "orthogonalize_batched", "orthogonalize_stack",
@@ -42,8 +43,12 @@ def _iterate(x: Tensor, schedule: Sequence[Coefficients], blocks: int = 1) -> Te
     """
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in schedule:
-        gram = symmetric_addmm(x, x.mT, blocks)
-        gram_update = symmetric_addmm(gram, gram, blocks, input=gram, beta=b, alpha=c)
+        if blocks > 1 and symmetric.ACCUMULATE_IN_PLACE:  # A's copy for b A + c A A comes from the mirror pass
+            gram, acc = symmetric_mm_twice(x, x.mT, blocks)
+            gram_update = symmetric_addmm(gram, gram, blocks, input=acc, beta=b, alpha=c, consume_input=True)
+        else:
+            gram = symmetric_addmm(x, x.mT, blocks)
+            gram_update = symmetric_addmm(gram, gram, blocks, input=gram, beta=b, alpha=c)
         x = addmm(x, gram_update, x, beta=a)
     return x
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from .transpose import mirror_lower_blocks_
 
 __all__ = ["BATCH_SYMMETRIC_BLOCKS", "BATCH_SYMMETRIC_MIN_ROWS", "CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS",
-           "symmetric_addmm", "symmetric_blocks"]
+           "symmetric_addmm", "symmetric_blocks", "symmetric_mm_twice"]
 
 #: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`): the most
 #: that stayed bitwise equal to torch.optim.Muon on an H200 (docs/benchmarks.md).
@@ -35,6 +35,9 @@ BATCH_SYMMETRIC_MIN_ROWS = 2048
 #: ``b A + c A A`` in blocks: copy ``A`` once (contiguous) and accumulate each row block in
 #: place, rather than copying each upper block into a fresh result (strided copies).
 ACCUMULATE_IN_PLACE = True
+#: ``A = X X^T`` in blocks comes with its copy for ``b A + c A A`` written by the mirror pass
+#: (:func:`symmetric_mm_twice`) instead of a separate clone of ``A``.
+MIRROR_COPIES = True
 _BLOCK_ALIGN = 256  # interior block edges are multiples of this (whole GEMM tiles)
 
 
@@ -79,6 +82,7 @@ def symmetric_addmm(
     input: Tensor | None = None,
     beta: float = 1.0,
     alpha: float = 1.0,
+    consume_input: bool = False,
 ) -> Tensor:
     """``beta * input + alpha * left @ right`` for a result known to be symmetric (2D, or 3D
     stacks with the batched ops).
@@ -92,6 +96,9 @@ def symmetric_addmm(
     split ``k`` it is the same number; ``blocks=1`` is the plain (add)mm. Used for
     ``X X^T`` and ``A A`` in the Newton-Schulz family, where the symmetry is exact
     in exact arithmetic; the off-diagonal blocks of the result are exact mirrors.
+
+    ``consume_input``: ``input`` is a contiguous temporary of the caller's (a copy made on the
+    way, :func:`symmetric_mm_twice`); the result is accumulated into it and it is returned.
     """
     m = left.size(-2)
     if left.ndim == 3:
@@ -101,13 +108,17 @@ def symmetric_addmm(
     if blocks <= 1:
         if input is None:
             return mm(left, right)
+        if consume_input:
+            return addmm(input, left, right, beta=beta, alpha=alpha, out=input)
         return addmm(input, left, right, beta=beta, alpha=alpha)
     edges = _block_edges(m, blocks)
-    if input is not None and ACCUMULATE_IN_PLACE and input.is_contiguous() and input.dtype == left.dtype:
-        # One contiguous copy of the accumulator, then each row block accumulates into itself:
-        # the same numbers as copying each upper block into place (what addmm does when its
-        # output is not its input), but a plain memcpy instead of one strided copy per block.
-        out = input.clone()
+    in_place = consume_input or (ACCUMULATE_IN_PLACE and input is not None and input.is_contiguous()
+                                 and input.dtype == left.dtype)
+    if input is not None and in_place:
+        # One contiguous copy of the accumulator (or the caller's), then each row block accumulates
+        # into itself: the same numbers as copying each upper block into place (what addmm does
+        # when its output is not its input), but a plain memcpy instead of one strided copy per block.
+        out = input if consume_input else input.clone()
         for r0, r1 in zip(edges[:-1], edges[1:]):
             block = out[..., r0:r1, r0:]
             addmm(block, left[..., r0:r1, :], right[..., r0:], beta=beta, alpha=alpha, out=block)
@@ -120,3 +131,19 @@ def symmetric_addmm(
             addmm(input[..., r0:r1, r0:], left[..., r0:r1, :], right[..., r0:], beta=beta, alpha=alpha,
                   out=out[..., r0:r1, r0:])
     return mirror_lower_blocks_(out, edges)
+
+
+def symmetric_mm_twice(left: Tensor, right: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
+    """``left @ right`` (symmetric, as :func:`symmetric_addmm`) and a second, contiguous copy of it,
+    written by the mirror pass on its way (:data:`MIRROR_COPIES`; else a clone). The copy is what
+    ``b A + c A A`` accumulates into (``consume_input``): the same numbers as cloning ``A``."""
+    if blocks <= 1 or not MIRROR_COPIES:
+        out = symmetric_addmm(left, right, blocks)
+        return out, out.clone()
+    m = left.size(-2)
+    edges = _block_edges(m, blocks)
+    out = torch.empty(*left.shape[:-1], m, dtype=left.dtype, device=left.device)
+    for r0, r1 in zip(edges[:-1], edges[1:]):
+        (torch.bmm if left.ndim == 3 else torch.mm)(left[..., r0:r1, :], right[..., r0:], out=out[..., r0:r1, r0:])
+    copy = torch.empty_like(out, memory_format=torch.contiguous_format)
+    return mirror_lower_blocks_(out, edges, copy=copy), copy

@@ -50,23 +50,32 @@ if HAS_TRITON:
                 + (x >= e7).to(tl.int32))
 
     @triton.jit
-    def _mirror_kernel(a, m, stride, batch_stride, e1, e2, e3, e4, e5, e6, e7, TILE: tl.constexpr):
+    def _mirror_kernel(a, copy, m, stride, batch_stride, e1, e2, e3, e4, e5, e6, e7, COPY: tl.constexpr,
+                       TILE: tl.constexpr):
         """One tile of matrix ``program_id(2)``: ``a[r, c] = a[c, r]`` wherever block(r) > block(c)
-        (other entries untouched)."""
-        a += tl.program_id(2).to(tl.int64) * batch_stride
+        (other entries untouched); with ``COPY`` the whole mirrored tile also goes to ``copy``
+        (contiguous ``m x m`` matrices)."""
+        k = tl.program_id(2).to(tl.int64)
+        a += k * batch_stride
         r0 = tl.program_id(0) * TILE
         c0 = tl.program_id(1) * TILE
-        # Tiles with no strictly-lower entry (two thirds of them for 3 blocks) stop here.
-        if _block_of(r0 + TILE - 1, e1, e2, e3, e4, e5, e6, e7) <= _block_of(c0, e1, e2, e3, e4, e5, e6, e7):
-            return
+        # Tiles with no strictly-lower entry (two thirds of them for 3 blocks) stop here unless
+        # they are copied.
+        if not COPY:
+            if _block_of(r0 + TILE - 1, e1, e2, e3, e4, e5, e6, e7) <= _block_of(c0, e1, e2, e3, e4, e5, e6, e7):
+                return
         r = r0 + tl.arange(0, TILE)
         c = c0 + tl.arange(0, TILE)
         lower = (_block_of(r, e1, e2, e3, e4, e5, e6, e7)[:, None]
                  > _block_of(c, e1, e2, e3, e4, e5, e6, e7)[None, :])  # [r, c]
-        inside = (r[:, None] < m) & (c[None, :] < m) & lower
+        inside = (r[:, None] < m) & (c[None, :] < m)
         # Read the mirror tile as it lies (contiguous along r), transpose in registers.
-        tile = tl.load(a + c[:, None] * stride + r[None, :], mask=tl.trans(inside))
-        tl.store(a + r[:, None] * stride + c[None, :], tl.trans(tile), mask=inside)
+        tile = tl.trans(tl.load(a + c[:, None] * stride + r[None, :], mask=tl.trans(inside & lower)))
+        tl.store(a + r[:, None] * stride + c[None, :], tile, mask=inside & lower)
+        if COPY:
+            own = tl.load(a + r[:, None] * stride + c[None, :], mask=inside & ~lower)
+            copy += k * m * m
+            tl.store(copy + r[:, None] * m + c[None, :], tl.where(lower, tile, own), mask=inside)
 
     @triton.jit
     def _transpose_kernel(src, dst, divisors, rows, cols, DIVIDE: tl.constexpr, TILE: tl.constexpr):
@@ -117,27 +126,35 @@ def _kernel_ok(a: Tensor, edges: Sequence[int]) -> bool:
     return a.stride(-1) == 1 and (m - 1) * a.stride(-2) + m < 2**31
 
 
-def mirror_lower_blocks_(a: Tensor, edges: Sequence[int]) -> Tensor:
+def mirror_lower_blocks_(a: Tensor, edges: Sequence[int], copy: Tensor | None = None) -> Tensor:
     """Fill each strictly-lower block of square ``a`` (or of each matrix of a 3D stack) from its
     upper mirror; returns ``a``.
 
     ``edges`` are the block boundaries ``0 = e_0 < e_1 < ... < e_b = m``: afterwards
     ``a[..., e_j:e_{j+1}, e_i:e_{i+1}] = a[..., e_i:e_{i+1}, e_j:e_{j+1}].mT`` for every ``j > i``.
     Diagonal blocks and the upper blocks are not touched. A stack is one launch.
+
+    ``copy`` (contiguous, ``a``'s shape and dtype): also filled with the mirrored ``a``, in the same
+    pass. Newton-Schulz needs ``A`` twice (``b A + c A A`` accumulates into a copy of it); written
+    on the mirror's way, the copy costs one write of ``A`` instead of a read and a write.
     """
     m = a.size(-1) if a.ndim in (2, 3) else -1
     if m < 0 or a.size(-2) != m or list(edges[:1]) != [0] or edges[-1] != m:
         raise ValueError(f"mirror_lower_blocks_ needs a square matrix (or a 3D stack of them) and edges from 0 "
                          f"to its size; got {tuple(a.shape)} and {list(edges)}")
-    if len(edges) <= 2 or a.numel() == 0:
-        return a
-    if not _kernel_ok(a, edges):
+    if copy is not None and (copy.shape != a.shape or copy.dtype != a.dtype or copy.device != a.device
+                             or not copy.is_contiguous()):
+        raise ValueError(f"mirror_lower_blocks_'s copy must be contiguous with a's shape, dtype and device; got "
+                         f"{tuple(copy.shape)} {copy.dtype} on {copy.device} for {tuple(a.shape)} {a.dtype} on {a.device}")
+    if len(edges) <= 2 or a.numel() == 0 or not _kernel_ok(a, edges):
         for r0, r1 in zip(edges[:-2], edges[1:-1]):
             a[..., r1:, r0:r1].copy_(a[..., r0:r1, r1:].mT)
+        if copy is not None:
+            copy.copy_(a)
         return a
     interior = list(edges[1:-1]) + [m] * (MAX_BLOCKS - 1 - (len(edges) - 2))  # 7 scalars
     batch = a.size(0) if a.ndim == 3 else 1
     grid = (triton.cdiv(m, _TILE), triton.cdiv(m, _TILE), batch)
-    launch(_mirror_kernel, grid, a, a, m, a.stride(-2), a.stride(0) if a.ndim == 3 else 0, *interior,
-           TILE=_TILE, num_warps=_WARPS)
+    launch(_mirror_kernel, grid, a, a, a if copy is None else copy, m, a.stride(-2),
+           a.stride(0) if a.ndim == 3 else 0, *interior, COPY=copy is not None, TILE=_TILE, num_warps=_WARPS)
     return a
