@@ -283,3 +283,25 @@ def test_ranks_running_experts_modules_in_another_order_raise_on_every_rank(dist
         assert "rank 0 runs the token exchange of experts module 'blocks.0.experts'" in message, message
         assert "rank 1 runs the token exchange of experts module 'blocks.1.experts'" in message, message
         assert seconds < 30, seconds
+
+
+def test_an_exchange_in_a_dtype_the_idle_ranks_cannot_follow_is_refused_from_the_shared_rows():
+    """The join's decision is a function of the announcement rows every rank gathered, so every rank
+    raises the same error: an exchange of hidden states in a dtype outside the four the idle ranks
+    can build (here float8, code 4 + itemsize) is refused with the dtypes named; two different
+    announcements are a divergence; one announcement, however many ranks send it, is followed."""
+    from lightning_matrixfsdp.runtime.errors import RankDivergenceError, UnevenInputsError
+    from lightning_matrixfsdp.runtime.expert_dispatch import dtype_code
+    from lightning_matrixfsdp.runtime.join import DONE, EXCHANGE, EvalJoin
+
+    join = object.__new__(EvalJoin)  # the decision needs no group: only the rows and the names
+    join.seam_names, join.states = ["model.layers.0.mlp.experts"], []
+    odd = dtype_code(torch.float8_e4m3fn)
+    with pytest.raises(UnevenInputsError, match=r"model\.layers\.0\.mlp\.experts.*unsupported dtype.*float32, "
+                                                r"float64, bfloat16 or float16"):
+        join._wanted([[EXCHANGE, 0, 16, odd], [DONE, -1, -1, -1]])
+    ok = [EXCHANGE, 0, 16, dtype_code(torch.bfloat16)]
+    assert join._wanted([ok, [DONE, -1, -1, -1], ok]) == tuple(ok)
+    with pytest.raises(RankDivergenceError, match="rank 0 runs the token exchange.*rank 1 runs"):
+        join._wanted([ok, [EXCHANGE, 0, 32, dtype_code(torch.bfloat16)]])
+    assert join._wanted([[DONE, -1, -1, -1]] * 2) is None
