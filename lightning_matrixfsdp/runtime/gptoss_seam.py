@@ -70,8 +70,9 @@ def gptoss_experts_forward(x: torch.Tensor, counts: Sequence[int], gate_up_proj:
     down_proj_bias[e]``, the module's eager loop with every router weight 1. ``gate_up_proj``
     ``[E, H, 2I]`` and ``down_proj [E, I, H]`` are already ``x @ W`` (no transpose); ``mm``
     (default ``F.grouped_mm``) does both projections for all experts at once. Each row's bias
-    is gathered by its expert id with ``F.embedding``, whose backward sums each expert's rows
-    (sorted, float accumulation on CUDA, no atomics), like the loop's sum over the rows."""
+    is ``onehot(expert) @ bias``: exact (one nonzero term), and its backward is one matmul that
+    sums each expert's rows with float accumulation, as the loop's bias gradient does (a gather's
+    backward, ``bias[ids]`` or ``F.embedding``, may accumulate in bfloat16 on CUDA)."""
     if len(counts) != gate_up_proj.shape[0] or any(p.shape[0] != len(counts) for p in
                                                    (gate_up_proj_bias, down_proj, down_proj_bias)):
         raise MatrixShardError(f"gptoss_experts_forward: {len(counts)} counts for gate_up_proj "
@@ -81,10 +82,11 @@ def gptoss_experts_forward(x: torch.Tensor, counts: Sequence[int], gate_up_proj:
     c = torch.as_tensor(counts, dtype=torch.int64)
     # int32 offsets (grouped_mm refuses int64); the counts live on the host, one copy over
     offs = torch.cumsum(c, 0).to(device=x.device, dtype=torch.int32)
-    ids = torch.repeat_interleave(torch.arange(len(counts), device=x.device), c.to(x.device),
-                                  output_size=int(c.sum()))
-    gate_up = mm(x, gate_up_proj, offs=offs) + F.embedding(ids, gate_up_proj_bias)
-    return mm(gptoss_gate(gate_up, alpha, limit), down_proj, offs=offs) + F.embedding(ids, down_proj_bias)
+    experts = torch.arange(len(counts), device=x.device)
+    ids = torch.repeat_interleave(experts, c.to(x.device), output_size=int(c.sum()))
+    onehot = (ids[:, None] == experts).to(gate_up_proj_bias.dtype)  # [S, E], 0 and 1 exactly; no sync
+    gate_up = mm(x, gate_up_proj, offs=offs) + onehot @ gate_up_proj_bias
+    return mm(gptoss_gate(gate_up, alpha, limit), down_proj, offs=offs) + onehot @ down_proj_bias
 
 
 def _grouped_ready(module: nn.Module) -> bool:
