@@ -17,7 +17,8 @@ and writes (``--out``, default ``$OUT/gptoss_grouped.json``) for the output and 
 (input, ``gate_up_proj``, ``gate_up_proj_bias``, ``down_proj``, ``down_proj_bias``) the largest
 absolute and relative (over the largest entry of eager's) difference of grouped from eager,
 whether they are bitwise equal, each one's relative error from fp32, whether the empty expert's
-gradients are exact zeros, whether the seam's own local computation took the grouped path,
+gradients are exact zeros (``no_rows_ok``: every gradient zero and the output empty for a call
+with no row at all), whether the seam's own local computation took the grouped path,
 and the median milliseconds of forward plus backward of both (CUDA events, ``--reps``). One
 process, one device, nothing distributed.
 """
@@ -141,6 +142,10 @@ def main() -> None:
     for name, fn in paths.items():
         got = out_and_grads(lambda m, t: fn(m, t, counts), module, x, g)
         res["compare"][name] = compare(got, want, ref, empty)
+        # a rank that receives no row: an empty output and every gradient exact zeros
+        none = out_and_grads(lambda m, t: fn(m, t, [0] * len(counts)), module, x[:0], g[:0])
+        res["compare"][name]["no_rows_ok"] = (tuple(none["out"].shape) == (0, hidden)
+                                              and all(not none[k].any() for k in none))
 
     # which path the seam's own local computation takes (counting F.grouped_mm's calls)
     calls = []

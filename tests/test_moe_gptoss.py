@@ -327,6 +327,11 @@ def test_gptoss_grouped_experts_equal_the_modules_eager_loop(mm):
         assert err < tol, (k, err)
     for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
         assert got[k][1].abs().max().item() == 0.0 and got[k][0].abs().max().item() > 0, k
+    # a rank that receives no row at all: an empty output, every gradient exact zeros (not None)
+    none = _out_and_grads(lambda t: gptoss_experts_forward(
+        t, [0] * 4, module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias,
+        module.alpha, module.limit, mm=fn), module, x[:0])
+    assert none["out"].shape == (0, 8) and all(not none[k].any() for k in none), none
 
 
 def test_gptoss_seam_runs_the_grouped_forward_where_grouped_mm_serves(monkeypatch):
