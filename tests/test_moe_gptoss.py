@@ -242,6 +242,129 @@ def test_expert_stacks_mapping_form_is_checked():
 VOCAB, STEPS = 64, 3
 
 
+# ------------------------------------------------ the local experts as grouped GEMMs (gptoss_seam.py)
+GROUPED_COUNTS = [3, 0, 6, 2]  # expert 1 receives no row
+
+
+def _experts_module(dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """A Hugging Face GptOssExperts (4 experts, H = I = 8) with random weights and biases, and a
+    small ``limit`` and another ``alpha`` so that both clamps bite (checked by the test)."""
+    import transformers as T
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = T.GptOssConfig(vocab_size=16, hidden_size=8, intermediate_size=8, head_dim=4, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=len(GROUPED_COUNTS))
+    module = GptOssExperts(cfg).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=dtype))
+    module.alpha, module.limit = 1.3, 1.5
+    return module
+
+
+def _eager_loop(module: nn.Module, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The oracle: transformers' own per-expert loop (under its implementation switch), every
+    row routed once, to its expert, with weight 1."""
+    own = type(module).forward
+    own = getattr(own, "__wrapped__", own)
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    return own(module, x, ids[:, None], torch.ones(ids.shape[0], 1, dtype=x.dtype))
+
+
+def _out_and_grads(fn, module: nn.Module, x: torch.Tensor, seed: int = 1) -> dict[str, torch.Tensor]:
+    x = x.detach().clone().requires_grad_(True)
+    module.zero_grad(set_to_none=True)
+    out = fn(x)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype))
+    return {"out": out.detach(), "x": x.grad, **{n: p.grad.clone() for n, p in module.named_parameters()}}
+
+
+def _cpu_grouped_mm_works() -> bool:
+    import torch.nn.functional as F
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x, w = torch.randn(4, 8, requires_grad=True), torch.randn(2, 8, 8, requires_grad=True)
+        F.grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32)).backward(torch.randn(4, 8))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@pytest.mark.parametrize("mm", ["per_expert_mm", "F.grouped_mm"])
+def test_gptoss_grouped_experts_equal_the_modules_eager_loop(mm):
+    """gptoss_experts_forward (GPT-OSS's layout, biases, interleaved gate/up, clamped SwiGLU around
+    two grouped matmuls) against Hugging Face's eager loop: output and the gradients of the input
+    and of all four parameters, with an expert that gets no row (its gradients exact zeros).
+    float64 with the plain per-expert matmul standing in for the grouped GEMM; float32 with torch's
+    own F.grouped_mm on CPU, where it runs. Dropping a bias, taking gate/up as halves instead of
+    interleaved, or a wrong clamp or alpha fails here."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from lightning_matrixfsdp.runtime.gptoss_seam import gptoss_experts_forward, per_expert_mm
+
+    if mm == "F.grouped_mm" and not _cpu_grouped_mm_works():
+        pytest.skip("this torch's F.grouped_mm does not run forward and backward on CPU")
+    dtype, tol = (torch.float64, 1e-12) if mm == "per_expert_mm" else (torch.float32, 1e-5)
+    module = _experts_module(dtype)
+    x = torch.randn(sum(GROUPED_COUNTS), 8, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    with torch.no_grad():  # both clamps bite somewhere, so a wrong clamp shows
+        ids = torch.repeat_interleave(torch.arange(4), torch.tensor(GROUPED_COUNTS))
+        pre = torch.einsum("sh,shn->sn", x, module.gate_up_proj[ids]) + module.gate_up_proj_bias[ids]
+        assert (pre[:, ::2] > module.limit).any() and (pre[:, 1::2] < -module.limit).any()
+        assert (pre[:, 1::2] > module.limit).any()
+
+    want = _out_and_grads(lambda t: _eager_loop(module, t, GROUPED_COUNTS), module, x)
+    fn = per_expert_mm if mm == "per_expert_mm" else F.grouped_mm
+    got = _out_and_grads(lambda t: gptoss_experts_forward(
+        t, GROUPED_COUNTS, module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias,
+        module.alpha, module.limit, mm=fn), module, x)
+    assert sorted(got) == ["down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias", "out", "x"]
+    for k in want:
+        err = (got[k] - want[k]).abs().max().item() / max(want[k].abs().max().item(), 1e-30)
+        assert err < tol, (k, err)
+    for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        assert got[k][1].abs().max().item() == 0.0 and got[k][0].abs().max().item() > 0, k
+    # a rank that receives no row at all: an empty output, every gradient exact zeros (not None)
+    none = _out_and_grads(lambda t: gptoss_experts_forward(
+        t, [0] * 4, module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias,
+        module.alpha, module.limit, mm=fn), module, x[:0])
+    assert none["out"].shape == (0, 8) and all(not none[k].any() for k in none), none
+
+
+def test_gptoss_seam_runs_the_grouped_forward_where_grouped_mm_serves(monkeypatch):
+    """install_gptoss_forward's local computation takes gptoss_experts_forward (two grouped
+    matmuls, the parameters passed in their order) where grouped_mm_available holds, and the
+    module's eager loop elsewhere (here: the CPU); both equal the loop. The grouped GEMM is
+    stood in for by a counting per-expert matmul, so this runs on any torch."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    from lightning_matrixfsdp.runtime import gptoss_seam
+
+    module = _experts_module(torch.float64, seed=3)
+    x = torch.randn(sum(GROUPED_COUNTS), 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = _out_and_grads(lambda t: _eager_loop(module, t, GROUPED_COUNTS), module, x)
+    local = gptoss_seam.install_gptoss_forward(module, 4, lambda *a: None, None)
+    calls: list[tuple[int, ...]] = []
+
+    def counting(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(w.shape))
+        return gptoss_seam.per_expert_mm(a, w, offs)
+
+    monkeypatch.setattr(F, "grouped_mm", counting, raising=False)
+    eager = _out_and_grads(lambda t: local(t, GROUPED_COUNTS), module, x)
+    assert calls == []  # CPU float64: grouped_mm_available is false, the module's own loop runs
+    monkeypatch.setattr(gptoss_seam, "grouped_mm_available", lambda *a: True)
+    grouped = _out_and_grads(lambda t: local(t, GROUPED_COUNTS), module, x)
+    assert calls == [(4, 8, 16), (4, 8, 8)]
+    for k in want:
+        assert torch.equal(eager[k], want[k]), k
+        assert (grouped[k] - want[k]).abs().max().item() <= 1e-12 * want[k].abs().max().item(), k
+
+
 class PerExpertMuon:
     """DDP's optimizer, plainly: torch.optim.Muon on one nn.Linear weight [out, in] per expert and
     projection (gate = gate_up_proj[e][:, 0::2].T, up = gate_up_proj[e][:, 1::2].T,

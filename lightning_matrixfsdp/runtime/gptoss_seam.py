@@ -10,22 +10,33 @@ recognizes it here (:func:`is_gptoss_experts`) as the seam kind :data:`GPTOSS`, 
 sends each token to its expert's rank (``expert_dispatch.expert_parallel_forward``) and there runs
 the module's own per-expert computation (its eager loop: the same clamp, activation and biases)
 on this rank's experts, each row once with weight 1; the router's weights are applied when the
-results come back, as the module applies them. Nothing here communicates.
+results come back, as the module applies them. On CUDA, for Hugging Face's ``GptOssExperts`` in
+bfloat16 with sizes that are multiples of 8 (``expert_dispatch.grouped_mm_available``), that
+computation is :func:`gptoss_experts_forward` instead: the same arithmetic with one grouped GEMM
+per projection rather than a Python loop over the experts. Nothing here communicates.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from lightning_matrixfsdp.runtime.expert_dispatch import grouped_mm_available
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 
-__all__ = ["GPTOSS", "install_gptoss_forward", "is_gptoss_experts"]
+__all__ = ["GPTOSS", "GroupedMatmul", "gptoss_experts_forward", "gptoss_gate", "install_gptoss_forward",
+           "is_gptoss_experts", "per_expert_mm"]
 
 GPTOSS = "gptoss"
 _ARGS = ("hidden_states", "router_indices", "routing_weights")
+_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+#: ``mm(x [S, K], w [E, K, N], offs=offs [E] int32) -> [S, N]``: row group ``e`` of ``x`` (rows
+#: ``offs[e-1]:offs[e]``) times ``w[e]``. ``torch.nn.functional.grouped_mm`` or :func:`per_expert_mm`.
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_gptoss_experts(module: nn.Module, arg_names: tuple[str, ...]) -> bool:
@@ -34,16 +45,75 @@ def is_gptoss_experts(module: nn.Module, arg_names: tuple[str, ...]) -> bool:
     return arg_names == _ARGS and any(p is not None and p.ndim == 3 for p in module._parameters.values())
 
 
+def per_expert_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The :data:`GroupedMatmul` as a loop of plain matmuls (any device and dtype): what
+    ``F.grouped_mm`` computes, one expert at a time."""
+    ends = offs.tolist()
+    return torch.cat([x[a:b] @ w[e] for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+def gptoss_gate(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU on gate and up interleaved along the last dimension (gate
+    ``[..., ::2]``, up ``[..., 1::2]``): ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)``
+    with ``g = min(gate, limit)``, in the operation order of Hugging Face's module."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gptoss_experts_forward(x: torch.Tensor, counts: Sequence[int], gate_up_proj: torch.Tensor,
+                           gate_up_proj_bias: torch.Tensor, down_proj: torch.Tensor, down_proj_bias: torch.Tensor,
+                           alpha: float, limit: float, *, mm: Optional[GroupedMatmul] = None) -> torch.Tensor:
+    """GPT-OSS's experts on expert-major rows (``counts[e]`` rows for local expert ``e``): for
+    expert ``e``, ``gptoss_gate(x @ gate_up_proj[e] + gate_up_proj_bias[e]) @ down_proj[e] +
+    down_proj_bias[e]``, the module's eager loop with every router weight 1. ``gate_up_proj``
+    ``[E, H, 2I]`` and ``down_proj [E, I, H]`` are already ``x @ W`` (no transpose); ``mm``
+    (default ``F.grouped_mm``) does both projections for all experts at once. Each row's bias
+    is ``onehot(expert) @ bias``: exact (one nonzero term), and its backward is one matmul that
+    sums each expert's rows with float accumulation, as the loop's bias gradient does (a gather's
+    backward, ``bias[ids]`` or ``F.embedding``, may accumulate in bfloat16 on CUDA)."""
+    if len(counts) != gate_up_proj.shape[0] or any(p.shape[0] != len(counts) for p in
+                                                   (gate_up_proj_bias, down_proj, down_proj_bias)):
+        raise MatrixShardError(f"gptoss_experts_forward: {len(counts)} counts for gate_up_proj "
+                               f"{tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)}: one count per "
+                               "local expert")
+    mm = F.grouped_mm if mm is None else mm
+    c = torch.as_tensor(counts, dtype=torch.int64)
+    # int32 offsets (grouped_mm refuses int64); the counts live on the host, one copy over
+    offs = torch.cumsum(c, 0).to(device=x.device, dtype=torch.int32)
+    experts = torch.arange(len(counts), device=x.device)
+    ids = torch.repeat_interleave(experts, c.to(x.device), output_size=int(c.sum()))
+    onehot = (ids[:, None] == experts).to(gate_up_proj_bias.dtype)  # [S, E], 0 and 1 exactly; no sync
+    gate_up = mm(x, gate_up_proj, offs=offs) + onehot @ gate_up_proj_bias
+    return mm(gptoss_gate(gate_up, alpha, limit), down_proj, offs=offs) + onehot @ down_proj_bias
+
+
+def _grouped_ready(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's ``GptOssExperts`` as :func:`gptoss_experts_forward`
+    computes it: that class name (whose math this is), the four parameters, numeric alpha/limit."""
+    names = tuple(n for n, p in module._parameters.items() if p is not None)
+    return (type(module).__name__ == "GptOssExperts" and sorted(names) == sorted(_PARAMS)
+            and all(isinstance(getattr(module, a, None), (int, float)) for a in ("alpha", "limit")))
+
+
 def install_gptoss_forward(module: nn.Module, num_experts: int, dispatch: Callable[..., torch.Tensor],
                            group: Any) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     """Replace ``module``'s forward (an instance attribute) by the expert-parallel one and return the
     local computation (what the uneven-evaluation join runs with no token of this rank's own):
     ``dispatch`` (``expert_parallel_forward``) moves the rows to their experts' ranks and calls
-    back the module's own eager loop on this rank's ``E/EP`` experts (local indices, weight 1)."""
+    back the module's own eager loop on this rank's ``E/EP`` experts (local indices, weight 1), or
+    :func:`gptoss_experts_forward` with ``F.grouped_mm`` where ``grouped_mm_available`` holds."""
     own = type(module).forward
     own = getattr(own, "__wrapped__", own)  # transformers' implementation switch: its eager loop
+    grouped = _grouped_ready(module)
 
     def local(x: torch.Tensor, counts: Any) -> torch.Tensor:
+        if grouped:
+            params = [getattr(module, n) for n in _PARAMS]
+            if grouped_mm_available(x, *params):
+                return gptoss_experts_forward(x, [int(c) for c in counts], *params, float(module.alpha),
+                                              float(module.limit))
         c = torch.as_tensor(counts, dtype=torch.int64, device=x.device)
         ids = torch.repeat_interleave(torch.arange(c.numel(), device=x.device), c)
         return own(module, x, ids[:, None], torch.ones(ids.shape[0], 1, dtype=x.dtype, device=x.device))
