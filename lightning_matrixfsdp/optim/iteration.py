@@ -15,8 +15,7 @@ from torch import Tensor
 
 from .coefficients import Coefficients
 from .fused import divide_, divide_each_
-from . import symmetric
-from .symmetric import symmetric_addmm, symmetric_blocks, symmetric_mm_twice
+from .symmetric import gram_polynomial, symmetric_addmm, symmetric_blocks
 from .transpose import transposed
 
 __all__ = ["check_matrix", "gram_orthogonalize_with", "orthogonalize_batched", "orthogonalize_stack",
@@ -38,18 +37,12 @@ def _iterate(x: Tensor, schedule: Sequence[Coefficients], blocks: int = 1) -> Te
 
     With ``blocks == 1`` the op sequence (``@`` then ``addmm`` twice) is exactly
     torch.optim.Muon's, which is what makes the 2D result bitwise equal to it; with
-    more blocks ``A`` and ``b A + c A^2`` come from :func:`symmetric_addmm`. 3D input
+    more blocks ``A`` and ``b A + c A^2`` come from the symmetric products (:func:`gram_polynomial`). 3D input
     uses the batched ops (one launch per product, or per row block).
     """
     addmm = torch.addmm if x.ndim == 2 else torch.baddbmm
     for a, b, c in schedule:
-        if blocks > 1 and symmetric.ACCUMULATE_IN_PLACE:  # A's copy for b A + c A A comes from the mirror pass
-            gram, acc = symmetric_mm_twice(x, x.mT, blocks)
-            gram_update = symmetric_addmm(gram, gram, blocks, input=acc, beta=b, alpha=c, consume_input=True)
-        else:
-            gram = symmetric_addmm(x, x.mT, blocks)
-            gram_update = symmetric_addmm(gram, gram, blocks, input=gram, beta=b, alpha=c)
-        x = addmm(x, gram_update, x, beta=a)
+        x = addmm(x, gram_polynomial(x, blocks, b, c), x, beta=a)
     return x
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from .transpose import mirror_lower_blocks_
 
 __all__ = ["BATCH_SYMMETRIC_BLOCKS", "BATCH_SYMMETRIC_MIN_ROWS", "CUDA_SYMMETRIC_BLOCKS", "SYMMETRIC_MIN_ROWS",
-           "symmetric_addmm", "symmetric_blocks", "symmetric_mm_twice"]
+           "gram_polynomial", "symmetric_addmm", "symmetric_blocks", "symmetric_mm_twice"]
 
 #: Row blocks for the symmetric products on CUDA (see :func:`symmetric_addmm`): the most
 #: that stayed bitwise equal to torch.optim.Muon on an H200 (docs/benchmarks.md).
@@ -147,3 +147,15 @@ def symmetric_mm_twice(left: Tensor, right: Tensor, blocks: int) -> tuple[Tensor
         (torch.bmm if left.ndim == 3 else torch.mm)(left[..., r0:r1, :], right[..., r0:], out=out[..., r0:r1, r0:])
     copy = torch.empty_like(out, memory_format=torch.contiguous_format)
     return mirror_lower_blocks_(out, edges, copy=copy), copy
+
+
+def gram_polynomial(x: Tensor, blocks: int, beta: float, alpha: float) -> Tensor:
+    """``beta A + alpha A A`` with ``A = x x^T`` (2D or a 3D stack): the Gram part of one Newton-Schulz
+    iteration. With one block, torch.optim.Muon's ops; in blocks, ``A``'s copy that the product
+    accumulates into is written by ``A``'s mirror pass (:func:`symmetric_mm_twice`, with
+    :data:`ACCUMULATE_IN_PLACE`), else ``A`` is copied as ``addmm`` copies its input."""
+    if blocks > 1 and ACCUMULATE_IN_PLACE:
+        gram, acc = symmetric_mm_twice(x, x.mT, blocks)
+        return symmetric_addmm(gram, gram, blocks, input=acc, beta=beta, alpha=alpha, consume_input=True)
+    gram = symmetric_addmm(x, x.mT, blocks)
+    return symmetric_addmm(gram, gram, blocks, input=gram, beta=beta, alpha=alpha)
