@@ -43,7 +43,8 @@ import lightning_matrixfsdp as mf
 from lightning_matrixfsdp import checkpoint as C
 from lightning_matrixfsdp.bench.config import preset
 from lightning_matrixfsdp.bench.launch import init_distributed, resolve_device
-from lightning_matrixfsdp.bench.model import Decoder, is_matrix, make_batch
+from lightning_matrixfsdp.bench.model import is_matrix, make_batch
+from lightning_matrixfsdp.bench.modes import preset_decoder
 from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.checkpoint.async_save import AsyncCheckpointer
 from lightning_matrixfsdp.runtime.tags import global_numel, is_owned
@@ -94,11 +95,7 @@ def main() -> None:
     cfg = preset(args.preset)
     if args.layers:
         cfg.model.n_layers = args.layers
-    dtype = getattr(torch, cfg.run.dtype)
-    torch.manual_seed(cfg.run.seed)
-    with torch.device(device):
-        model = Decoder(cfg.model)
-    model = model.to(dtype)
+    model = preset_decoder(cfg, device)
     mf.matrix_shard(model, matrix_filter=lambda fqn, p: is_matrix(fqn, p, cfg.optim.matrix_scope))
     o = cfg.optim
     opt = mf.Muon(model.parameters(), lr=o.lr, momentum=o.momentum, adamw_lr=o.adamw_lr,

@@ -40,7 +40,8 @@ import lightning_matrixfsdp as mf
 from lightning_matrixfsdp import checkpoint as C
 from lightning_matrixfsdp.bench.config import preset
 from lightning_matrixfsdp.bench.launch import init_distributed, resolve_device
-from lightning_matrixfsdp.bench.model import Decoder, is_matrix, make_batch
+from lightning_matrixfsdp.bench.model import is_matrix, make_batch
+from lightning_matrixfsdp.bench.modes import preset_decoder
 from lightning_matrixfsdp.bench.report import save_json
 from lightning_matrixfsdp.checkpoint.integrity import checksum_threads, file_records, verify_files
 from lightning_matrixfsdp.runtime.tags import global_numel, is_owned
@@ -82,13 +83,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
     cfg = preset(args.preset)
-    dtype = getattr(torch, cfg.run.dtype)
     root = args.dir / f"run-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}"
 
-    torch.manual_seed(cfg.run.seed)
-    with torch.device(device):
-        model = Decoder(cfg.model)
-    model = model.to(dtype)
+    model = preset_decoder(cfg, device)
     scope = cfg.optim.matrix_scope
     mf.matrix_shard(model, matrix_filter=lambda fqn, p: is_matrix(fqn, p, scope))
     o = cfg.optim

@@ -13,8 +13,8 @@ Parts, each in its own child process so each starts with a clean device:
 
 - `train plain`: Lightning's default single-device strategy; the optimizer is
   `torch.optim.Muon` on every 2-D matrix of the blocks and on every expert's gate, up and down
-  as separate 2-D parameters that are views of the stacks (`PlainExpertMuon`), AdamW on the
-  embedding, head and norms.
+  as separate 2-D parameters that are views of the stacks (`bench/moe_modes.PerExpertMuon`, the
+  multi-GPU benchmarks' baseline), AdamW on the embedding, head and norms.
 - `train ours`: `MatrixFSDPStrategy(expert_stacks=...)` with `lightning_matrixfsdp.Muon`: the
   stacks are declared (gate_up as its two halves) and stepped per expert.
 - `experts`: the experts' optimizer step alone on the same stack shapes (fp32 weights and
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-LR, ADAMW_LR, WD = 0.02, 3e-4, 0.1
+from lightning_matrixfsdp.bench.moe_modes import ADAMW_LR, LR, WD, PerExpertMuon
 
 
 def _device() -> torch.device:
@@ -52,62 +52,6 @@ def _device() -> torch.device:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-# ---------------------------------------------------------------- the plain per-expert Muon
-class PlainExpertMuon(torch.optim.Optimizer):
-    """``torch.optim.Muon`` on each 2-D matrix and on each expert's gate, up and down as its own
-    2-D parameter (a view sharing the stack's storage, its gradient the same view of the
-    stack's gradient), ``torch.optim.AdamW`` on the embedding, head and 1-D parameters."""
-
-    def __init__(self, model: torch.nn.Module, stacks: dict[str, tuple[int, ...]]) -> None:
-        from lightning_matrixfsdp.bench.moe_model import is_muon_param
-
-        named = list(model.named_parameters())
-        super().__init__([p for _, p in named], {"lr": LR})
-        self.views: list[tuple[torch.nn.Parameter, torch.Tensor, int, int, int]] = []
-        muon, adamw = [], []
-        for name, p in named:
-            if name in stacks:
-                for e in range(p.shape[0]):
-                    start = 0
-                    for rows in stacks[name]:
-                        v = torch.nn.Parameter(p.data[e, start:start + rows])
-                        self.views.append((v, p, e, start, rows))
-                        muon.append(v)
-                        start += rows
-            elif is_muon_param(name, p):
-                muon.append(p)
-            else:
-                adamw.append(p)
-        self.muon = torch.optim.Muon(muon, lr=LR, weight_decay=WD)
-        self.adamw = torch.optim.AdamW(adamw, lr=ADAMW_LR, weight_decay=WD)
-        self.matrices = len(muon)
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for v, p, e, start, rows in self.views:
-            v.grad = None if p.grad is None else p.grad[e, start:start + rows]
-        self.muon.step()
-        self.adamw.step()
-        for v, *_ in self.views:  # drop the views of this step's gradient: it is freed at zero_grad
-            v.grad = None
-        return loss
-
-
-def _stack_blocks(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """fqn -> row blocks of each expert stack of the MoE decoder (gate_up: two halves)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if name.endswith("experts.gate_up_proj"):
-            out[name] = (p.shape[1] // 2, p.shape[1] // 2)
-        elif name.endswith("experts.down_proj"):
-            out[name] = (p.shape[1],)
-    return out
 
 
 # ---------------------------------------------------------------- part: train
@@ -146,7 +90,7 @@ def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf1
         def configure_optimizers(self):
             if mode == "ours":
                 return mf.Muon(self.parameters(), lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD)
-            return PlainExpertMuon(self.model, _stack_blocks(self.model))
+            return PerExpertMuon(self.model)
 
     class Timer(Callback):
         def __init__(self) -> None:
@@ -188,7 +132,7 @@ def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf1
 
 def _muon_matrices(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> int | None:
     """How many 2-D matrices the optimizer orthogonalizes (a stack counts each expert's blocks)."""
-    if isinstance(optimizer, PlainExpertMuon):
+    if isinstance(optimizer, PerExpertMuon):
         return optimizer.matrices
     try:
         from lightning_matrixfsdp.optim.tail import is_matrix_role

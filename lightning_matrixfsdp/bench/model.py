@@ -94,13 +94,17 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Token embedding -> blocks -> final norm -> untied LM head; returns the mean CE loss."""
+    """Token embedding -> blocks -> final norm -> untied LM head; returns the mean CE loss.
+
+    ``block_type`` builds each block from ``cfg`` (the MoE decoder swaps in its MoE block)."""
+
+    block_type: type[nn.Module] = Block
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(self.block_type(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.hidden, eps=1e-6)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.reset_parameters()

@@ -86,14 +86,20 @@ class TrainStep:
 
 
 # ---------------------------------------------------------------- helpers
+def preset_decoder(cfg: BenchConfig, device: torch.device) -> Decoder:
+    """The configuration's decoder with the same initial weights for every mode and rank (seeded,
+    built on the device, in the run's dtype); the GPU checkpoint scripts build theirs here too."""
+    torch.manual_seed(cfg.run.seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(cfg.run.seed)
+    with torch.device(device):
+        model = Decoder(cfg.model)
+    return model.to(getattr(torch, cfg.run.dtype))
+
+
 def build_model(ctx: ModeContext) -> Decoder:
-    """The same initial weights for every mode and rank (seeded, built on the device)."""
-    torch.manual_seed(ctx.cfg.run.seed)
-    if ctx.device.type == "cuda":
-        torch.cuda.manual_seed(ctx.cfg.run.seed)
-    with torch.device(ctx.device):
-        model = Decoder(ctx.cfg.model)
-    return model.to(ctx.dtype)
+    """The mode's decoder: :func:`preset_decoder` on the mode's device."""
+    return preset_decoder(ctx.cfg, ctx.device)
 
 
 def split_params(model: nn.Module, ctx: ModeContext) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .model import Attention, Block, rotary_tables
+from .model import Attention, Block, Decoder
 
 __all__ = ["MOE_PRESETS", "EXPERT_STACKS", "MoEConfig", "MoEDecoder", "count_moe_parameters", "is_muon_param"]
 
@@ -130,17 +130,11 @@ class MoEBlock(Block):
         self.activation_checkpointing = cfg.activation_checkpointing
 
 
-class MoEDecoder(nn.Module):
-    """Embedding -> MoE blocks -> final norm -> untied head; returns the mean cross-entropy."""
+class MoEDecoder(Decoder):
+    """The benchmark decoder (embedding -> blocks -> final norm -> untied head, the mean
+    cross-entropy) with MoE blocks; ``cfg`` is a :class:`MoEConfig`."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.hidden, eps=1e-6)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self.reset_parameters()
+    block_type = MoEBlock
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -153,12 +147,3 @@ class MoEDecoder(nn.Module):
         for block in self.blocks:
             for w in (block.attn.wo.weight, block.mlp.experts.down_proj):
                 w.mul_(1.0 / math.sqrt(2 * self.cfg.n_layers))
-
-    def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
-        x = self.embed(tokens)
-        cos, sin = rotary_tables(tokens.shape[1], self.cfg.hidden // self.cfg.n_heads, self.cfg.rope_theta, x.device,
-                                 x.dtype)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -1,5 +1,6 @@
 """The MoE decoder under each way of training it on several ranks, for the MoE benchmarks
-(``bench/moe_bytes.py`` on CPU processes, ``scripts/gpu_moe_ep2.py`` on two GPUs).
+(``bench/moe_bytes.py`` on CPU processes, ``scripts/gpu_moe_ep2.py`` on two GPUs; its
+:class:`PerExpertMuon` is also the plain baseline of ``scripts/gpu_moe_bench.py`` on one).
 
 - ``ours``: ``matrix_shard`` with the decoder's expert stacks declared; ``expert_parallel_size=EP``
   (1: the stacks are owner-sharded roles like every matrix) and the package's ``Muon``.
@@ -103,13 +104,17 @@ class PerExpertMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:  # Lightning's automatic optimization: forward and backward first
+            with torch.enable_grad():
+                loss = closure()
         for v, p, e, start, rows in self.views:
             v.grad = None if p.grad is None else _local(p.grad)[e, start:start + rows]
         self.muon.step()
         self.adamw.step()
         for v, *_ in self.views:  # the views of this step's gradient: freed at zero_grad
             v.grad = None
-        return None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
