@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_matrixfsdp.bench.moe_model import MOE_PRESETS  # noqa: E402
-from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms  # noqa: E402
+from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms, ns_matmuls  # noqa: E402
 from lightning_matrixfsdp.optim import iteration, muon, symmetric  # noqa: E402
 from lightning_matrixfsdp.runtime.experts import ExpertStack  # noqa: E402
 from lightning_matrixfsdp.runtime.tags import tag_stack  # noqa: E402
@@ -121,16 +121,6 @@ class Problem:
         differ = sum(int((a != b).sum()) for a, b in zip(ours, self.ref))
         worst = max(float((a - b).abs().max()) for a, b in zip(ours, self.ref))
         return {"differ": differ, "max_abs_diff": worst, "entries": sum(a.numel() for a in ours)}
-
-
-def _ns_matmuls(mats: list[torch.Tensor], steps: int = 5) -> None:
-    """torch.optim.Muon's Newton-Schulz products on each (wide, bf16) matrix, nothing else."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    for x in mats:
-        for _ in range(steps):
-            g = x @ x.mT
-            y = torch.addmm(g, g, g, beta=b, alpha=c)
-            x = torch.addmm(x, y, x, beta=a)
 
 
 def _ns_batched(stacks: list[torch.Tensor], steps: int = 5) -> None:
@@ -322,7 +312,7 @@ def main() -> None:
     res["floor_ms"] = flops / (res["matmul_tflops"] * 1e12) * 1e3
     x = [torch.randn(m, n, device=dev, dtype=torch.bfloat16) for m, n in mats]
     x = [t / t.norm() for t in x]
-    res["ns_matmuls_ms"] = median_ms(lambda: _ns_matmuls(x), dev, args.reps)
+    res["ns_matmuls_ms"] = median_ms(lambda: ns_matmuls(x), dev, args.reps)
     per = max(1, muon.BATCH_MAX_ELEMENTS // (mats[0][0] * mats[0][1]))
     xb = [torch.stack(x[k:k + per]) for k in range(0, len(x), per)]
     del x

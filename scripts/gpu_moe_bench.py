@@ -147,20 +147,10 @@ def _muon_matrices(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> 
 
 
 # ---------------------------------------------------------------- part: the experts' step alone
-def _ns_matmuls(mats: list[torch.Tensor], steps: int = 5) -> None:
-    """torch.optim.Muon's Newton-Schulz matmuls (default coefficients) on each matrix, nothing else."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    for x in mats:
-        for _ in range(steps):
-            g = x @ x.mT
-            y = torch.addmm(g, g, g, beta=b, alpha=c)
-            x = torch.addmm(x, y, x, beta=a)
-
-
 def experts(preset: str, reps: int) -> dict:
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.bench.moe_model import MOE_PRESETS
-    from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms
+    from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms, ns_matmuls
     from lightning_matrixfsdp.runtime.experts import ExpertStack
     from lightning_matrixfsdp.runtime.tags import tag_stack
 
@@ -200,7 +190,7 @@ def experts(preset: str, reps: int) -> dict:
     shapes = [(i, h)] * (2 * e * cfg.n_layers) + [(h, i)] * (e * cfg.n_layers)
     mats = [torch.randn(min(s), max(s), device=dev, dtype=torch.bfloat16) for s in shapes]
     mats = [x / x.norm() for x in mats]  # the iteration's input scale (the values do not change the time)
-    ns_ms = median_ms(lambda: _ns_matmuls(mats), dev, reps)
+    ns_ms = median_ms(lambda: ns_matmuls(mats), dev, reps)
     flops = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
     rate = matmul_tflops(dev, 8192 if dev.type == "cuda" else 256)
     floor_ms = flops / (rate * 1e12) * 1e3

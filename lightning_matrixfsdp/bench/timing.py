@@ -53,6 +53,17 @@ def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
     return 2 * n**3 / (median_ms(lambda: a @ b, device, reps) * 1e-3) / 1e12
 
 
+def ns_matmuls(mats: list[torch.Tensor], steps: int = 5) -> None:
+    """torch.optim.Muon's Newton-Schulz products (default coefficients) on each (wide, bf16) matrix and
+    nothing else: the baseline the experts' step is timed beside."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    for x in mats:
+        for _ in range(steps):
+            g = x @ x.mT
+            y = torch.addmm(g, g, g, beta=b, alpha=c)
+            x = torch.addmm(x, y, x, beta=a)
+
+
 def rss_bytes() -> int | None:
     """Current resident set size of this process, or None where /proc is missing."""
     try:
