@@ -110,7 +110,31 @@ RUNTIME_SCRIPT = """
     import lightning_matrixfsdp as mf
     from helpers.models import TinyLM, batch_for
 
-    rank = int(os.environ["RANK"])
+    # One interpreter start-up for both signals: after the imports, before anything distributed,
+    # this launcher forks the two ranks of each case's own world (argv: one port per case) and
+    # reports how each ended. Each rank writes to its own log file.
+    children = {}
+    me = None
+    for case, port in enumerate(sys.argv[1:]):
+        for r in (0, 1):
+            pid = os.fork()
+            if pid == 0:
+                me = (case, r, port)
+                break
+            children[pid] = (case, r)
+        if me is not None:
+            break
+    if me is None:  # the launcher
+        while children:
+            pid, status = os.wait()
+            case, r = children.pop(pid)
+            print(f"case {case} rank {r} exit {os.waitstatus_to_exitcode(status)}", flush=True)
+        sys.exit(0)
+    case, rank, port = me
+    log = os.open(f"case{case}_rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(MASTER_PORT=port, RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     # as Lightning does: a Python SIGTERM handler that only takes note
     signal.signal(signal.SIGTERM, lambda signum, frame: print("noted SIGTERM", flush=True))
@@ -171,19 +195,92 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("launch", ["runtime", "lightning"])
-def test_rank_waiting_for_a_stuck_peer_ends_on_signal(tmp_path, launch, sig):
+SIGNALS = ("SIGINT", "SIGTERM")
+
+
+@pytest.fixture(scope="module")
+def runtime_signals(tmp_path_factory) -> dict:
+    """``_runtime_launch`` once for this file's runtime signal tests."""
+    return _runtime_launch(str(tmp_path_factory.mktemp("signals")))
+
+
+def _runtime_launch(tmp: str) -> dict:
+    """Both signals in one run of RUNTIME_SCRIPT (one world of 2 per signal): per signal, rank 0's
+    exit status, the seconds from the signal to its exit, and its output."""
+    script = os.path.join(tmp, "run.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent(RUNTIME_SCRIPT))
+    env = clean_env(PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]),
+                    MASTER_ADDR="127.0.0.1", WORLD_SIZE="2")
+    launcher = subprocess.Popen([sys.executable, script] + [str(_free_port()) for _ in SIGNALS], env=env, cwd=tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True).start()
+
+    def log(case: int, rank: int) -> str:
+        try:
+            with open(os.path.join(tmp, f"case{case}_rank{rank}.log")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    pids: dict = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 * len(SIGNALS):
+            for case in range(len(SIGNALS)):
+                for rank in (0, 1):
+                    found = re.search(rf"rank {rank} pid (\d+) waits", log(case, rank))
+                    if found:
+                        pids[case, rank] = int(found.group(1))
+            assert time.monotonic() < deadline and launcher.poll() is None, (
+                "".join(lines)[-2000:], [log(c, r)[-2000:] for c in range(len(SIGNALS)) for r in (0, 1)])
+            time.sleep(0.1)
+        time.sleep(2)  # each rank 0 is now waiting for its rank 1 in the runtime's first collective
+        start = time.monotonic()
+        for case, sig in enumerate(SIGNALS):
+            os.kill(pids[case, 0], getattr(signal, sig))
+        out, ended = {}, {}
+        while len(ended) < len(SIGNALS) and time.monotonic() < start + 20:
+            for case in range(len(SIGNALS)):
+                if case not in ended and f"case {case} rank 0 exit" in "".join(lines):
+                    ended[case] = time.monotonic() - start
+            time.sleep(0.02)
+        time.sleep(0.5)
+        text = "".join(lines)
+        for case, sig in enumerate(SIGNALS):
+            rc = re.search(rf"case {case} rank 0 exit (-?\d+)", text)
+            out[sig] = (int(rc.group(1)) if rc else None, ended.get(case, float("inf")), log(case, 0))
+        return out
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            launcher.wait(timeout=20)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_runtime_rank_waiting_for_a_stuck_peer_ends_on_signal(runtime_signals, sig):
+    """Ranks started by hand (forks of one launcher, after its imports); rank 0 waits for a stuck
+    rank 1 in the runtime's first collective and gets the signal."""
+    rc, took, out = runtime_signals[sig]
+    assert rc is not None and rc != 0 and took < 10, (rc, took, out[-3000:])
+    assert "CollectiveInterrupted" in out or "Detected KeyboardInterrupt" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_lightning_rank_waiting_for_a_stuck_peer_ends_on_signal(tmp_path, sig):
+    """Lightning's launcher starts rank 1 from rank 0; rank 0 gets the signal, and Lightning's
+    shutdown also ends the stuck rank it started."""
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(RUNTIME_SCRIPT if launch == "runtime" else LIGHTNING_SCRIPT))
+    script.write_text(textwrap.dedent(LIGHTNING_SCRIPT))
     env = clean_env(PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    if launch == "runtime":  # both ranks started here
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-        procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)), cwd=tmp_path,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    else:  # Lightning's launcher starts rank 1 from rank 0
-        procs = [subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    procs = [subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     lines: list[str] = []
     for p in procs:
         threading.Thread(target=lambda p=p: lines.extend(p.stdout), daemon=True).start()
@@ -203,11 +300,10 @@ def test_rank_waiting_for_a_stuck_peer_ends_on_signal(tmp_path, launch, sig):
         out = "".join(lines)
         assert rc != 0 and took < 10, (rc, took, out[-3000:])
         assert "CollectiveInterrupted" in out or "Detected KeyboardInterrupt" in out, out[-3000:]
-        if launch == "lightning":  # Lightning's shutdown also ends the stuck rank it started
-            end = time.monotonic() + 10
-            while _alive(pids[1]) and time.monotonic() < end:
-                time.sleep(0.1)
-            assert not _alive(pids[1]), out[-3000:]
+        end = time.monotonic() + 10  # Lightning's shutdown also ends the stuck rank it started
+        while _alive(pids[1]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _alive(pids[1]), out[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
