@@ -110,7 +110,31 @@ RUNTIME_SCRIPT = """
     import lightning_matrixfsdp as mf
     from helpers.models import TinyLM, batch_for
 
-    rank = int(os.environ["RANK"])
+    # One interpreter start-up for both signals: after the imports, before anything distributed,
+    # this launcher forks the two ranks of each case's own world (argv: one port per case) and
+    # reports how each ended. Each rank writes to its own log file.
+    children = {}
+    me = None
+    for case, port in enumerate(sys.argv[1:]):
+        for r in (0, 1):
+            pid = os.fork()
+            if pid == 0:
+                me = (case, r, port)
+                break
+            children[pid] = (case, r)
+        if me is not None:
+            break
+    if me is None:  # the launcher
+        while children:
+            pid, status = os.wait()
+            case, r = children.pop(pid)
+            print(f"case {case} rank {r} exit {os.waitstatus_to_exitcode(status)}", flush=True)
+        sys.exit(0)
+    case, rank, port = me
+    log = os.open(f"case{case}_rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(MASTER_PORT=port, RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     # as Lightning does: a Python SIGTERM handler that only takes note
     signal.signal(signal.SIGTERM, lambda signum, frame: print("noted SIGTERM", flush=True))
@@ -147,9 +171,32 @@ LIGHTNING_SCRIPT = """
             return torch.utils.data.DataLoader(torch.stack([batch_for(i, 0)[0] for i in range(8)]), batch_size=2)
 
 
-    if __name__ == "__main__":
+    def fit():
         Trainer(accelerator="cpu", devices=2, strategy="matrix_fsdp", max_steps=2, logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(Lit())
+
+
+    if __name__ == "__main__":
+        if "LOCAL_RANK" in os.environ:  # rank 1, started by Lightning's launcher in its rank 0
+            fit()
+            sys.exit(0)
+        # One interpreter start-up for both signals' rank 0: after the imports, this launcher forks
+        # one rank 0 per case (argv: one port per case; each case's ranks write to its own log file)
+        # and reports how each ended.
+        children = {}
+        for case, port in enumerate(sys.argv[1:]):
+            pid = os.fork()
+            if pid == 0:
+                log = os.open(f"case{case}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ["MASTER_PORT"] = port
+                fit()
+                sys.exit(0)
+            children[pid] = case
+        while children:
+            pid, status = os.wait()
+            print(f"case {children.pop(pid)} rank 0 exit {os.waitstatus_to_exitcode(status)}", flush=True)
 """
 
 
@@ -171,47 +218,103 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("launch", ["runtime", "lightning"])
-def test_rank_waiting_for_a_stuck_peer_ends_on_signal(tmp_path, launch, sig):
-    script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(RUNTIME_SCRIPT if launch == "runtime" else LIGHTNING_SCRIPT))
+SIGNALS = ("SIGINT", "SIGTERM")
+
+
+@pytest.fixture(scope="module")
+def runtime_signals(tmp_path_factory) -> dict:
+    """``_signals_launch`` of RUNTIME_SCRIPT once for this file's runtime signal tests."""
+    return _signals_launch(str(tmp_path_factory.mktemp("signals")), "runtime")
+
+
+@pytest.fixture(scope="module")
+def lightning_signals(tmp_path_factory) -> dict:
+    """``_signals_launch`` of LIGHTNING_SCRIPT once for this file's Lightning signal tests."""
+    return _signals_launch(str(tmp_path_factory.mktemp("signals")), "lightning")
+
+
+def _signals_launch(tmp: str, launch: str) -> dict:
+    """Both signals in one run of RUNTIME_SCRIPT or LIGHTNING_SCRIPT (one world of 2 per signal):
+    per signal, rank 0's exit status, the seconds from the signal to its exit, its output (under
+    Lightning: both ranks'), and whether the stuck rank 1 was still alive up to 10 s after that."""
+    script = os.path.join(tmp, "run.py")
+    with open(script, "w") as f:
+        f.write(textwrap.dedent(RUNTIME_SCRIPT if launch == "runtime" else LIGHTNING_SCRIPT))
     env = clean_env(PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-    if launch == "runtime":  # both ranks started here
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
-        procs = [subprocess.Popen([sys.executable, str(script)], env=dict(env, RANK=str(r)), cwd=tmp_path,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    else:  # Lightning's launcher starts rank 1 from rank 0
-        procs = [subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    if launch == "runtime":  # both ranks forked by the launcher; under Lightning, rank 1 started by rank 0
+        env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2")
+    launcher = subprocess.Popen([sys.executable, script] + [str(_free_port()) for _ in SIGNALS], env=env, cwd=tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    for p in procs:
-        threading.Thread(target=lambda p=p: lines.extend(p.stdout), daemon=True).start()
+    threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True).start()
+
+    def log(case: int, rank: int) -> str:
+        name = f"case{case}_rank{rank}.log" if launch == "runtime" else f"case{case}.log"  # both ranks' under Lightning
+        try:
+            with open(os.path.join(tmp, name)) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    pids: dict = {}
     try:
         deadline = time.monotonic() + 120
-        # both ranks print to one pipe under Lightning's launcher: lines may interleave
-        while len(waiting := re.findall(r"rank (\d) pid (\d+) waits", "".join(lines))) < 2:
-            assert time.monotonic() < deadline and procs[0].poll() is None, "".join(lines)[-3000:]
+        while len(pids) < 2 * len(SIGNALS):
+            for case in range(len(SIGNALS)):
+                for rank in (0, 1):
+                    found = re.search(rf"rank {rank} pid (\d+) waits", log(case, rank))
+                    if found:
+                        pids[case, rank] = int(found.group(1))
+            assert time.monotonic() < deadline and launcher.poll() is None, (
+                "".join(lines)[-2000:], [log(c, r)[-2000:] for c in range(len(SIGNALS)) for r in (0, 1)])
             time.sleep(0.1)
-        pids = {int(r): int(pid) for r, pid in waiting}
-        time.sleep(2)  # rank 0 is now waiting for rank 1 in the runtime's first collective
+        time.sleep(2)  # each rank 0 is now waiting for its rank 1 in the runtime's first collective
         start = time.monotonic()
-        procs[0].send_signal(getattr(signal, sig))
-        rc = procs[0].wait(timeout=20)
-        took = time.monotonic() - start
+        for case, sig in enumerate(SIGNALS):
+            os.kill(pids[case, 0], getattr(signal, sig))
+        out, ended = {}, {}
+        while len(ended) < len(SIGNALS) and time.monotonic() < start + 20:
+            for case in range(len(SIGNALS)):
+                if case not in ended and f"case {case} rank 0 exit" in "".join(lines):
+                    ended[case] = time.monotonic() - start
+            time.sleep(0.02)
         time.sleep(0.5)
-        out = "".join(lines)
-        assert rc != 0 and took < 10, (rc, took, out[-3000:])
-        assert "CollectiveInterrupted" in out or "Detected KeyboardInterrupt" in out, out[-3000:]
-        if launch == "lightning":  # Lightning's shutdown also ends the stuck rank it started
-            end = time.monotonic() + 10
-            while _alive(pids[1]) and time.monotonic() < end:
-                time.sleep(0.1)
-            assert not _alive(pids[1]), out[-3000:]
+        text = "".join(lines)
+        end = time.monotonic() + 10  # Lightning's shutdown also ends the stuck rank it started
+        while (launch == "lightning" and any(_alive(pids[case, 1]) for case in range(len(SIGNALS)))
+               and time.monotonic() < end):
+            time.sleep(0.1)
+        for case, sig in enumerate(SIGNALS):
+            rc = re.search(rf"case {case} rank 0 exit (-?\d+)", text)
+            out[sig] = (int(rc.group(1)) if rc else None, ended.get(case, float("inf")), log(case, 0),
+                        _alive(pids[case, 1]))
+        return out
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for pid in (locals().get("pids") or {}).values():
+        for pid in pids.values():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        try:
+            launcher.wait(timeout=20)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_runtime_rank_waiting_for_a_stuck_peer_ends_on_signal(runtime_signals, sig):
+    """Ranks started by hand (forks of one launcher, after its imports); rank 0 waits for a stuck
+    rank 1 in the runtime's first collective and gets the signal."""
+    rc, took, out, _ = runtime_signals[sig]
+    assert rc is not None and rc != 0 and took < 10, (rc, took, out[-3000:])
+    assert "CollectiveInterrupted" in out or "Detected KeyboardInterrupt" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_lightning_rank_waiting_for_a_stuck_peer_ends_on_signal(lightning_signals, sig):
+    """Lightning's launcher starts rank 1 from rank 0 (each rank 0 a fork of one launcher, after its
+    imports; rank 1 a fresh interpreter); rank 0 gets the signal, and Lightning's shutdown also
+    ends the stuck rank it started."""
+    rc, took, out, stuck_alive = lightning_signals[sig]
+    assert rc is not None and rc != 0 and took < 10, (rc, took, out[-3000:])
+    assert "CollectiveInterrupted" in out or "Detected KeyboardInterrupt" in out, out[-3000:]
+    assert not stuck_alive, out[-3000:]

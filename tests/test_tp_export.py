@@ -17,11 +17,19 @@ float32), every scenario in one 4-process launch (``tp_export_scenarios.worker``
 """
 from __future__ import annotations
 
-from helpers.dist import OneLaunch
+import pytest
+
+from helpers.dist import PoolLaunch
 from helpers.tp_export_scenarios import worker
 
 
-_LAUNCH = OneLaunch(worker, 4, timeout=600)  # every test reads its part of the one launch
+# every test reads its part of the one launch, a task of the session's 4-process pool
+_LAUNCH = PoolLaunch(worker, 4, timeout=600)
+
+
+@pytest.fixture(autouse=True)
+def _pool(dist_pools):
+    _LAUNCH.use(dist_pools)
 
 
 def _results():

@@ -23,13 +23,19 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.dist import OneLaunch
+from helpers.dist import PoolLaunch
 from helpers.tp_lightning_scenarios import worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
-_LAUNCH = OneLaunch(worker, 4, timeout=600)  # every test reads its part of the one launch
+# every test reads its part of the one launch, a task of the session's 4-process pool
+_LAUNCH = PoolLaunch(worker, 4, timeout=600)
+
+
+@pytest.fixture(autouse=True)
+def _pool(dist_pools):
+    _LAUNCH.use(dist_pools)
 
 
 def _results():

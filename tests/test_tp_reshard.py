@@ -13,30 +13,24 @@
 """
 from __future__ import annotations
 
-import functools
 import logging
 import shutil
 import tempfile
 
 import pytest
 
-from helpers.dist import run_distributed
 from helpers.tp_reshard_scenarios import KINDS, load_at_one_process, worker
 
 
-@functools.lru_cache(maxsize=1)
-def _launch():
-    """The one launch (its directory kept for the one-process load); a failure is kept too."""
+@pytest.fixture(scope="module")
+def launch(dist_pools):
+    """The one launch, a task of the session's 4-process pool (its directory kept for the
+    one-process load); a failure is kept too."""
     root = tempfile.mkdtemp(prefix="tp-reshard-")
     try:
-        return root, run_distributed(worker, 4, root, timeout=600), None
+        res, err = dist_pools(4).run(worker, root, timeout=600), None
     except AssertionError as e:
-        return root, None, e
-
-
-@pytest.fixture(scope="module")
-def launch():
-    root, res, err = _launch()
+        res, err = None, e
     yield root, res, err
     shutil.rmtree(root, ignore_errors=True)
 
