@@ -7,8 +7,8 @@ asynchronous save's host buffer allocated ahead.
   (``fit(ckpt_path=...)``) and by ``LightningModule.load_from_checkpoint`` on rank 0 alone, and
   one is still pending when the script ends. Beside it the same steps with synchronous saves;
   checkpoints are compared through torch's own converter (``dcp_to_torch_save``). It is started
-  first and runs beside the launch below (its slowed-down writes leave the CPU to it).
-* One 2-process launch (gloo) for the rest: a log directory that cannot be created (a path under
+  first and runs beside the task below (its slowed-down writes leave the CPU to it).
+* One task on the session's warm 2-process pool (gloo) for the rest: a log directory that cannot be created (a path under
   a regular file, which fails for root too), a synchronous save there, ``PretrainedWeights``
   resuming with its file deleted (against the uninterrupted run), the reserved host buffer.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.dist import OneLaunch
+from helpers.dist import PoolTask
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -106,7 +106,7 @@ def _equal(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def race(tmp_path_factory):
     """The race script, started in the background as soon as the module needs it: most of its time is
-    the slowed-down writes (sleeps), which the 2-process launch below fills; its test waits for it last."""
+    the slowed-down writes (sleeps), which the 2-process task below fills; its test waits for it last."""
     from conftest import clean_env
 
     tmp_path = tmp_path_factory.mktemp("race")
@@ -124,7 +124,7 @@ def race(tmp_path_factory):
         proc.wait()
 
 
-# ---------------------------------------------------------------------- one 2-process launch
+# ---------------------------------------------------------------------- one 2-process task
 def _lit():
     from helpers.lit import LitTiny
     from helpers.models import batch_for
@@ -250,15 +250,15 @@ def _worker(rank: int, world: int, root: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory, race):  # the race script starts first and runs beside this launch
+def launch(tmp_path_factory, race, dist_pools):  # the race script starts first and runs beside this task
     pytest.importorskip("safetensors")
     root = tmp_path_factory.mktemp("trust")
-    return root, OneLaunch(_worker, 2, str(root), timeout=400)
+    return root, PoolTask(_worker, str(root), timeout=400), dist_pools(2)
 
 
 def _results(launch) -> list[dict]:
-    root, one = launch
-    return [pickle.loads(r) for r in one.results()]
+    root, one, pool = launch
+    return [pickle.loads(r) for r in one.results(pool)]
 
 
 def test_an_unwritable_folder_fails_on_every_rank_with_the_same_error_naming_the_path(launch):
