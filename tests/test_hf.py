@@ -92,7 +92,8 @@ def shard_worker(rank: int, world: int, cfg: dict) -> dict:
     """matrix_shard(model, wrap_policy=<library layer>) next to the oracle, step by step."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.runtime.tags import is_owned
-    from helpers.equiv import EXACT, close, compare, count_collectives, full_params, make_sharded_optimizer, maxdiff
+    from helpers.equiv import (EXACT, close, compare, full_params, make_sharded_optimizer, maxdiff,
+                               step_oracle_and_sharded)
     from helpers.models import batch_for, lm_loss
     from helpers.oracle import allreduce_mean_grads, oracle_optimizers
 
@@ -127,15 +128,7 @@ def shard_worker(rank: int, world: int, cfg: dict) -> dict:
             og = o_params[n].grad
             assert p.grad is not None and og is not None, f"{n}: missing gradient"
             assert close(p.grad, og, EXACT), f"step {step}: grad {n} differs by {maxdiff(p.grad, og):.3e}"
-        for o in o_opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        with count_collectives() as counter:
-            for o in s_opts:
-                o.step()
-        assert counter.calls == 0, f"optimizer step issued {counter.calls} collectives: {counter.names}"
-        for o in s_opts:
-            o.zero_grad(set_to_none=True)
+        step_oracle_and_sharded(o_opts, s_opts)
         compare(full_params(sharded), dict(oracle.named_parameters()), EXACT, "param", step)
     idx = batch_for(999, rank)
     with torch.no_grad():

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.equiv import count_collectives
+from helpers.equiv import step_oracle_and_sharded
 from helpers.models import TinyLM, batch_for, lm_loss
 from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
 
@@ -201,15 +201,7 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 assert p.grad is None, f"{n}: a gradient on a rank that does not step it"
                 continue
             assert p.grad is not None and torch.equal(p.grad, og), f"step {step}: grad {n} differs"
-        for o in o_opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        with count_collectives() as counter:
-            for o in s_opts:
-                o.step()
-        assert counter.calls == 0, f"optimizer step issued {counter.names}"
-        for o in s_opts:
-            o.zero_grad(set_to_none=True)
+        step_oracle_and_sharded(o_opts, s_opts)
         if cfg.get("sync") == "explicit":
             for o in s_opts:
                 start_replica_sync(sharded, o)
