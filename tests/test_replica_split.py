@@ -10,6 +10,7 @@ runtime), which is still a data-parallel mean, only with its terms grouped per n
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -447,21 +448,22 @@ def test_checkpoints_across_split_and_layouts(tmp_path, dist_pools):
 
 
 # ---------------------------------------------------------------------- bench: the scaling rows
-def test_scaling_split_rows_match_the_model(tmp_path):
+def test_scaling_split_rows_match_the_model(tmp_path, monkeypatch):
     """The HSDP rows of ``bench.scaling`` (R=2, W=1): counted bytes equal the analytic model, the
-    split mode holds half the optimizer state, and its losses are the unsplit mode's (W = 1: exact)."""
+    split mode holds half the optimizer state, and its losses are the unsplit mode's (W = 1: exact).
+    The entry point runs in this process (no interpreter start of its own); it spawns its 2 ranks."""
     import json
-    import subprocess
-    import sys
 
     from conftest import clean_env
 
-    repo = __import__("pathlib").Path(__file__).resolve().parent.parent
-    env = clean_env(PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, "-m", "lightning_matrixfsdp.bench.scaling", "--world", "--split", "2,1",
-                           "--layers", "2", "--out", str(tmp_path)], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    from lightning_matrixfsdp.bench import scaling
+
+    kept = clean_env()
+    for name in [k for k in os.environ if k not in kept]:  # no rendezvous left behind by earlier tests
+        monkeypatch.delenv(name)
+    before = os.environ.get("MATRIX_FSDP_CHECK_SEQUENCE")
+    assert scaling.main(["--world", "--split", "2,1", "--layers", "2", "--out", str(tmp_path)]) == 0
+    assert os.environ.get("MATRIX_FSDP_CHECK_SEQUENCE") == before  # the bench's own setting stays its own
     study = json.loads((tmp_path / "scaling.json").read_text())
     rows = {r["mode"]: r for r in study["split_rows"]}
     assert set(rows) == {"matrix_hsdp", "matrix_hsdp_split"}
