@@ -4,8 +4,8 @@ The oracle is one process per rank that holds the whole model and is fed every r
 (DDP's loss: the mean of the ranks' losses), stepped by ``torch.optim.Muon`` on separate 2-D
 parameters (every dense matrix, and each expert's ``gate``, ``up`` and ``down`` matrices as
 parameters of their own) and ``torch.optim.AdamW`` on the rest. Written here, independent of
-the runtime. One task per world size runs every scenario: 2 processes on the session's warm
-``hf_pool``, 4 processes in a launch of their own (``OneLaunch``).
+the runtime. One task per world size runs every scenario, on the session's warm Hugging Face pools
+(``hf_pool``, ``hf_pool4``: tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers.dist import OneLaunch, PoolTask
+from helpers.dist import PoolTask
 from helpers.equiv import count_collectives
 from helpers.models import GroupedExperts
 
@@ -400,7 +400,7 @@ def _world4(rank: int, world: int) -> dict:
 
 
 WORLD2 = PoolTask(_world2, timeout=600)  # on hf_pool (tests/conftest.py): warm, transformers imported
-WORLD4 = OneLaunch(_world4, 4, timeout=600)
+WORLD4 = PoolTask(_world4, timeout=600)  # on hf_pool4 (tests/conftest.py), shared with test_moe_hf
 
 
 def _check_training(result: dict) -> None:
@@ -435,10 +435,10 @@ def test_refusals_on_every_rank_within_seconds(hf_pool):
             assert seconds < 10, (name, seconds)
 
 
-def test_expert_gradient_is_divided_by_the_data_parallel_size():
+def test_expert_gradient_is_divided_by_the_data_parallel_size(hf_pool4):
     # world 4, EP=2: the data-parallel size (4) differs from EP (2), so dividing by EP would fail here;
     # every rank's expert gradients after the first backward (and the clip) against the oracle's
-    for r in WORLD4.results():
+    for r in WORLD4.results(hf_pool4):
         assert r["ep2"]["expert_grad"] < TOL, r["ep2"]
 
 
@@ -452,6 +452,6 @@ def test_checkpoints_resume_at_ep2_async_and_load_without_expert_parallelism(hf_
 
 
 @pytest.mark.parametrize("scenario", ["ep2", "ep4", "ep2_hsdp"])
-def test_world4_equals_one_process_oracle(scenario):
-    for r in WORLD4.results():
+def test_world4_equals_one_process_oracle(scenario, hf_pool4):
+    for r in WORLD4.results(hf_pool4):
         _check_training(r[scenario]) if scenario != "ep4" else _check_training({**r[scenario], "norm": 0.0})

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.dist import OneLaunch, PoolTask
+from helpers.dist import PoolTask
 
 pytest.importorskip("transformers")
 
@@ -139,20 +139,24 @@ def worker(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-# 2 processes: a task on the Hugging Face files' warm pool (tests/conftest.py's hf_pool: transformers is
-# imported there already); 4 processes: a launch of its own (the session's 4-process pool stays without it)
-TASK2 = PoolTask(worker, tempfile.mkdtemp(prefix="moe_hf_2_"), timeout=900)
-LAUNCH4 = OneLaunch(worker, 4, tempfile.mkdtemp(prefix="moe_hf_4_"), timeout=900)
+# one task per world size on the Hugging Face pools of tests/conftest.py (transformers imported once per
+# worker): hf_pool (2 processes, shared with test_hf and others), hf_pool4 (shared with test_moe_ep)
+TASKS = {w: PoolTask(worker, tempfile.mkdtemp(prefix=f"moe_hf_{w}_"), timeout=900) for w in (2, 4)}
 
 
-def _results(world: int, hf_pool) -> list[dict[str, Any]]:
-    return TASK2.results(hf_pool) if world == 2 else LAUNCH4.results()
+@pytest.fixture(scope="module")
+def pools(hf_pool, hf_pool4):
+    return {2: hf_pool, 4: hf_pool4}
+
+
+def _results(world: int, pools) -> list[dict[str, Any]]:
+    return TASKS[world].results(pools[world])
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int, hf_pool) -> None:
-    res = _results(world, hf_pool)[0][name]
+def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int, pools) -> None:
+    res = _results(world, pools)[0][name]
     inter = 12
     gate_up = {k: v for k, v in res["stacks"].items() if k.endswith("gate_up_proj")}
     down = {k: v for k, v in res["stacks"].items() if k.endswith("down_proj")}
@@ -167,7 +171,7 @@ def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int, hf_pool) 
 
 
 def test_stacks_resume_from_checkpoints_without_expert_parallelism(hf_pool) -> None:
-    res = _results(2, hf_pool)
+    res = TASKS[2].results(hf_pool)
     for kind in ("muon", "soap"):
         assert all(kind in r["checkpoint"] for r in res)
     shapes = {k: v for r in res for k, v in r["checkpoint"]["soap"]["state_shapes"].items()}
