@@ -45,3 +45,15 @@ def hf_pool():
     workers = DistPool(2)
     yield workers
     workers.close()
+
+
+@pytest.fixture(scope="session")
+def hf_pool4():
+    """Four gloo workers shared by the 4-process Hugging Face MoE scenarios (test_moe_ep,
+    test_moe_hf): one start and one transformers import per worker for both files, and it stays
+    out of the shared ``dist_pools``."""
+    from helpers.dist import DistPool
+
+    workers = DistPool(4)
+    yield workers
+    workers.close()

@@ -1,8 +1,8 @@
 """Asynchronous saves (``async_save=True``): the same checkpoints as synchronous saves, completed in order,
 failures reported on every rank, crash-safe.
 
-One 2-process launch (gloo) holds the cross-rank promises; the background writes are slowed down
-(``_slow_writes``) so that training, top-k deletions and links really run while a save is pending.
+One task on the session's warm 2-process pool (gloo) holds the cross-rank promises; the background
+writes are slowed down (``_slow_writes``) so that training, top-k deletions and links really run while a save is pending.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from helpers.dist import run_distributed
 from helpers.lit import LitTiny, gather_full
 from helpers.models import TinyLM, batch_for, lm_loss
 
@@ -247,8 +246,8 @@ def _worker(rank, world, root):
     return pickle.dumps(out)
 
 
-def test_async_saves_equal_sync_complete_in_order_and_report_failures_on_every_rank(tmp_path):
-    results = [pickle.loads(r) for r in run_distributed(_worker, 2, str(tmp_path), timeout=240)]
+def test_async_saves_equal_sync_complete_in_order_and_report_failures_on_every_rank(tmp_path, dist_pools):
+    results = [pickle.loads(r) for r in dist_pools(2).run(_worker, str(tmp_path), timeout=240)]
     r0 = results[0]
     # the same published checkpoints, tensor for tensor, as the synchronous saves at the same steps
     assert r0["listing"]["async"] == r0["listing"]["sync"] == ["last.ckpt", "step=3.ckpt", "step=4.ckpt"]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,6 @@ from lightning_matrixfsdp.optim.muon import adjust_lr as adjusted_lr
 from lightning_matrixfsdp.optim.orthogonalize import newton_schulz
 from lightning_matrixfsdp.runtime.planner import newton_schulz_flops as ns_flops
 
-REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 
 
@@ -45,21 +42,21 @@ MATRIX_MODES = [m for m in ALL_MODES if m.startswith("matrix_fsdp_")]
 BASELINES = ["fsdp2_adamw", "fsdp2_muon", "fsdp2_gather_once", "zero1_owner", "ddp_muon"]
 
 
-def _env() -> dict[str, str]:
-    from conftest import clean_env
-
-    env = clean_env()
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The entry point's ``main`` in this process (no interpreter start and imports of its own); it
+    spawns its 2 ranks from here, without the rendezvous variables earlier tests may have left."""
+    from conftest import clean_env
+
+    from lightning_matrixfsdp.bench.__main__ import main
+
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "lightning_matrixfsdp.bench", "--preset", "tiny", "--nproc", str(WORLD),
-           "--warmup", "1", "--steps", "2", "--no-plot", "--timeout", "120", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    kept = clean_env()
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [k for k in os.environ if k not in kept]:
+            mp.delenv(name)
+        assert main(["--preset", "tiny", "--nproc", str(WORLD), "--warmup", "1", "--steps", "2", "--no-plot",
+                     "--timeout", "120", "--out", str(out)]) == 0
     data = json.loads((out / "bench_tiny_w2_cpu.json").read_text())
     data["_markdown"] = (out / "bench_tiny_w2_cpu.md").read_text()
     return data

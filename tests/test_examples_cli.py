@@ -54,9 +54,9 @@ def _console_script() -> list[str]:
     return [found] if found else [sys.executable, "-m", "lightning_matrixfsdp"]
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:  # noqa: D103
+def _run(cmd: list[str], cwd: Path, timeout: float = SUBPROCESS_TIMEOUT) -> subprocess.CompletedProcess:  # noqa: D103
     env = clean_env()
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     )
@@ -279,39 +279,58 @@ def test_pretrain_yaml_plumbing_in_process(
     assert list((tmp_path / "runs" / "pretrain_gpt").glob("version_*/config.yaml"))
 
 
-@needs_runtime
-def test_pretrain_yaml_matrix_fsdp(tmp_path: Path) -> None:
-    proc = _run(
-        _console_script() + ["fit", "--config", str(EXAMPLES / "pretrain_gpt.yaml"),
-         "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "2",
-         "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
-         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
-        tmp_path,
-    )
-    _check_trained(proc, tmp_path / "runs", steps=6, muon=True)
-    assert all(math.isfinite(v) for v in _scalars(tmp_path / "runs", "train_ppl"))
-    assert all(math.isfinite(v) for v in _scalars(tmp_path / "runs", "val_ppl"))
+@pytest.fixture(scope="module")
+def examples_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """The three 2-process trainings below in one job (tests/helpers/run_examples.py: the ranks start and
+    import once): the pretraining config through the CLI, the fine-tuning script, its config through the
+    CLI. Each part is what a user runs; the tests check one part each."""
+    from helpers.run_examples import command, parts
+
+    root = tmp_path_factory.mktemp("examples")
+    proc = _run(command(
+        ["cli", "fit", "--config", EXAMPLES / "pretrain_gpt.yaml", "--trainer.max_steps", "6",
+         "--trainer.log_every_n_steps", "2", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+         "--trainer.logger.init_args.save_dir", root / "pretrain"],
+        ["script", EXAMPLES / "finetune_muon.py", "--max-steps", "4", "--log-every-n-steps", "2",
+         "--save-dir", root / "script"],
+        ["cli", "fit", "--config", EXAMPLES / "finetune_muon.yaml", "--trainer.max_steps", "4",
+         "--trainer.log_every_n_steps", "2", "--trainer.logger.init_args.save_dir", root / "yaml"]),
+        root, timeout=3 * SUBPROCESS_TIMEOUT)
+    return root, [subprocess.CompletedProcess(proc.args, 0, stdout=out) for out in parts(proc.stdout, 3)]
+
+
+def test_console_script_calls_the_cli_main() -> None:
+    """The installed ``lightning-matrixfsdp`` runs ``lightning_matrixfsdp.cli.main``, which the runs below call."""
+    from importlib.metadata import entry_points
+
+    from lightning_matrixfsdp import cli
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "lightning-matrixfsdp"]
+    assert ep.load() is cli.main, ep.value
+    script = Path(_console_script()[0])
+    if script.name == "lightning-matrixfsdp":  # pip's wrapper imports and calls that function
+        text = script.read_text()
+        assert "lightning_matrixfsdp.cli" in text and "main" in text, text
 
 
 @needs_runtime
-def test_finetune_script_trains_with_muon(tmp_path: Path) -> None:
-    proc = _run(
-        [sys.executable, str(EXAMPLES / "finetune_muon.py"), "--max-steps", "4", "--log-every-n-steps", "2",
-         "--save-dir", str(tmp_path / "runs")],
-        tmp_path,
-    )
-    _check_trained(proc, tmp_path / "runs", steps=4, muon=True)
+def test_pretrain_yaml_matrix_fsdp(examples_run) -> None:
+    root, (proc, _, _) = examples_run
+    _check_trained(proc, root / "pretrain", steps=6, muon=True)
+    assert all(math.isfinite(v) for v in _scalars(root / "pretrain", "train_ppl"))
+    assert all(math.isfinite(v) for v in _scalars(root / "pretrain", "val_ppl"))
 
 
 @needs_runtime
-def test_finetune_yaml_trains_with_muon(tmp_path: Path) -> None:
-    proc = _run(
-        [sys.executable, "-m", "lightning_matrixfsdp", "fit", "--config", str(EXAMPLES / "finetune_muon.yaml"),
-         "--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2",
-         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")],
-        tmp_path,
-    )
-    _check_trained(proc, tmp_path / "runs", steps=4, muon=True)
+def test_finetune_script_trains_with_muon(examples_run) -> None:
+    root, (_, proc, _) = examples_run
+    _check_trained(proc, root / "script", steps=4, muon=True)
+
+
+@needs_runtime
+def test_finetune_yaml_trains_with_muon(examples_run) -> None:
+    root, (_, _, proc) = examples_run
+    _check_trained(proc, root / "yaml", steps=4, muon=True)
 
 
 @pytest.mark.parametrize("cls", ["Muon", "SOAP", "Shampoo"])

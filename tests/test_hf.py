@@ -92,7 +92,8 @@ def shard_worker(rank: int, world: int, cfg: dict) -> dict:
     """matrix_shard(model, wrap_policy=<library layer>) next to the oracle, step by step."""
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.runtime.tags import is_owned
-    from helpers.equiv import EXACT, close, compare, count_collectives, full_params, make_sharded_optimizer, maxdiff
+    from helpers.equiv import (EXACT, close, compare, full_params, make_sharded_optimizer, maxdiff,
+                               step_oracle_and_sharded)
     from helpers.models import batch_for, lm_loss
     from helpers.oracle import allreduce_mean_grads, oracle_optimizers
 
@@ -127,15 +128,7 @@ def shard_worker(rank: int, world: int, cfg: dict) -> dict:
             og = o_params[n].grad
             assert p.grad is not None and og is not None, f"{n}: missing gradient"
             assert close(p.grad, og, EXACT), f"step {step}: grad {n} differs by {maxdiff(p.grad, og):.3e}"
-        for o in o_opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        with count_collectives() as counter:
-            for o in s_opts:
-                o.step()
-        assert counter.calls == 0, f"optimizer step issued {counter.calls} collectives: {counter.names}"
-        for o in s_opts:
-            o.zero_grad(set_to_none=True)
+        step_oracle_and_sharded(o_opts, s_opts)
         compare(full_params(sharded), dict(oracle.named_parameters()), EXACT, "param", step)
     idx = batch_for(999, rank)
     with torch.no_grad():
@@ -332,35 +325,46 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^\[matrixfsdp-demo\] step +(\d+)  (train_loss|val_loss) (\S+)$", re.M)
 
 
-def _run_example(cmd: list[str], cwd: Path) -> dict[tuple[int, str], float]:
-    """Run an example command as a user would; its printed losses by (step, name)."""
+def _run_examples(cwd: Path, *parts: list[str]) -> list[str]:
+    """Run example commands as a user would, all in one 2-rank job (tests/helpers/run_examples.py:
+    the ranks start once); the output of each part."""
     from conftest import clean_env
+    from helpers.run_examples import command, parts as split
 
     env = clean_env()
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    report = [json.loads(ln.split(" ", 1)[1]) for ln in proc.stdout.splitlines()
-              if ln.startswith("[matrixfsdp-demo] {")]
-    assert report and report[0]["optimizer"] == "lightning_matrixfsdp.optim.muon.Muon", proc.stdout[-2000:]
-    assert report[0]["world_size"] == 2 and report[0]["finite"], report
+    proc = subprocess.run(command(*parts), cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"{parts} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "validation_step" not in proc.stderr, "Lightning warned about the validation set-up"
-    return {(int(s), name): float(v) for s, name, v in STEP_LINE.findall(proc.stdout)}
+    return split(proc.stdout, len(parts))
 
 
-def test_finetune_hf_example_script_and_yaml_train_the_same(tmp_path: Path) -> None:
-    """The script and the CLI config train the same model (same seed, sizes, policies) to the same losses."""
-    pytest.importorskip("transformers")
-    script = _run_example([sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--max-steps", "4",
-                           "--print-every", "2"], tmp_path)
-    cli = _run_example(["lightning-matrixfsdp", "fit", "--config", str(ROOT / "examples" / "finetune_hf.yaml"),
-                        "--trainer.max_steps", "4", "--trainer.val_check_interval", "4"], tmp_path)
+def _losses(stdout: str) -> dict[tuple[int, str], float]:
+    """One Trainer run's printed losses by (step, name), after checking its optimizer report."""
+    report = [json.loads(ln.split(" ", 1)[1]) for ln in stdout.splitlines() if ln.startswith("[matrixfsdp-demo] {")]
+    assert report and report[0]["optimizer"] == "lightning_matrixfsdp.optim.muon.Muon", stdout[-2000:]
+    assert report[0]["world_size"] == 2 and report[0]["finite"], report
+    return {(int(s), name): float(v) for s, name, v in STEP_LINE.findall(stdout)}
+
+
+def _same_training(script: dict, cli: dict) -> None:
+    """The script's losses at steps 1, 2 and 4 (and validation at 4) fall, and the CLI's equal them."""
     assert sorted(script) == [(1, "train_loss"), (2, "train_loss"), (4, "train_loss"), (4, "val_loss")], script
     assert all(math.isfinite(v) for v in script.values())
     assert script[(4, "train_loss")] < script[(1, "train_loss")], script  # it learns
     shared = set(script) & set(cli)
     assert (4, "train_loss") in shared and (4, "val_loss") in shared, cli
     assert {k: script[k] for k in shared} == {k: cli[k] for k in shared}
+
+
+def test_finetune_hf_example_script_and_yaml_train_the_same(tmp_path: Path) -> None:
+    """The script and the CLI config train the same model (same seed, sizes, policies) to the same losses."""
+    pytest.importorskip("transformers")
+    script, cli = _run_examples(
+        tmp_path, ["script", ROOT / "examples" / "finetune_hf.py", "--max-steps", "4", "--print-every", "2"],
+        ["cli", "fit", "--config", ROOT / "examples" / "finetune_hf.yaml", "--trainer.max_steps", "4",
+         "--trainer.val_check_interval", "4"])
+    _same_training(_losses(script), _losses(cli))
     assert list((tmp_path / "runs" / "finetune_hf").rglob("events.out.tfevents.*"))
     assert list((tmp_path / "runs" / "finetune_hf_cli").rglob("events.out.tfevents.*"))
 
@@ -369,26 +373,16 @@ def test_moe_example_script_and_yaml_train_the_same_with_expert_parallelism(tmp_
     """examples/moe.py (Trainer) and examples/moe.yaml (LightningCLI) train the same tiny Mixtral with
     expert_parallel_size=2 to the same losses; the script's Fabric loop trains it too, moving tokens."""
     pytest.importorskip("transformers")
-    script = _run_example([sys.executable, str(ROOT / "examples" / "moe.py"), "--max-steps", "4",
-                           "--print-every", "2"], tmp_path)
-    cli = _run_example(["lightning-matrixfsdp", "fit", "--config", str(ROOT / "examples" / "moe.yaml"),
-                        "--trainer.max_steps", "4", "--trainer.val_check_interval", "4"], tmp_path)
-    assert sorted(script) == [(1, "train_loss"), (2, "train_loss"), (4, "train_loss"), (4, "val_loss")], script
-    assert all(math.isfinite(v) for v in script.values())
-    assert script[(4, "train_loss")] < script[(1, "train_loss")], script  # it learns
-    shared = set(script) & set(cli)
-    assert (4, "train_loss") in shared and (4, "val_loss") in shared, cli
-    assert {k: script[k] for k in shared} == {k: cli[k] for k in shared}
-
-    from conftest import clean_env
-
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "moe.py"), "--fabric", "--max-steps", "3"],
-                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    losses = [float(x) for x in re.findall(r"^step +\d+  loss (\S+)", proc.stdout, re.M)]
-    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), proc.stdout[-2000:]
-    traffic = re.search(r"^traffic: (.*)$", proc.stdout, re.M)
-    assert traffic and "'ep_dispatch': {'sent': " in traffic.group(1), proc.stdout[-2000:]
+    script, cli, fabric = _run_examples(
+        tmp_path, ["script", ROOT / "examples" / "moe.py", "--max-steps", "4", "--print-every", "2"],
+        ["cli", "fit", "--config", ROOT / "examples" / "moe.yaml", "--trainer.max_steps", "4",
+         "--trainer.val_check_interval", "4"],
+        ["script", ROOT / "examples" / "moe.py", "--fabric", "--max-steps", "3"])
+    _same_training(_losses(script), _losses(cli))
+    losses = [float(x) for x in re.findall(r"^step +\d+  loss (\S+)", fabric, re.M)]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), fabric[-2000:]
+    traffic = re.search(r"^traffic: (.*)$", fabric, re.M)
+    assert traffic and "'ep_dispatch': {'sent': " in traffic.group(1), fabric[-2000:]
 
 
 def test_hf_module_builds_from_config_or_a_saved_pretrained_directory(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ The oracle is one process per rank that holds the whole model and is fed every r
 (DDP's loss: the mean of the ranks' losses), stepped by ``torch.optim.Muon`` on separate 2-D
 parameters (every dense matrix, and each expert's ``gate``, ``up`` and ``down`` matrices as
 parameters of their own) and ``torch.optim.AdamW`` on the rest. Written here, independent of
-the runtime. One launch per world size runs every scenario (``OneLaunch``).
+the runtime. One task per world size runs every scenario, on the session's warm Hugging Face pools
+(``hf_pool``, ``hf_pool4``: tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from helpers.dist import OneLaunch
+from helpers.dist import PoolTask
 from helpers.equiv import count_collectives
 from helpers.models import GroupedExperts
 
@@ -398,8 +399,8 @@ def _world4(rank: int, world: int) -> dict:
     }
 
 
-WORLD2 = OneLaunch(_world2, 2, timeout=600)
-WORLD4 = OneLaunch(_world4, 4, timeout=600)
+WORLD2 = PoolTask(_world2, timeout=600)  # on hf_pool (tests/conftest.py): warm, transformers imported
+WORLD4 = PoolTask(_world4, timeout=600)  # on hf_pool4 (tests/conftest.py), shared with test_moe_hf
 
 
 def _check_training(result: dict) -> None:
@@ -412,18 +413,18 @@ def _check_training(result: dict) -> None:
     assert result["weights"] < TOL, result
 
 
-def test_ep2_world2_equals_one_process_oracle():
-    for r in WORLD2.results():
+def test_ep2_world2_equals_one_process_oracle(hf_pool):
+    for r in WORLD2.results(hf_pool):
         _check_training(r["ep2"])
 
 
-def test_grouped_experts_style_equals_one_process_oracle():
-    for r in WORLD2.results():
+def test_grouped_experts_style_equals_one_process_oracle(hf_pool):
+    for r in WORLD2.results(hf_pool):
         _check_training(r["grouped"])
 
 
-def test_refusals_on_every_rank_within_seconds():
-    results = [r["refusals"] for r in WORLD2.results()]
+def test_refusals_on_every_rank_within_seconds(hf_pool):
+    results = [r["refusals"] for r in WORLD2.results(hf_pool)]
     expected = {"indivisible_experts": "does not divide the 3 experts", "ep_not_dividing_world": "must divide",
                 "experts_differ": "differ across ranks", "tensor_parallel": "with tensor parallelism"}
     for per_rank in results:
@@ -434,15 +435,15 @@ def test_refusals_on_every_rank_within_seconds():
             assert seconds < 10, (name, seconds)
 
 
-def test_expert_gradient_is_divided_by_the_data_parallel_size():
+def test_expert_gradient_is_divided_by_the_data_parallel_size(hf_pool4):
     # world 4, EP=2: the data-parallel size (4) differs from EP (2), so dividing by EP would fail here;
     # every rank's expert gradients after the first backward (and the clip) against the oracle's
-    for r in WORLD4.results():
+    for r in WORLD4.results(hf_pool4):
         assert r["ep2"]["expert_grad"] < TOL, r["ep2"]
 
 
-def test_checkpoints_resume_at_ep2_async_and_load_without_expert_parallelism():
-    for rank, r in enumerate(WORLD2.results()):
+def test_checkpoints_resume_at_ep2_async_and_load_without_expert_parallelism(hf_pool):
+    for rank, r in enumerate(WORLD2.results(hf_pool)):
         c = r["checkpoints"]
         assert c["resume_ep2_bitwise"] and c["load_ep1_weights_equal"] and c["async_equal"], c
         assert c["ep1_continues"] < TOL and c["pretrained_equal"], c
@@ -451,6 +452,6 @@ def test_checkpoints_resume_at_ep2_async_and_load_without_expert_parallelism():
 
 
 @pytest.mark.parametrize("scenario", ["ep2", "ep4", "ep2_hsdp"])
-def test_world4_equals_one_process_oracle(scenario):
-    for r in WORLD4.results():
+def test_world4_equals_one_process_oracle(scenario, hf_pool4):
+    for r in WORLD4.results(hf_pool4):
         _check_training(r[scenario]) if scenario != "ep4" else _check_training({**r[scenario], "norm": 0.0})

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.dist import OneLaunch
+from helpers.dist import PoolTask
 
 pytest.importorskip("transformers")
 
@@ -40,40 +40,17 @@ def build(name: str) -> nn.Module:
     raise ValueError(name)
 
 
-class PerExpertMuon:
+def per_expert_muon(model: nn.Module):
     """DDP's optimizer, plainly: torch.optim.Muon on a separate 2-D tensor per expert (gate and up
     of a fused ``gate_up_proj`` apart), on the other matrices as they are, AdamW on the rest."""
+    from helpers.oracle import PerExpertMuon
 
-    def __init__(self, model: nn.Module) -> None:
-        from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, recipe_tail_ids
+    def rows(name: str, p: nn.Parameter):
+        if name.endswith("experts.gate_up_proj"):
+            return p.shape[1] // 2
+        return p.shape[1] if name.endswith("experts.down_proj") else None
 
-        tail = recipe_tail_ids(model)
-        self.links: list[tuple[nn.Parameter, int, int, int, nn.Parameter]] = []
-        mats, rest = [], []
-        for name, p in model.named_parameters():
-            if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                rows = p.shape[1] // 2 if name.endswith("gate_up_proj") else p.shape[1]
-                for e in range(p.shape[0]):
-                    for start in range(0, p.shape[1], rows):
-                        q = nn.Parameter(p.data[e, start:start + rows].clone())
-                        self.links.append((p, e, start, start + rows, q))
-                        mats.append(q)
-            elif p.ndim == 2 and id(p) not in tail:
-                mats.append(p)
-            else:
-                rest.append(p)
-        self.opts = [torch.optim.Muon(mats, **MUON_DEFAULTS), torch.optim.AdamW(rest, **ADAMW_DEFAULTS)]
-
-    def step(self) -> None:
-        for p, e, a, b, q in self.links:
-            q.grad = p.grad[e, a:b].clone()
-        for o in self.opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, e, a, b, q in self.links:
-                p[e, a:b] = q
-                p.grad = None
+    return PerExpertMuon(model, rows)
 
 
 def _scenario(rank: int, name: str) -> dict[str, Any]:
@@ -90,7 +67,7 @@ def _scenario(rank: int, name: str) -> dict[str, Any]:
     plan = mf.get_plan(sharded)
     stacks = {s.fqn: s.stack for s in plan.shards() if s.stack is not None}
     opts = make_sharded_optimizer(sharded, "ours")
-    ref = PerExpertMuon(oracle)
+    ref = per_expert_muon(oracle)
     for step in range(STEPS):
         idx = batch_for(step, rank)
         lo = lm_loss(oracle(idx).logits, idx)
@@ -162,13 +139,24 @@ def worker(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
-LAUNCHES = {w: OneLaunch(worker, w, tempfile.mkdtemp(prefix=f"moe_hf_{w}_"), timeout=900) for w in (2, 4)}
+# one task per world size on the Hugging Face pools of tests/conftest.py (transformers imported once per
+# worker): hf_pool (2 processes, shared with test_hf and others), hf_pool4 (shared with test_moe_ep)
+TASKS = {w: PoolTask(worker, tempfile.mkdtemp(prefix=f"moe_hf_{w}_"), timeout=900) for w in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def pools(hf_pool, hf_pool4):
+    return {2: hf_pool, 4: hf_pool4}
+
+
+def _results(world: int, pools) -> list[dict[str, Any]]:
+    return TASKS[world].results(pools[world])
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int) -> None:
-    res = LAUNCHES[world].results()[0][name]
+def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int, pools) -> None:
+    res = _results(world, pools)[0][name]
     inter = 12
     gate_up = {k: v for k, v in res["stacks"].items() if k.endswith("gate_up_proj")}
     down = {k: v for k, v in res["stacks"].items() if k.endswith("down_proj")}
@@ -182,8 +170,8 @@ def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int) -> None:
     assert "embed_tokens.weight: adamw, Muon recipe default: nn.Embedding weight" in plan, plan
 
 
-def test_stacks_resume_from_checkpoints_without_expert_parallelism() -> None:
-    res = LAUNCHES[2].results()
+def test_stacks_resume_from_checkpoints_without_expert_parallelism(hf_pool) -> None:
+    res = TASKS[2].results(hf_pool)
     for kind in ("muon", "soap"):
         assert all(kind in r["checkpoint"] for r in res)
     shapes = {k: v for r in res for k, v in r["checkpoint"]["soap"]["state_shapes"].items()}

@@ -10,13 +10,14 @@ runtime), which is still a data-parallel mean, only with its terms grouped per n
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.equiv import count_collectives
+from helpers.equiv import step_oracle_and_sharded
 from helpers.models import TinyLM, batch_for, lm_loss
 from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
 
@@ -201,15 +202,7 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 assert p.grad is None, f"{n}: a gradient on a rank that does not step it"
                 continue
             assert p.grad is not None and torch.equal(p.grad, og), f"step {step}: grad {n} differs"
-        for o in o_opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        with count_collectives() as counter:
-            for o in s_opts:
-                o.step()
-        assert counter.calls == 0, f"optimizer step issued {counter.names}"
-        for o in s_opts:
-            o.zero_grad(set_to_none=True)
+        step_oracle_and_sharded(o_opts, s_opts)
         if cfg.get("sync") == "explicit":
             for o in s_opts:
                 start_replica_sync(sharded, o)
@@ -455,21 +448,22 @@ def test_checkpoints_across_split_and_layouts(tmp_path, dist_pools):
 
 
 # ---------------------------------------------------------------------- bench: the scaling rows
-def test_scaling_split_rows_match_the_model(tmp_path):
+def test_scaling_split_rows_match_the_model(tmp_path, monkeypatch):
     """The HSDP rows of ``bench.scaling`` (R=2, W=1): counted bytes equal the analytic model, the
-    split mode holds half the optimizer state, and its losses are the unsplit mode's (W = 1: exact)."""
+    split mode holds half the optimizer state, and its losses are the unsplit mode's (W = 1: exact).
+    The entry point runs in this process (no interpreter start of its own); it spawns its 2 ranks."""
     import json
-    import subprocess
-    import sys
 
     from conftest import clean_env
 
-    repo = __import__("pathlib").Path(__file__).resolve().parent.parent
-    env = clean_env(PYTHONPATH=str(repo))
-    proc = subprocess.run([sys.executable, "-m", "lightning_matrixfsdp.bench.scaling", "--world", "--split", "2,1",
-                           "--layers", "2", "--out", str(tmp_path)], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    from lightning_matrixfsdp.bench import scaling
+
+    kept = clean_env()
+    for name in [k for k in os.environ if k not in kept]:  # no rendezvous left behind by earlier tests
+        monkeypatch.delenv(name)
+    before = os.environ.get("MATRIX_FSDP_CHECK_SEQUENCE")
+    assert scaling.main(["--world", "--split", "2,1", "--layers", "2", "--out", str(tmp_path)]) == 0
+    assert os.environ.get("MATRIX_FSDP_CHECK_SEQUENCE") == before  # the bench's own setting stays its own
     study = json.loads((tmp_path / "scaling.json").read_text())
     rows = {r["mode"]: r for r in study["split_rows"]}
     assert set(rows) == {"matrix_hsdp", "matrix_hsdp_split"}

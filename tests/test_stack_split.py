@@ -2,7 +2,7 @@
 
 A small mixture-of-experts model (torchtitan-style ``GroupedExperts``, declared automatically;
 8 experts in one layer, 7 in the other, so blocks are uneven: (4, 3) on 2 ranks, (2, 2, 2, 1)
-on 4) on 2 and 4 processes, one launch each, several scenarios per launch:
+on 4) on 2 and 4 processes, one task each on the session's warm pools, several scenarios per task:
 
 * the plan splits the stacks (blocks on every owner), and training equals DDP with a per-expert
   ``torch.optim.Muon`` written plainly here bit for bit (gradients, weights), the clip's total
@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.dist import OneLaunch
+from helpers.dist import PoolTask
 
 VOCAB, D, H = 64, 16, 24
 STEPS = 3
@@ -83,38 +83,12 @@ def build() -> nn.Module:
     return MoE()
 
 
-class PerExpertMuon:
+def per_expert_muon(model: nn.Module):
     """DDP's optimizer, plainly: torch.optim.Muon on a separate 2-D tensor per expert of each stack,
     on the routers as they are, AdamW on the rest (embedding and head by the recipe default)."""
+    from helpers.oracle import PerExpertMuon
 
-    def __init__(self, model: nn.Module) -> None:
-        from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, recipe_tail_ids
-
-        tail = recipe_tail_ids(model)
-        self.links: list[tuple[nn.Parameter, int, nn.Parameter]] = []
-        mats, rest = [], []
-        for name, p in model.named_parameters():
-            if p.ndim == 3:
-                for e in range(p.shape[0]):
-                    q = nn.Parameter(p.data[e].clone())
-                    self.links.append((p, e, q))
-                    mats.append(q)
-            elif p.ndim == 2 and id(p) not in tail:
-                mats.append(p)
-            else:
-                rest.append(p)
-        self.opts = [torch.optim.Muon(mats, **MUON_DEFAULTS), torch.optim.AdamW(rest, **ADAMW_DEFAULTS)]
-
-    def step(self) -> None:
-        for p, e, q in self.links:
-            q.grad = p.grad[e].clone()
-        for o in self.opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for p, e, q in self.links:
-                p[e] = q
-                p.grad = None
+    return PerExpertMuon(model, lambda name, p: p.shape[1] if p.ndim == 3 else None)
 
 
 def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
@@ -136,7 +110,7 @@ def _train_scenario(rank: int, world: int) -> dict[str, Any]:
     mf.matrix_shard(sharded)
     plan = mf.get_plan(sharded)
     opts = make_sharded_optimizer(sharded, "ours")
-    ref = PerExpertMuon(oracle)
+    ref = per_expert_muon(oracle)
     norms = []
     for step in range(STEPS):
         lo, ls = _loss(oracle, step, rank), _loss(sharded, step, rank)
@@ -255,18 +229,18 @@ def worker(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 ROOT = tempfile.mkdtemp(prefix="stack_split_")
-LAUNCHES = {w: OneLaunch(worker, w, ROOT, timeout=600) for w in (4, 2)}
+TASKS = {w: PoolTask(worker, ROOT, timeout=600) for w in (4, 2)}  # on the session's warm pools
 
 
-def _results(world: int) -> list[dict[str, Any]]:
+def _results(world: int, dist_pools) -> list[dict[str, Any]]:
     if world == 2:
-        LAUNCHES[4].results()  # the 2-process launch loads the 4-process checkpoint
-    return LAUNCHES[world].results()
+        TASKS[4].results(dist_pools(4))  # the 2-process task loads the 4-process checkpoint
+    return TASKS[world].results(dist_pools(world))
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_split_stacks_equal_ddp_with_per_expert_muon(world: int) -> None:
-    res = _results(world)
+def test_split_stacks_equal_ddp_with_per_expert_muon(world: int, dist_pools) -> None:
+    res = _results(world, dist_pools)
     train = res[0]["train"]
     splits = train["splits"]
     assert splits, train["plan"]
@@ -281,14 +255,14 @@ def test_split_stacks_equal_ddp_with_per_expert_muon(world: int) -> None:
         assert total == pytest.approx(want, rel=1e-6), train["norms"]
 
 
-def test_split_stacks_resume_and_load_across_plans() -> None:
-    res = _results(2)
+def test_split_stacks_resume_and_load_across_plans(dist_pools) -> None:
+    res = _results(2, dist_pools)
     cross = res[0]["checkpoint"]["cross"]
     assert cross == [], cross  # weights and Muon momentum of the 4-process save, bit for bit
 
 
-def test_split_stacks_soap_state_resumes_split_and_whole() -> None:
-    for r in _results(2):
+def test_split_stacks_soap_state_resumes_split_and_whole(dist_pools) -> None:
+    for r in _results(2, dist_pools):
         assert r["checkpoint"]["soap"] == "resumed", r["checkpoint"]
 
 

@@ -6,8 +6,9 @@ asynchronous save's host buffer allocated ahead.
   ``async_save`` whose background write is slowed down is read at once by a new Trainer
   (``fit(ckpt_path=...)``) and by ``LightningModule.load_from_checkpoint`` on rank 0 alone, and
   one is still pending when the script ends. Beside it the same steps with synchronous saves;
-  checkpoints are compared through torch's own converter (``dcp_to_torch_save``).
-* One 2-process launch (gloo) for the rest: a log directory that cannot be created (a path under
+  checkpoints are compared through torch's own converter (``dcp_to_torch_save``). It is started
+  first and runs beside the task below (its slowed-down writes leave the CPU to it).
+* One task on the session's warm 2-process pool (gloo) for the rest: a log directory that cannot be created (a path under
   a regular file, which fails for root too), a synchronous save there, ``PretrainedWeights``
   resuming with its file deleted (against the uninterrupted run), the reserved host buffer.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.dist import OneLaunch
+from helpers.dist import PoolTask
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -102,35 +103,28 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_pending_async_save_is_waited_for_by_any_reader_and_completes_at_exit(tmp_path):
+@pytest.fixture(scope="module")
+def race(tmp_path_factory):
+    """The race script, started in the background as soon as the module needs it: most of its time is
+    the slowed-down writes (sleeps), which the 2-process task below fills; its test waits for it last."""
     from conftest import clean_env
 
+    tmp_path = tmp_path_factory.mktemp("race")
     root = tmp_path / "run"
     root.mkdir()
     script = tmp_path / "race.py"
     script.write_text(_RACE.format(tests=str(TESTS), delay=3.0))
     env = clean_env(PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
                     PYTHONWARNINGS="ignore")
-    p = subprocess.run([sys.executable, str(script), str(root)], env=env, capture_output=True, text=True, timeout=400)
-    results = {int(line.split()[1]): eval(line.split(" ", 2)[2])  # noqa: S307 - our own printed dict
-               for line in p.stdout.splitlines() if line.startswith("RESULT")}
-    assert p.returncode == 0 and sorted(results) == [0, 1], (p.returncode, p.stdout[-3000:], p.stderr[-6000:])
-    for rank, r in results.items():  # every read really started while the save was being written
-        assert r == {"pending_at_resume": True, "resumed_steps": 1, "pending_at_load": True,
-                     "pending_at_exit": True}, (rank, r)
-    for bad in ("cannot schedule new futures", "terminate called", "lightning_matrixfsdp:"):
-        assert bad not in p.stderr, p.stderr[-6000:]
-    # the resume from the asynchronous checkpoint continued exactly as the one from the synchronous
-    assert _equal(torch.load(root / "async-resumed.pt"), torch.load(root / "sync-resumed.pt"))
-    # load_from_checkpoint (rank 0 alone) and the save pending at exit hold the saved weights
-    saved = _weights(root / "sync-1", tmp_path)
-    loaded = torch.load(root / "loaded.pt")
-    assert _equal(loaded, saved), "load_from_checkpoint must wait for the save and read the directory"
-    assert _equal(_weights(root / "at-exit", tmp_path), saved), "the save pending at exit must complete"
-    assert not list(root.glob(".mfsdp-*")), "a partial was left behind"
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:  # files: no pipe to fill
+        proc = subprocess.Popen([sys.executable, str(script), str(root)], env=env, stdout=out, stderr=err, text=True)
+    yield tmp_path, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
-# ---------------------------------------------------------------------- one 2-process launch
+# ---------------------------------------------------------------------- one 2-process task
 def _lit():
     from helpers.lit import LitTiny
     from helpers.models import batch_for
@@ -256,15 +250,15 @@ def _worker(rank: int, world: int, root: str) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
+def launch(tmp_path_factory, race, dist_pools):  # the race script starts first and runs beside this task
     pytest.importorskip("safetensors")
     root = tmp_path_factory.mktemp("trust")
-    return root, OneLaunch(_worker, 2, str(root), timeout=400)
+    return root, PoolTask(_worker, str(root), timeout=400), dist_pools(2)
 
 
 def _results(launch) -> list[dict]:
-    root, one = launch
-    return [pickle.loads(r) for r in one.results()]
+    root, one, pool = launch
+    return [pickle.loads(r) for r in one.results(pool)]
 
 
 def test_an_unwritable_folder_fails_on_every_rank_with_the_same_error_naming_the_path(launch):
@@ -290,6 +284,31 @@ def test_the_first_async_save_stages_into_the_buffer_reserved_after_the_first_st
         assert present and nbytes > 0 and allocs == 1, (rank, r["reserved"])
         assert r["reserved"]["after"] == (True, nbytes, 1), (rank, r["reserved"])
         assert r["reserved"]["saved"] == ["epoch=0-step=2.ckpt"], r["reserved"]
+
+
+# ---------------------------------------------------------------------- the race, waited for last
+def test_a_pending_async_save_is_waited_for_by_any_reader_and_completes_at_exit(race):
+    tmp_path, proc = race
+    root = tmp_path / "run"
+    proc.wait(timeout=400)
+    p = subprocess.CompletedProcess(proc.args, proc.returncode, (tmp_path / "stdout").read_text(),
+                                    (tmp_path / "stderr").read_text())
+    results = {int(line.split()[1]): eval(line.split(" ", 2)[2])  # noqa: S307 - our own printed dict
+               for line in p.stdout.splitlines() if line.startswith("RESULT")}
+    assert p.returncode == 0 and sorted(results) == [0, 1], (p.returncode, p.stdout[-3000:], p.stderr[-6000:])
+    for rank, r in results.items():  # every read really started while the save was being written
+        assert r == {"pending_at_resume": True, "resumed_steps": 1, "pending_at_load": True,
+                     "pending_at_exit": True}, (rank, r)
+    for bad in ("cannot schedule new futures", "terminate called", "lightning_matrixfsdp:"):
+        assert bad not in p.stderr, p.stderr[-6000:]
+    # the resume from the asynchronous checkpoint continued exactly as the one from the synchronous
+    assert _equal(torch.load(root / "async-resumed.pt"), torch.load(root / "sync-resumed.pt"))
+    # load_from_checkpoint (rank 0 alone) and the save pending at exit hold the saved weights
+    saved = _weights(root / "sync-1", tmp_path)
+    loaded = torch.load(root / "loaded.pt")
+    assert _equal(loaded, saved), "load_from_checkpoint must wait for the save and read the directory"
+    assert _equal(_weights(root / "at-exit", tmp_path), saved), "the save pending at exit must complete"
+    assert not list(root.glob(".mfsdp-*")), "a partial was left behind"
 
 
 # ---------------------------------------------------------------------- one process

@@ -93,6 +93,27 @@ class OneLaunch:
         return res
 
 
+class PoolTask:
+    """``OneLaunch`` on a warm pool: one ``DistPool.run`` shared by the tests of a file, run by the
+    first that asks (the pool comes from its fixture: ``dist_pools(world)`` or ``hf_pool``), so the
+    file pays no process start-up of its own. A failure is kept and raised again by the tests after it."""
+
+    def __init__(self, fn: Callable, *args: Any, timeout: float = 240.0) -> None:
+        self.fn, self.args, self.timeout = fn, args, timeout
+        self._done: tuple[Any, Any] | None = None
+
+    def results(self, pool: "DistPool") -> list[Any]:
+        if self._done is None:
+            try:
+                self._done = (pool.run(self.fn, *self.args, timeout=self.timeout), None)
+            except AssertionError as e:
+                self._done = (None, e)
+        res, err = self._done
+        if err is not None:
+            raise err
+        return res
+
+
 def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist

@@ -286,3 +286,17 @@ def route_by_rank(step: int, rank: int, block: int) -> Optional[int]:
     if step % 3 == 2:
         return 0
     return None if rank == 0 else (rank + step + block) % 2
+
+
+def step_oracle_and_sharded(o_opts: Sequence, s_opts: Sequence) -> None:
+    """One step of the oracle's optimizers, then of the sharded ones, which may not run any collective;
+    both zero their gradients."""
+    for o in o_opts:
+        o.step()
+        o.zero_grad(set_to_none=True)
+    with count_collectives() as counter:
+        for o in s_opts:
+            o.step()
+    assert counter.calls == 0, f"optimizer step issued {counter.calls} collectives: {counter.names}"
+    for o in s_opts:
+        o.zero_grad(set_to_none=True)

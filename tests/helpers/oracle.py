@@ -101,3 +101,39 @@ def clip_global_norm(model: nn.Module, max_norm: float) -> None:
     """DDP's clipping: ``torch.nn.utils.clip_grad_norm_`` over the full gradients (what Lightning's
     precision plugin calls), in the model's parameter order."""
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
+
+
+class PerExpertMuon:
+    """DDP's optimizer for a model with expert stacks, plainly: ``torch.optim.Muon`` on a separate 2-D
+    tensor per expert, copied out of the stack and back (``rows(name, p)``: the height of each expert's
+    pieces, e.g. half of a fused ``gate_up_proj`` for gate and up apart; None where ``p`` is no stack),
+    on the other matrices as they are, AdamW on the rest (embeddings and head by the recipe default)."""
+
+    def __init__(self, model: nn.Module, rows: Callable[[str, nn.Parameter], Optional[int]]) -> None:
+        tail = recipe_tail_ids(model)
+        self.links: list[tuple[nn.Parameter, int, int, int, nn.Parameter]] = []
+        mats, rest = [], []
+        for name, p in model.named_parameters():
+            height = rows(name, p)
+            if height is not None:
+                for e in range(p.shape[0]):
+                    for start in range(0, p.shape[1], height):
+                        q = nn.Parameter(p.data[e, start:start + height].clone())
+                        self.links.append((p, e, start, start + height, q))
+                        mats.append(q)
+            elif p.ndim == 2 and id(p) not in tail:
+                mats.append(p)
+            else:
+                rest.append(p)
+        self.opts = [torch.optim.Muon(mats, **MUON_DEFAULTS), torch.optim.AdamW(rest, **ADAMW_DEFAULTS)]
+
+    def step(self) -> None:
+        for p, e, a, b, q in self.links:
+            q.grad = p.grad[e, a:b].clone()
+        for o in self.opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, e, a, b, q in self.links:
+                p[e, a:b] = q
+                p.grad = None
