@@ -38,8 +38,9 @@ def dist_pools():
 @pytest.fixture(scope="session")
 def hf_pool():
     """Two gloo workers shared by the Hugging Face files (test_hf, test_pretrained,
-    test_export_safetensors): transformers is imported once per worker for all three, and
-    it stays out of the shared ``dist_pools``."""
+    test_export_safetensors, and the 2-process scenarios of test_moe_hf, test_moe_ep and
+    test_ep_join): transformers is imported once per worker for all of them, and it stays out of
+    the shared ``dist_pools``."""
     from helpers.dist import DistPool
 
     workers = DistPool(2)

@@ -25,21 +25,22 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.dist import PoolLaunch
+from helpers.dist import PoolTask
 from helpers.tp_scenarios import UNSPLIT_TOLERANCE, worker
 
 
 # every test reads its part of the one launch, a task of the session's 4-process pool
-_LAUNCH = PoolLaunch(worker, 4, timeout=900)
+_LAUNCH = PoolTask(worker, timeout=900)
+_POOLS: list = []  # the session's pool getter (dist_pools), set by the fixture below
 
 
 @pytest.fixture(autouse=True)
 def _pool(dist_pools):
-    _LAUNCH.use(dist_pools)
+    _POOLS[:] = [dist_pools]
 
 
 def _results():
-    return _LAUNCH.results()
+    return _LAUNCH.results(_POOLS[0](4))
 
 
 @pytest.mark.parametrize("kind", ["muon", "shampoo", "soap"])

@@ -23,23 +23,24 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.dist import PoolLaunch
+from helpers.dist import PoolTask
 from helpers.tp_lightning_scenarios import worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 
 # every test reads its part of the one launch, a task of the session's 4-process pool
-_LAUNCH = PoolLaunch(worker, 4, timeout=600)
+_LAUNCH = PoolTask(worker, timeout=600)
+_POOLS: list = []  # the session's pool getter (dist_pools), set by the fixture below
 
 
 @pytest.fixture(autouse=True)
 def _pool(dist_pools):
-    _LAUNCH.use(dist_pools)
+    _POOLS[:] = [dist_pools]
 
 
 def _results():
-    return _LAUNCH.results()
+    return _LAUNCH.results(_POOLS[0](4))
 
 
 def test_trainer_resume_from_a_model_checkpoint_is_bitwise_the_uninterrupted_fit():

@@ -213,30 +213,3 @@ class DistPool:
             if p.is_alive():
                 p.kill()
         self.procs = []
-
-
-class PoolLaunch:
-    """``OneLaunch`` run as one task of the session's ``world``-process pool (``conftest.dist_pools``,
-    handed over by ``use``): a suite that has that pool already pays no process start-up (spawn,
-    imports, rendezvous) for the file's launch. A failure is kept too, as in ``OneLaunch``."""
-
-    def __init__(self, fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> None:
-        self.fn, self.world, self.args, self.timeout = fn, world, args, timeout
-        self._pools: Callable[[int], DistPool] | None = None
-        self._done: tuple[Any, Any] | None = None
-
-    def use(self, pools: Callable[[int], DistPool]) -> None:
-        """The session's pool getter (the ``dist_pools`` fixture), set before ``results``."""
-        self._pools = pools
-
-    def results(self) -> list[Any]:
-        if self._done is None:
-            assert self._pools is not None, "PoolLaunch.use(dist_pools) was not called"
-            try:
-                self._done = (self._pools(self.world).run(self.fn, *self.args, timeout=self.timeout), None)
-            except AssertionError as e:
-                self._done = (None, e)
-        res, err = self._done
-        if err is not None:
-            raise err
-        return res
