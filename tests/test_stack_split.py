@@ -12,7 +12,9 @@ on 4) on 2 and 4 processes, one task each on the session's warm pools, several s
   file into whole ones (``split_stacks=False``); a save of whole stacks resumes into split ones;
   the 4-process directory loads on 2 processes (other blocks) with the same weights and Muon
   momentum (compared through consolidated files);
-* SOAP's per-expert state of split stacks resumes bitwise, split and into whole stacks.
+* SOAP's per-expert state of split stacks resumes bitwise, split and into whole stacks;
+* gradient accumulation without sync (as ``accumulate_grad_batches`` and a manual loop's
+  ``toggle_model(sync_grad=False)``) equals DDP bit for bit.
 
 Pure (no launch): the plan's digest, its JSON round trip, the printout, and custom plans whose
 blocks are not torch.chunk's refused.
@@ -224,8 +226,39 @@ def _same_checkpoint(a: dict, b: dict) -> list[str]:
     return bad
 
 
+def _accumulation_scenario(rank: int, world: int) -> str:
+    """Two micro-batches per step, the first without gradient sync (what Lightning's
+    ``accumulate_grad_batches`` and a manual loop's ``toggle_model(sync_grad=False)`` set): the split
+    blocks get the whole window's gradient, bitwise DDP's mean of the summed micro-batches. Returns
+    the first mismatch ("" if none), so only this scenario's test fails on one."""
+    import lightning_matrixfsdp as mf
+    from helpers.equiv import EXACT, compare, full_params, make_sharded_optimizer
+    from helpers.oracle import allreduce_mean_grads
+
+    sharded = build()
+    oracle = copy.deepcopy(sharded)
+    mf.matrix_shard(sharded)
+    opts, ref = make_sharded_optimizer(sharded, "ours"), per_expert_muon(oracle)
+    try:
+        for step in range(2):
+            for micro in range(2):
+                mf.set_requires_gradient_sync(sharded, micro == 1)
+                (_loss(oracle, 2 * step + micro, rank) / 2).backward()
+                (_loss(sharded, 2 * step + micro, rank) / 2).backward()
+            allreduce_mean_grads(oracle)
+            ref.step()
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=True)
+            compare(full_params(sharded), dict(oracle.named_parameters()), EXACT, "param", step)
+    except AssertionError as e:
+        return str(e)[:2000]
+    return ""
+
+
 def worker(rank: int, world: int, root: str) -> dict[str, Any]:
-    return {"train": _train_scenario(rank, world), "checkpoint": _checkpoint_scenario(rank, world, root)}
+    return {"train": _train_scenario(rank, world), "checkpoint": _checkpoint_scenario(rank, world, root),
+            "accumulate": _accumulation_scenario(rank, world)}
 
 
 ROOT = tempfile.mkdtemp(prefix="stack_split_")
@@ -253,6 +286,11 @@ def test_split_stacks_equal_ddp_with_per_expert_muon(world: int, dist_pools) -> 
     assert len({r["train"]["digest"] for r in res}) == 1
     for total, want in train["norms"]:
         assert total == pytest.approx(want, rel=1e-6), train["norms"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_stacks_accumulate_without_sync_as_ddp(world: int, dist_pools) -> None:
+    assert [r["accumulate"] for r in _results(world, dist_pools)] == [""] * world
 
 
 def test_split_stacks_resume_and_load_across_plans(dist_pools) -> None:
