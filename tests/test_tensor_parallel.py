@@ -1,5 +1,6 @@
 """Tensor parallelism x owner sharding at world 4 = data parallel 2 x tensor parallel 2 (gloo,
-float32): every scenario in one 4-process launch (``_results``), each test reads its part.
+float32): every scenario in one launch (``_LAUNCH``, a task of the session's 4-process pool),
+each test reads its part.
 
 * step oracle (Muon, Shampoo, SOAP): after each of 3 steps every fragment a rank holds, and its
   optimizer state, equal the slice of a whole-matrix step on the gathered gradient, taken by the
@@ -31,28 +32,23 @@ from helpers.tp_scenarios import UNSPLIT_TOLERANCE, worker
 
 # every test reads its part of the one launch, a task of the session's 4-process pool
 _LAUNCH = PoolTask(worker, timeout=900)
-_POOLS: list = []  # the session's pool getter (dist_pools), set by the fixture below
 
 
 @pytest.fixture(autouse=True)
 def _pool(dist_pools):
-    _POOLS[:] = [dist_pools]
-
-
-def _results():
-    return _LAUNCH.results(_POOLS[0](4))
+    _LAUNCH.pool = dist_pools(4)
 
 
 @pytest.mark.parametrize("kind", ["muon", "shampoo", "soap"])
 def test_step_oracle_every_fragment_and_state_is_the_whole_matrix_step(kind):
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         got = r[kind]
         assert got["checked"] > 0 and got["state_checked"] > 0, (rank, got)
         assert not got["bad"], (rank, got["bad"][:5])
 
 
 def test_trajectory_8_steps_bitwise_the_whole_matrix_reference_and_not_blockwise():
-    res = [r["trajectory"] for r in _results()]
+    res = [r["trajectory"] for r in _LAUNCH.results()]
     assert all(r["loss_equal"] and r["weights_equal"] for r in res), res
     # negative control: orthogonalizing each fragment alone gives another trajectory
     assert not all(r["blockwise_equal"] for r in res)
@@ -64,7 +60,7 @@ def test_trajectory_8_steps_bitwise_the_whole_matrix_reference_and_not_blockwise
 
 
 def test_step_talks_only_inside_the_tp_group_and_tp_bytes_follow_the_formula():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         t = r["trajectory"]
         assert t["calls"] <= {"batch_isend_irecv"}, (rank, t["calls"])  # no collective, no DP traffic
         assert not t["foreign_peers"], (rank, t["foreign_peers"])
@@ -73,12 +69,12 @@ def test_step_talks_only_inside_the_tp_group_and_tp_bytes_follow_the_formula():
 
 
 def test_hsdp_with_tensor_parallelism_equals_the_reference():
-    res = [r["hsdp"] for r in _results()]
+    res = [r["hsdp"] for r in _LAUNCH.results()]
     assert all(r["loss_equal"] and r["weights_equal"] for r in res), res
 
 
 def test_trainer_path_tp_ranks_share_batches_and_equal_the_reference():
-    res = [r["trainer"] for r in _results()]
+    res = [r["trainer"] for r in _LAUNCH.results()]
     assert all(r["names"] == ("data_parallel", "tensor_parallel") for r in res), res
     assert all(len(r["losses"]) == 3 and r["losses"] == r["ref"] for r in res), res
     firsts = [r["first_batch"] for r in res]
@@ -86,12 +82,12 @@ def test_trainer_path_tp_ranks_share_batches_and_equal_the_reference():
 
 
 def test_accumulation_and_activation_checkpointing_with_tp_equal_the_reference():
-    res = [r["accumulation_checkpointing"] for r in _results()]
+    res = [r["accumulation_checkpointing"] for r in _LAUNCH.results()]
     assert all(r["loss_equal"] and r["weights_equal"] for r in res), res
 
 
 def test_clipping_takes_the_norm_over_both_groups():
-    res = [r["clip"] for r in _results()]
+    res = [r["clip"] for r in _LAUNCH.results()]
     assert len({r["total"] for r in res}) == 1, res  # every rank the same total
     for r in res:
         assert r["clipped"] and r["scaled"], r
@@ -101,7 +97,7 @@ def test_clipping_takes_the_norm_over_both_groups():
 
 
 def test_partial_and_two_dimensional_placements_are_refused():
-    for r in _results():
+    for r in _LAUNCH.results():
         msgs = r["refusals"]
         assert "Partial" in msgs["partial"] and "Shard(0), Shard(1) and Replicate()" in msgs["partial"], msgs
         assert "tensor-parallel mesh only" in msgs["2d"], msgs
@@ -109,7 +105,7 @@ def test_partial_and_two_dimensional_placements_are_refused():
 
 
 def test_checkpoint_at_the_same_mesh_resumes_bitwise_and_another_recorded_mesh_loads():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         c = r["checkpoint"]
         assert c["weights"] > 0 and c["states"] > 0 and not c["bad"], (rank, c["bad"][:5])
         assert c["mesh"] == {"data_parallel": 2, "tensor_parallel": 2}, c["mesh"]
@@ -120,7 +116,7 @@ def test_checkpoint_at_the_same_mesh_resumes_bitwise_and_another_recorded_mesh_l
 
 
 def test_checkpoint_resumes_shampoo_whole_matrix_state_on_the_tp_stepper_alone():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         c = r["checkpoint_shampoo"]
         assert c["weights"] > 0 and c["states"] > 0 and not c["bad"], (rank, c["bad"][:5])
 
@@ -159,12 +155,12 @@ def test_tp_steppers_balance_newton_schulz_flops_and_localize_keeps_owners():
 
 
 def test_fabric_path_with_tp_equals_the_reference():
-    res = [r["fabric"] for r in _results()]
+    res = [r["fabric"] for r in _LAUNCH.results()]
     assert all(r["names"] == ("data_parallel", "tensor_parallel") and r["same"] for r in res), res
 
 
 def test_bf16_compute_with_tp_stays_near_the_float32_reference():
-    for r in _results():
+    for r in _LAUNCH.results():
         b = r["bf16"]
         assert all(abs(a - w) <= 0.05 * abs(w) for a, w in zip(b["losses"], b["ref"])), b
 
@@ -205,7 +201,7 @@ def test_a_tp_group_across_nodes_warns(monkeypatch):
 
 
 def _bitwise(name):
-    res = [r[name] for r in _results()]
+    res = [r[name] for r in _LAUNCH.results()]
     for rank, r in enumerate(res):
         assert r["loss_equal"] and r["weights_equal"], (rank, r["bad"][:5])
     return res
@@ -249,7 +245,7 @@ def test_compiled_blocks_with_tp_equal_the_eager_reference():
 
 
 def test_grad_norm_with_tp_gives_lightnings_keys_with_whole_gradient_norms():
-    res = [r["grad_norm"] for r in _results()]
+    res = [r["grad_norm"] for r in _LAUNCH.results()]
     for norm_type in ("2", "1", "inf"):
         assert all(r[norm_type]["keys"] for r in res), norm_type  # a frozen parameter has no key
         # float64 partial norms of the fragments vs torch's float32 norm of the whole gradient
@@ -258,7 +254,7 @@ def test_grad_norm_with_tp_gives_lightnings_keys_with_whole_gradient_norms():
 
 
 def test_tp_group_with_different_plans_is_refused_naming_the_tp_group():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         msg = r["digest_mismatch"]
         assert "plan mismatch between tensor-parallel group rank 0 and rank 1" in msg, msg
         assert f"global ranks {rank - rank % 2} and {rank - rank % 2 + 1}" in msg, msg
@@ -271,7 +267,7 @@ def test_plan_printout_names_each_tp_ranks_load_and_the_byte_counters_have_the_t
     3 steps of docs/tensor-parallel.md's bytes, and the Trainer logs them as ``matrix_fsdp/tp_MB``."""
     import re
 
-    res = [r["trainer"] for r in _results()]
+    res = [r["trainer"] for r in _LAUNCH.results()]
     lines = [line for line in res[0]["printed"] if line.startswith("tensor parallel: T=2")]
     assert len(lines) == 1, res[0]["printed"]
     per_owner = re.findall(r"owner (\d+): ([^;]+)", lines[0])

@@ -25,22 +25,17 @@ from helpers.tp_export_scenarios import worker
 
 # every test reads its part of the one launch, a task of the session's 4-process pool
 _LAUNCH = PoolTask(worker, timeout=600)
-_POOLS: list = []  # the session's pool getter (dist_pools), set by the fixture below
 
 
 @pytest.fixture(autouse=True)
 def _pool(dist_pools):
-    _POOLS[:] = [dist_pools]
-
-
-def _results():
-    return _LAUNCH.results(_POOLS[0](4))
+    _LAUNCH.pool = dist_pools(4)
 
 
 def _bad(kind: str, *what: str) -> list:
     """Every rank's mismatches of scenario ``kind`` whose label starts with one of ``what``."""
     out = []
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         c = r[kind]
         assert c["weights"] > 0 and c["states"] > 0, (rank, c)
         out += [(rank, *b) for b in c["bad"] if str(b[0]).startswith(what)]
@@ -49,7 +44,7 @@ def _bad(kind: str, *what: str) -> list:
 
 def test_consolidated_file_of_a_tp_model_holds_whole_weights_and_muon_state():
     assert not _bad("muon", "file", "non-TP load")
-    first = _results()[0]["muon"]
+    first = _LAUNCH.results()[0]["muon"]
     # the same file a model without TP writes: loaded into one (D 4 x T 1) and saved back, it is unchanged
     assert not first["format_diff"], first["format_diff"][:5]
     assert first["file_mesh"] == {"data_parallel": 2, "tensor_parallel": 2}, first
@@ -58,16 +53,16 @@ def test_consolidated_file_of_a_tp_model_holds_whole_weights_and_muon_state():
 def test_consolidated_file_of_a_tp_model_holds_shampoo_whole_matrix_state():
     # (its MLP 8 -> 16 -> 8: a TP fragment of the MLP's matrices has the shape of a preconditioner)
     assert not _bad("shampoo", "file", "non-TP load")
-    assert not _results()[0]["shampoo"]["format_diff"]
+    assert not _LAUNCH.results()[0]["shampoo"]["format_diff"]
 
 
 def test_consolidate_command_and_safetensors_export_of_a_tp_checkpoint_give_whole_tensors():
     for kind in ("muon", "shampoo"):
         assert not _bad(kind, "consolidate", "safetensors")
         # the sidecar's record of the mesh the run had is carried into the file, as the live save writes it
-        assert _results()[0][kind]["conv_mesh"] == {"data_parallel": 2, "tensor_parallel": 2}
+        assert _LAUNCH.results()[0][kind]["conv_mesh"] == {"data_parallel": 2, "tensor_parallel": 2}
         # the file converted back to a directory: the sidecar of one writer, no TP records (whole tensors)
-        assert _results()[0][kind]["back_tp"] == [], _results()[0][kind]["back_tp"]
+        assert _LAUNCH.results()[0][kind]["back_tp"] == [], _LAUNCH.results()[0][kind]["back_tp"]
 
 
 def test_tp_directory_with_whole_matrix_state_of_a_fragments_shape_saves_and_resumes():
@@ -79,7 +74,7 @@ def test_load_pretrained_of_the_safetensors_export_into_a_tp_model_gives_each_ra
 
 
 def test_full_model_gives_plain_whole_tensors_and_runs_as_the_unsplit_model():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         f = r["full_model"]
         assert f["checked"] > 0 and not f["bad"], (rank, f["bad"][:5])
 

@@ -31,20 +31,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 # every test reads its part of the one launch, a task of the session's 4-process pool
 _LAUNCH = PoolTask(worker, timeout=600)
-_POOLS: list = []  # the session's pool getter (dist_pools), set by the fixture below
 
 
 @pytest.fixture(autouse=True)
 def _pool(dist_pools):
-    _POOLS[:] = [dist_pools]
-
-
-def _results():
-    return _LAUNCH.results(_POOLS[0](4))
+    _LAUNCH.pool = dist_pools(4)
 
 
 def test_trainer_resume_from_a_model_checkpoint_is_bitwise_the_uninterrupted_fit():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         t = r["trainer"]
         assert t["states"] > 0 and not t["resume_weights"] and not t["resume_state"], (rank, t)
         assert t["whole_states"] > 0, t  # every rank steps some split matrix whole (Shampoo's whole state)
@@ -53,18 +48,18 @@ def test_trainer_resume_from_a_model_checkpoint_is_bitwise_the_uninterrupted_fit
 
 
 def test_lightning_hooks_see_this_ranks_views():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         v = r["trainer"]["views"]
         assert v["keys"] and not v["save"] and not v["load"], (rank, v)
 
 
 def test_trainer_save_checkpoint_writes_the_global_tensors():
-    r0 = _results()[0]["trainer"]
+    r0 = _LAUNCH.results()[0]["trainer"]
     assert r0["final_entries"] == 24 and not r0["final"], r0["final"]
 
 
 def test_async_save_writes_what_the_synchronous_save_writes():
-    r0 = _results()[0]
+    r0 = _LAUNCH.results()[0]
     for name in ("epoch=0.ckpt", "epoch=1.ckpt"):
         n, bad = r0["trainer"][f"async_{name}"]
         assert n > 24 and not bad, (name, bad)
@@ -73,7 +68,7 @@ def test_async_save_writes_what_the_synchronous_save_writes():
 
 
 def test_single_file_format_holds_whole_tensors_and_resumes_bitwise():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         t = r["trainer"]
         assert not t["file_resume_weights"] and not t["file_resume_state"] and t["file_losses"], (rank, t)
         if rank == 0:
@@ -81,18 +76,18 @@ def test_single_file_format_holds_whole_tensors_and_resumes_bitwise():
 
 
 def test_ema_weight_averaging_with_tp_and_its_resume():
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         a = r["averaging"]
         assert a["steps"] == 4 and a["averaged"] and not a["oracle"], (rank, a)
         assert not a["resumed"], (rank, a)
-    assert any(r["averaging"]["split"] for r in _results())
+    assert any(r["averaging"]["split"] for r in _LAUNCH.results())
 
 
 def test_swa_with_tp_copy_made_before_the_plan():
     """``StochasticWeightAveraging`` copies the module in its ``setup``, before ``configure_model``
     applies the TP plan: the copy keeps this TP rank's slice; the final weights are the running
     mean written out here, and a fit resumed from epoch 1's checkpoint ends with them too."""
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         a = r["averaging"]
         assert a["swa_steps"] == 6 and not a["swa"], (rank, a["swa"])
         assert not a["swa_resumed"], (rank, a["swa_resumed"])  # resumed from epoch 1: the same final weights
@@ -100,7 +95,7 @@ def test_swa_with_tp_copy_made_before_the_plan():
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_fabric_save_load_round_trip_bitwise(mode):
-    for rank, r in enumerate(_results()):
+    for rank, r in enumerate(_LAUNCH.results()):
         f = r["fabric"][mode]
         assert f["states"] > 0 and not f["weights"] and not f["state"], (rank, f)
         assert f["rest"] == {"step": 2}, f
@@ -108,7 +103,7 @@ def test_fabric_save_load_round_trip_bitwise(mode):
 
 def test_cli_yaml_example_runs_with_tp():
     """examples/tensor_parallel.yaml through LightningCLI's ``fit`` at world 4 (2 steps)."""
-    for r in _results():
+    for r in _LAUNCH.results():
         c = r["cli"]
         assert c["steps"] == 2 and c["tp"] == 2 and c["names"] == ("data_parallel", "tensor_parallel"), c
         assert c["tp_bytes"] > 0, c  # split matrices were stepped whole on their TP steppers

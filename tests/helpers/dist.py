@@ -73,45 +73,50 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 240.0
     return [results[r] for r in range(world)]
 
 
-class OneLaunch:
-    """One ``run_distributed`` shared by the tests of a file, started by the first that asks.
-    A failure is kept too, so the tests after it raise it again instead of launching again."""
+class _KeptRun:
+    """A run shared by the tests of a file, made by the first that asks. A failure is kept too,
+    so the tests after it raise it again instead of running it again."""
+
+    def __init__(self) -> None:
+        self._done: tuple[Any, Any] | None = None
+
+    def _once(self, run: Callable[[], list[Any]]) -> list[Any]:
+        if self._done is None:
+            try:
+                self._done = (run(), None)
+            except AssertionError as e:
+                self._done = (None, e)
+        res, err = self._done
+        if err is not None:
+            raise err
+        return res
+
+
+class OneLaunch(_KeptRun):
+    """One ``run_distributed`` shared by the tests of a file (its own processes)."""
 
     def __init__(self, fn: Callable, world: int, *args: Any, timeout: float = 240.0) -> None:
+        super().__init__()
         self.fn, self.world, self.args, self.timeout = fn, world, args, timeout
-        self._done: tuple[Any, Any] | None = None
 
     def results(self) -> list[Any]:
-        if self._done is None:
-            try:
-                self._done = (run_distributed(self.fn, self.world, *self.args, timeout=self.timeout), None)
-            except AssertionError as e:
-                self._done = (None, e)
-        res, err = self._done
-        if err is not None:
-            raise err
-        return res
+        return self._once(lambda: run_distributed(self.fn, self.world, *self.args, timeout=self.timeout))
 
 
-class PoolTask:
-    """``OneLaunch`` on a warm pool: one ``DistPool.run`` shared by the tests of a file, run by the
-    first that asks (the pool comes from its fixture: ``dist_pools(world)`` or ``hf_pool``), so the
-    file pays no process start-up of its own. A failure is kept and raised again by the tests after it."""
+class PoolTask(_KeptRun):
+    """``OneLaunch`` on a warm pool: one ``DistPool.run`` shared by the tests of a file, so the file
+    pays no process start-up of its own. The pool comes from its fixture (``dist_pools(world)`` or
+    ``hf_pool``): passed to ``results``, or set once as ``pool`` by an autouse fixture of the file."""
 
     def __init__(self, fn: Callable, *args: Any, timeout: float = 240.0) -> None:
+        super().__init__()
         self.fn, self.args, self.timeout = fn, args, timeout
-        self._done: tuple[Any, Any] | None = None
+        self.pool: "DistPool | None" = None
 
-    def results(self, pool: "DistPool") -> list[Any]:
-        if self._done is None:
-            try:
-                self._done = (pool.run(self.fn, *self.args, timeout=self.timeout), None)
-            except AssertionError as e:
-                self._done = (None, e)
-        res, err = self._done
-        if err is not None:
-            raise err
-        return res
+    def results(self, pool: "DistPool | None" = None) -> list[Any]:
+        pool = pool or self.pool
+        assert pool is not None, "PoolTask.results needs a pool (its fixture's), passed or set as .pool"
+        return self._once(lambda: pool.run(self.fn, *self.args, timeout=self.timeout))
 
 
 def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
