@@ -405,11 +405,10 @@ class PerExpertMuon:
 
 def worker(rank: int, world: int, root: str) -> dict[str, Any]:
     import lightning_matrixfsdp as mf
-    from helpers.equiv import EXACT, close, compare, full_params, make_sharded_optimizer
+    from helpers.equiv import EXACT, assert_owned_grads_equal, close, compare, full_params, make_sharded_optimizer
     from helpers.models import batch_for, lm_loss
     from helpers.oracle import allreduce_mean_grads
     from lightning_matrixfsdp.runtime.classify import UndeclaredStackWarning
-    from lightning_matrixfsdp.runtime.tags import is_owned
 
     torch.manual_seed(0)
     sharded = _tiny_gptoss(layers=2, experts=4, hidden=16, inter=12, vocab=VOCAB)
@@ -428,10 +427,7 @@ def worker(rank: int, world: int, root: str) -> dict[str, Any]:
         lo.backward()
         ls.backward()
         allreduce_mean_grads(oracle)
-        o_params = dict(oracle.named_parameters())
-        for n, p in sharded.named_parameters():
-            if is_owned(p) and p.numel():
-                assert close(p.grad, o_params[n].grad, EXACT), f"step {step}: grad {n}"
+        assert_owned_grads_equal(sharded, oracle, EXACT, f"step {step}")
         ref.step()
         for o in opts:
             o.step()

@@ -55,8 +55,7 @@ def per_expert_muon(model: nn.Module):
 
 def _scenario(rank: int, name: str) -> dict[str, Any]:
     import lightning_matrixfsdp as mf
-    from helpers.equiv import EXACT, close, compare, full_params, make_sharded_optimizer
-    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of
+    from helpers.equiv import EXACT, assert_owned_grads_equal, close, compare, full_params, make_sharded_optimizer
     from helpers.models import batch_for, lm_loss
     from helpers.oracle import allreduce_mean_grads
 
@@ -76,12 +75,7 @@ def _scenario(rank: int, name: str) -> dict[str, Any]:
         lo.backward()
         ls.backward()
         allreduce_mean_grads(oracle)
-        o_params = dict(oracle.named_parameters())
-        for n, p in sharded.named_parameters():
-            if is_owned(p) and p.numel():
-                rows = shard_of(p).experts  # a split stack (4 processes): this owner's block of experts
-                want = o_params[n].grad if rows is None else o_params[n].grad[rows[0]:rows[1]]
-                assert close(p.grad, want, EXACT), f"{name} step {step}: grad {n}"
+        assert_owned_grads_equal(sharded, oracle, EXACT, f"{name} step {step}")  # split stacks at 4 processes
         ref.step()
         for o in opts:
             o.step()

@@ -22,7 +22,6 @@ blocks are not torch.chunk's refused.
 from __future__ import annotations
 
 import copy
-import os
 import tempfile
 from typing import Any
 
@@ -103,9 +102,8 @@ def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
 def _train_scenario(rank: int, world: int) -> dict[str, Any]:
     """Bitwise DDP with a per-expert Muon; the norms count each expert once."""
     import lightning_matrixfsdp as mf
-    from helpers.equiv import EXACT, close, compare, full_params, make_sharded_optimizer
+    from helpers.equiv import EXACT, assert_owned_grads_equal, close, compare, full_params, make_sharded_optimizer
     from helpers.oracle import allreduce_mean_grads
-    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of
 
     sharded = build()
     oracle = copy.deepcopy(sharded)
@@ -120,12 +118,7 @@ def _train_scenario(rank: int, world: int) -> dict[str, Any]:
         lo.backward()
         ls.backward()
         allreduce_mean_grads(oracle)
-        o_params = dict(oracle.named_parameters())
-        for n, p in sharded.named_parameters():
-            if is_owned(p) and p.numel():
-                s = shard_of(p)
-                want = o_params[n].grad if s.experts is None else o_params[n].grad[s.experts[0]:s.experts[1]]
-                assert close(p.grad, want, EXACT), f"step {step}: grad {n} (block {s.experts})"
+        assert_owned_grads_equal(sharded, oracle, EXACT, f"step {step}")
         # every expert once: the clip's total and each stack's norm against torch's on the whole gradients
         big = 1e6  # no scaling (factor 1.0 on both sides), so the weights stay bitwise comparable
         ours_norms = mf.grad_norm(sharded, 2)

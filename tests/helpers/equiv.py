@@ -70,6 +70,19 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: dict) -> bool:
     return torch.equal(a, b) if tol["atol"] == 0 and tol["rtol"] == 0 else torch.allclose(a, b, **tol)
 
 
+def assert_owned_grads_equal(sharded: torch.nn.Module, oracle: torch.nn.Module, tol: dict, what: str) -> None:
+    """Every gradient this rank owns in ``sharded`` equals the oracle's (already averaged) within
+    ``tol``; an expert stack split over owners is compared as this owner's block of experts."""
+    from lightning_matrixfsdp.runtime.tags import is_owned, shard_of
+
+    o_params = dict(oracle.named_parameters())
+    for n, p in sharded.named_parameters():
+        if is_owned(p) and p.numel():
+            rows = shard_of(p).experts
+            want = o_params[n].grad if rows is None else o_params[n].grad[rows[0]:rows[1]]
+            assert close(p.grad, want, tol), f"{what}: grad {n} (experts {rows})"
+
+
 def maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
