@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.equiv import step_oracle_and_sharded
+from helpers.equiv import move_grads_into, step_oracle_and_sharded
 from helpers.models import TinyLM, batch_for, lm_loss
 from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
 
@@ -185,10 +185,7 @@ def split_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 allreduce_mean_grads(oracle, zero_missing)  # the oracle's own flat sum
             else:
                 allreduce_mean_grads(oracle, zero_missing, group=W)
-            for n, p in oracle.named_parameters():
-                if p.grad is not None:
-                    acc[n] = acc[n] + p.grad if n in acc else p.grad
-                p.grad = None
+            move_grads_into(oracle, acc)
         for n, p in oracle.named_parameters():
             p.grad = acc.get(n)
         if cfg.get("clip"):

@@ -70,6 +70,15 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: dict) -> bool:
     return torch.equal(a, b) if tol["atol"] == 0 and tol["rtol"] == 0 else torch.allclose(a, b, **tol)
 
 
+def move_grads_into(model: torch.nn.Module, acc: dict[str, torch.Tensor]) -> None:
+    """Add each gradient of ``model`` to ``acc`` (by name) and clear it: one micro-batch's
+    averaged gradients summed into the window's, as DDP does when every backward reduces."""
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            acc[n] = acc[n] + p.grad if n in acc else p.grad
+        p.grad = None
+
+
 def assert_owned_grads_equal(sharded: torch.nn.Module, oracle: torch.nn.Module, tol: dict, what: str) -> None:
     """Every gradient this rank owns in ``sharded`` equals the oracle's (already averaged) within
     ``tol``; an expert stack split over owners is compared as this owner's block of experts."""
@@ -162,10 +171,7 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             ls.backward()
             if not no_sync:  # the oracle reduces every micro-batch too and sums the averages
                 allreduce_mean_grads(oracle, zero_missing)
-                for n, p in oracle.named_parameters():
-                    if p.grad is not None:
-                        acc[n] = acc[n] + p.grad if n in acc else p.grad
-                    p.grad = None
+                move_grads_into(oracle, acc)
             d = maxdiff(lo.detach(), ls.detach())
             worst["loss"] = max(worst["loss"], d)
             assert close(lo.detach(), ls.detach(), tol), f"step {step}: loss {ls.item()} vs oracle {lo.item()}"
@@ -192,16 +198,7 @@ def equivalence_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             d = maxdiff(p.grad, og)
             worst["grad"] = max(worst["grad"], d)
             assert close(p.grad, og, tol), f"step {step}: grad {n} differs by {d:.3e}"
-        for o in o_opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
-        # no collective may run inside the optimizer step
-        with count_collectives() as counter:
-            for o in s_opts:
-                o.step()
-        assert counter.calls == 0, f"optimizer step issued {counter.calls} collectives: {counter.names}"
-        for o in s_opts:
-            o.zero_grad(set_to_none=True)
+        step_oracle_and_sharded(o_opts, s_opts)  # no collective may run inside the optimizer step
         check_memory_shape(sharded)
         worst["param"] = max(worst["param"], compare(full_params(sharded), dict(oracle.named_parameters()),
                                                      tol, "param", step))
