@@ -17,38 +17,12 @@ import pytest
 import torch
 
 import lightning_matrixfsdp as mf
-from helpers.models import GroupedExperts
+from helpers.models import GroupedMoE
 
 TOL = 1e-9  # float64: only the order of the expert sums differs from the oracle
 DTYPE = torch.float64
 LAYER = "transformers.models.mixtral.modeling_mixtral.MixtralDecoderLayer"
 TIMEOUT = 180  # a hang shows as a timeout of the task
-
-
-# ---------------------------------------------------------------------- a torchtitan-shaped MoE
-class GroupedMoE(torch.nn.Module):
-    """Router, top-2, tokens sorted by expert, experts, unsorted; ``skew``: the router always picks
-    experts 0 and 1 (a bias of +-5, no weight), so every token goes to expert-parallel place 0."""
-
-    def __init__(self, dim: int, experts: int, skew: bool) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(dim)
-        self.router = torch.nn.Linear(dim, experts, bias=skew)
-        if skew:
-            with torch.no_grad():
-                self.router.weight.zero_()
-                self.router.bias.copy_(torch.tensor([5.0, 5.0] + [-5.0] * (experts - 2)))
-        self.experts = mf.parallelize_experts(GroupedExperts(dim, 2 * dim, experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = self.norm(x).reshape(-1, x.shape[-1])
-        weights, index = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)
-        order = torch.argsort(index.reshape(-1), stable=True)
-        counts = torch.bincount(index.reshape(-1), minlength=self.experts.num_experts)
-        y_sorted = self.experts(flat.repeat_interleave(2, dim=0)[order], counts)
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted
-        return x + (y.view(-1, 2, x.shape[-1]) * weights[..., None]).sum(1).view_as(x)
 
 
 class TinyGrouped(torch.nn.Module):
@@ -58,6 +32,8 @@ class TinyGrouped(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 16)
         self.blocks = torch.nn.ModuleList(GroupedMoE(16, experts, skew) for _ in range(2))
+        for block in self.blocks:  # expert parallelism in torchtitan's shape, as configure_model applies it
+            block.experts = mf.parallelize_experts(block.experts)
         self.head = torch.nn.Linear(16, 64, bias=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

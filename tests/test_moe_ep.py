@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from helpers.dist import PoolTask
 from helpers.equiv import count_collectives
-from helpers.models import GroupedExperts
+from helpers.models import GroupedMoE
 
 pytest.importorskip("transformers")
 # the first test of each launch waits for the whole launch (a loaded 2-core machine: minutes)
@@ -44,26 +44,6 @@ def tiny_mixtral(experts: int = 4, seed: int = 0):
                         router_aux_loss_coef=0.05, tie_word_embeddings=False, experts_implementation="eager")
     torch.manual_seed(seed)
     return MixtralForCausalLM(cfg).to(DTYPE)
-
-
-class GroupedMoE(torch.nn.Module):
-    """A top-2 MoE block in torchtitan's shape: router, tokens sorted by expert, experts, unsorted."""
-
-    def __init__(self, dim: int, experts: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(dim)
-        self.router = torch.nn.Linear(dim, experts, bias=False)
-        self.experts = GroupedExperts(dim, 2 * dim, experts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = self.norm(x).reshape(-1, x.shape[-1])
-        weights, index = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)
-        order = torch.argsort(index.reshape(-1), stable=True)
-        counts = torch.bincount(index.reshape(-1), minlength=self.experts.num_experts)
-        y_sorted = self.experts(flat.repeat_interleave(2, dim=0)[order], counts)
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted
-        return x + (y.view(-1, 2, x.shape[-1]) * weights[..., None]).sum(1).view_as(x)
 
 
 class TinyGrouped(torch.nn.Module):

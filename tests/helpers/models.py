@@ -97,3 +97,29 @@ class GroupedExperts(nn.Module):
             start += n
             outs.append((F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)) @ self.w2[e].T)
         return torch.cat(outs)
+
+
+class GroupedMoE(nn.Module):
+    """A top-2 MoE block in torchtitan's shape around :class:`GroupedExperts`: router, tokens sorted
+    by expert, experts, unsorted. ``skew``: the router always picks experts 0 and 1 (a bias of +-5,
+    no weight), so every token goes to the first expert-parallel place."""
+
+    def __init__(self, dim: int, experts: int, skew: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, experts, bias=skew)
+        if skew:
+            with torch.no_grad():
+                self.router.weight.zero_()
+                self.router.bias.copy_(torch.tensor([5.0, 5.0] + [-5.0] * (experts - 2)))
+        self.experts = GroupedExperts(dim, 2 * dim, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.norm(x).reshape(-1, x.shape[-1])
+        weights, index = torch.topk(torch.softmax(self.router(flat), dim=-1), 2, dim=-1)
+        order = torch.argsort(index.reshape(-1), stable=True)
+        counts = torch.bincount(index.reshape(-1), minlength=self.experts.num_experts)
+        y_sorted = self.experts(flat.repeat_interleave(2, dim=0)[order], counts)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        return x + (y.view(-1, 2, x.shape[-1]) * weights[..., None]).sum(1).view_as(x)
