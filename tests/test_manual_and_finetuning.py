@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from helpers.lit import gather_full
+from helpers.lit import cpu_trainer, full_numpy
 from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 CLIP = 0.05
@@ -24,19 +24,6 @@ CLIP = 0.05
 def _muon(params: Any) -> torch.optim.Optimizer:
     a = ADAMW_DEFAULTS
     return mf.Muon(params, adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
-
-
-def _trainer(strategy: Any, world: int, root: str, **kw: Any) -> Trainer:
-    tk = dict(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
-    tk.update(kw)
-    return Trainer(strategy=strategy, **tk)
-
-
-def _full(module: nn.Module) -> dict[str, Any]:
-    """Every parameter whole, as numpy (tensors do not survive the result queue)."""
-    full = gather_full(module) if mf.is_matrix_sharded(module) else dict(module.named_parameters())
-    return {n: t.detach().numpy().copy() for n, t in full.items()}
 
 
 def _same_weights(ours: dict, ddp: dict) -> None:
@@ -179,7 +166,7 @@ def _finetune_worker(rank: int, world: int, root: str) -> dict:
         for resume in (False, True):
             torch.manual_seed(0)
             model = Finetuned()
-            initial = _full(model)
+            initial = full_numpy(model)
             ckpts = os.path.join(root, name, "ckpt")
             callbacks = [ResumableBackboneFinetuning(unfreeze_backbone_at_epoch=1)]
             if not resume:
@@ -187,11 +174,11 @@ def _finetune_worker(rank: int, world: int, root: str) -> dict:
             ckpt = os.path.join(ckpts, "epoch=1-step=8.ckpt") if resume else None
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trainer = _trainer(strategy(), world, os.path.join(root, name), max_epochs=3, callbacks=callbacks,
+                trainer = cpu_trainer(strategy(), world, os.path.join(root, name), max_epochs=3, callbacks=callbacks,
                                    enable_checkpointing=not resume)
                 trainer.fit(model, ckpt_path=ckpt)
             groups = trainer.optimizers[0].param_groups
-            out[(name, resume)] = {"weights": _full(model), "initial": initial, "groups": len(groups),
+            out[(name, resume)] = {"weights": full_numpy(model), "initial": initial, "groups": len(groups),
                                    # every group routed: each rank steps only what it owns
                                    "routed": all(p.numel() > 0 for g in groups for p in g["params"])}
     return out
@@ -219,8 +206,8 @@ def _gan_worker(rank: int, world: int, root: str) -> dict:
         gan = GAN()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _trainer(strategy(), world, os.path.join(root, name), max_steps=8).fit(gan)
-        out[name] = {"weights": _full(gan), "losses": gan.losses, "norms": gan.norms}
+            cpu_trainer(strategy(), world, os.path.join(root, name), max_steps=8).fit(gan)
+        out[name] = {"weights": full_numpy(gan), "losses": gan.losses, "norms": gan.norms}
     return out
 
 
@@ -250,9 +237,9 @@ def _clip_worker(rank: int, world: int, root: str) -> dict:
         lit = LitTiny()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _trainer(strategy(), world, os.path.join(root, name), max_steps=4, gradient_clip_val=0.3,
+            cpu_trainer(strategy(), world, os.path.join(root, name), max_steps=4, gradient_clip_val=0.3,
                      limit_val_batches=0).fit(lit)
-        out[name] = {"weights": _full(lit), "losses": lit.losses}
+        out[name] = {"weights": full_numpy(lit), "losses": lit.losses}
     return out
 
 

@@ -23,23 +23,10 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from helpers.lit import LitTiny, gather_full
+from helpers.lit import LitTiny, cpu_trainer, full_numpy, gather_full
 from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 CLIP = 0.05
-
-
-def _trainer(strategy: Any, world: int, root: str, **kw: Any) -> Trainer:
-    tk = dict(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
-    tk.update(kw)
-    return Trainer(strategy=strategy, **tk)
-
-
-def _full(module: nn.Module) -> dict[str, Any]:
-    """Every parameter whole (the owners broadcast by hand), as numpy for the result queue."""
-    full = gather_full(module) if mf.is_matrix_sharded(module) else dict(module.named_parameters())
-    return {n: t.detach().numpy().copy() for n, t in full.items()}
 
 
 def _error(call) -> Any:
@@ -56,7 +43,7 @@ def _state_dict_scenario(rank: int, world: int, root: str) -> dict:
     lit = LitTiny()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = _trainer("matrix_fsdp", world, root, max_steps=2, limit_val_batches=0)
+        trainer = cpu_trainer("matrix_fsdp", world, root, max_steps=2, limit_val_batches=0)
         trainer.fit(lit)
     out: dict[str, Any] = {"every_rank": _error(lit.state_dict)}
     out["named_parameters"] = {n: tuple(p.shape) for n, p in lit.named_parameters()}
@@ -269,8 +256,8 @@ def _fit(variant: str, strategy: Any, world: int, root: str) -> dict:
     gan = ManualGAN(variant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trainer(strategy, world, root, max_epochs=1).fit(gan)
-    return {"weights": _full(gan), "losses": gan.losses, "lrs": gan.lrs}
+        cpu_trainer(strategy, world, root, max_epochs=1).fit(gan)
+    return {"weights": full_numpy(gan), "losses": gan.losses, "lrs": gan.lrs}
 
 
 def _manual_scenario(rank: int, world: int, root: str) -> dict:
@@ -427,7 +414,7 @@ def _tp_meta_scenario(rank: int, world: int) -> dict:
     with torch.no_grad():
         loss, ref_loss = loss_of(model, x).item(), loss_of(ref, x).item()
     return {"wrong": wrong, "owned": owned, "generator": torch.equal(after_ref, after_ours), "loss": loss,
-            "ref_loss": ref_loss, "trainer": _tp_meta_trainer(ref, tp_group)}
+            "ref_loss": ref_loss, "trainer": _tp_metacpu_trainer(ref, tp_group)}
 
 
 class _MetaTP(LightningModule):
@@ -454,7 +441,7 @@ class _MetaTP(LightningModule):
         return _muon(self.parameters())
 
 
-def _tp_meta_trainer(ref: nn.Module, tp_group: Any) -> list:
+def _tp_metacpu_trainer(ref: nn.Module, tp_group: Any) -> list:
     """The same through the Trainer (set up by a fit of no step): the residents against ``ref``."""
     from helpers.tp_reference import slice_of, whole_dim
 

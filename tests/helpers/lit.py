@@ -124,6 +124,23 @@ def gather_full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def cpu_trainer(strategy: Any, world: int, root: str, **kw: Any) -> Trainer:
+    """A quiet CPU Trainer of ``world`` processes (no logger, checkpointing, bars or summary)."""
+    tk = dict(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    tk.update(kw)
+    return Trainer(strategy=strategy, **tk)
+
+
+def full_numpy(module: torch.nn.Module) -> dict[str, Any]:
+    """Every parameter whole (gathered from the owners if sharded), as numpy for a result queue
+    (tensors do not survive it)."""
+    import lightning_matrixfsdp as mf
+
+    full = gather_full(module) if mf.is_matrix_sharded(module) else dict(module.named_parameters())
+    return {n: t.detach().numpy().copy() for n, t in full.items()}
+
+
 def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     """Fit with Trainer(strategy=...) in this process group; replay the batches through the DDP oracle."""
     import lightning_matrixfsdp as mf
