@@ -180,6 +180,8 @@ def test_iteration_with_mirror_copies_is_the_clone_path(monkeypatch, batched):
     gram, copy = symmetric.symmetric_mm_twice(x, x.mT, 3)
     assert torch.equal(gram, copy) and copy.data_ptr() != gram.data_ptr()
     assert torch.equal(gram, symmetric.symmetric_addmm(x, x.mT, 3))
+    with pytest.raises(ValueError, match="copy is written by the mirror pass"):
+        symmetric.symmetric_addmm(x, x.mT, 1, copy=torch.empty_like(gram))
 
 
 @pytest.mark.skipif(torch_newton_schulz is None, reason="torch's Newton-Schulz helper moved")

@@ -83,6 +83,7 @@ def symmetric_addmm(
     beta: float = 1.0,
     alpha: float = 1.0,
     consume_input: bool = False,
+    copy: Tensor | None = None,
 ) -> Tensor:
     """``beta * input + alpha * left @ right`` for a result known to be symmetric (2D, or 3D
     stacks with the batched ops).
@@ -99,12 +100,17 @@ def symmetric_addmm(
 
     ``consume_input``: ``input`` is a contiguous temporary of the caller's (a copy made on the
     way, :func:`symmetric_mm_twice`); the result is accumulated into it and it is returned.
+    ``copy``: a contiguous tensor of the result's shape that the mirror pass also fills with the
+    result (blocks, no ``input``; :func:`symmetric_mm_twice`).
     """
     m = left.size(-2)
     if left.ndim == 3:
         mm, addmm = torch.bmm, torch.baddbmm
     else:
         mm, addmm = torch.mm, torch.addmm
+    if copy is not None and (blocks <= 1 or input is not None):
+        raise ValueError("symmetric_addmm's copy is written by the mirror pass of a blocked product without "
+                         f"input; got blocks={blocks} and input {'given' if input is not None else 'None'}")
     if blocks <= 1:
         if input is None:
             return mm(left, right)
@@ -130,7 +136,7 @@ def symmetric_addmm(
         else:
             addmm(input[..., r0:r1, r0:], left[..., r0:r1, :], right[..., r0:], beta=beta, alpha=alpha,
                   out=out[..., r0:r1, r0:])
-    return mirror_lower_blocks_(out, edges)
+    return mirror_lower_blocks_(out, edges, copy=copy)
 
 
 def symmetric_mm_twice(left: Tensor, right: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
@@ -140,13 +146,8 @@ def symmetric_mm_twice(left: Tensor, right: Tensor, blocks: int) -> tuple[Tensor
     if blocks <= 1 or not MIRROR_COPIES:
         out = symmetric_addmm(left, right, blocks)
         return out, out.clone()
-    m = left.size(-2)
-    edges = _block_edges(m, blocks)
-    out = torch.empty(*left.shape[:-1], m, dtype=left.dtype, device=left.device)
-    for r0, r1 in zip(edges[:-1], edges[1:]):
-        (torch.bmm if left.ndim == 3 else torch.mm)(left[..., r0:r1, :], right[..., r0:], out=out[..., r0:r1, r0:])
-    copy = torch.empty_like(out, memory_format=torch.contiguous_format)
-    return mirror_lower_blocks_(out, edges, copy=copy), copy
+    copy = torch.empty(*left.shape[:-1], left.size(-2), dtype=left.dtype, device=left.device)
+    return symmetric_addmm(left, right, blocks, copy=copy), copy
 
 
 def gram_polynomial(x: Tensor, blocks: int, beta: float, alpha: float) -> Tensor:
