@@ -70,8 +70,9 @@ def main() -> None:
 
     # 1. the model first: matrix_fsdp shards it (each matrix whole on one owner rank) ...
     model = fabric.setup_module(TinyLM())
-    # 2. ... then the optimizer on its parameters: Muon on the matrices, AdamW on the rest ...
-    optimizer = mf.Muon(model.parameters(), lr=0.02)
+    # 2. ... then the optimizer, built from the module: Muon on the matrices, AdamW on the embeddings,
+    #    the head and the rest (the Muon recipe, the same under every strategy) ...
+    optimizer = mf.Muon(model, lr=0.02)
     # 3. ... then set it up: each rank keeps the parameters it owns.
     optimizer = fabric.setup_optimizers(optimizer)
 

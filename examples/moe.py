@@ -57,7 +57,7 @@ def fabric_run(args: argparse.Namespace) -> None:
     config = MixtralConfig(vocab_size=256, output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False,
                            **dict(CONFIG, max_position_embeddings=args.seq_len))
     model = fabric.setup_module(MixtralForCausalLM(config))
-    optimizer = fabric.setup_optimizers(mf.Muon(model.parameters(), lr=args.lr, adamw_lr=3e-3))
+    optimizer = fabric.setup_optimizers(mf.Muon(model, lr=args.lr, adamw_lr=3e-3))
     g = torch.Generator().manual_seed(fabric.global_rank)
     for step in range(args.max_steps):
         for micro in range(2):  # gradient accumulation: the last micro-batch reduces

@@ -48,7 +48,7 @@ MUON_CASES = {
 def test_muon_stack_equals_torch_muon_on_separate_matrices(case):
     shape, blocks, kw = MUON_CASES[case]
     stack, pieces, cuts = _stack_and_pieces(shape, blocks, seed=1)
-    ours = Muon([stack], **kw)
+    ours = Muon([{"params": [stack], "role": "matrix"}], **kw)  # a stack is a matrix only in a group that says so
     flat = [p for row in pieces for p in row]
     ref = torch.optim.Muon(flat, **kw)
     for g in _grads(shape, 3, seed=2):
@@ -72,7 +72,8 @@ def test_muon_stack_batched_over_experts_equals_per_matrix():
     shape, blocks = (4, 2 * I, H), (I, I)
     a, _, _ = _stack_and_pieces(shape, blocks, seed=3)
     b, _, _ = _stack_and_pieces(shape, blocks, seed=3)
-    oa, ob = Muon([a], lr=0.02, batch_shapes=False), Muon([b], lr=0.02, batch_shapes=True)
+    oa = Muon([{"params": [a], "role": "matrix"}], lr=0.02, batch_shapes=False)
+    ob = Muon([{"params": [b], "role": "matrix"}], lr=0.02, batch_shapes=True)
     for g in _grads(shape, 2, seed=4):
         a.grad, b.grad = g.clone(), g.clone()
         oa.step()
@@ -93,7 +94,7 @@ def test_muon_whole_stack_batched_with_symmetric_blocks_matches_torch_muon(monke
     monkeypatch.setattr(muon_module, "orthogonalize_stack", lambda *a, **k: calls.append(1) or real(*a, **k))
     shape, blocks = (1, 2 * 768, 512), (768, 768)  # tall (768, 512) pieces: 2 blocks of 256 rows fit
     stack, pieces, cuts = _stack_and_pieces(shape, blocks, seed=5)
-    ours = Muon([stack], lr=0.02, batch_shapes=True, symmetric_blocks=2)
+    ours = Muon([{"params": [stack], "role": "matrix"}], lr=0.02, batch_shapes=True, symmetric_blocks=2)
     flat = [p for row in pieces for p in row]
     ref = torch.optim.Muon(flat, lr=0.02)
     for g in _grads(shape, 1, seed=6):  # one step: the batched bf16 products are slow on CPU
@@ -137,7 +138,7 @@ def test_library_stack_equals_per_expert_instances(case):
     cls = getattr(matrix_optimizers, name)
     shape, blocks = (E, 2 * I, H), (I, I)
     stack, pieces, cuts = _stack_and_pieces(shape, blocks, seed=5)
-    ours = cls([stack], **kw)
+    ours = cls([{"params": [stack], "role": "matrix"}], **kw)
     refs = [[cls([p], **kw) for p in row] for row in pieces]  # one instance per matrix
     for g in _grads(shape, 3, seed=6):
         stack.grad = g.clone()
@@ -222,29 +223,38 @@ def test_expert_stacks_option_is_checked():
     assert _roles(call)["w13"] == (True, ExpertStack(4, (12,)))
 
 
-def test_recipe_default_embedding_and_head_on_adamw_and_matrix_filter_wins():
+def test_recipe_roles_and_placement_roles_and_matrix_filter_wins():
+    """The Muon recipe (recipe_roles: what Muon(model) steps how) keeps embeddings and the head on
+    AdamW; the placement (classify) makes every 2-D parameter a matrix role, so the optimizer the
+    user builds decides, as under DDP; an explicit matrix_filter decides the placement."""
+    from lightning_matrixfsdp.runtime.classify import recipe_roles
+
     model = OwnMoE()
-    roles = _roles(_collect(model, expert_stacks=["w*"]))
-    assert roles["tok.weight"] == (False, None)  # nn.Embedding
-    assert roles["head.weight"] == (False, None)  # the last nn.Linear projecting to the vocabulary
-    assert roles["router.weight"] == (True, None)
-    assert roles["scale"] == (False, None)
-    plan_rows = _collect(model, expert_stacks=["w*"]).roles
-    assert "nn.Embedding weight" in plan_rows["tok.weight"].reason
-    assert "output head" in plan_rows["head.weight"].reason
-    # an explicit matrix_filter decides, for embeddings, head and stacks alike
+    recipe = {k: (c.is_matrix, c.stack) for k, c in recipe_roles(model, expert_stacks=["w*"]).items()}
+    assert recipe["tok.weight"] == (False, None)  # nn.Embedding
+    assert recipe["head.weight"] == (False, None)  # the last nn.Linear projecting to the vocabulary
+    assert recipe["router.weight"] == (True, None)
+    assert recipe["scale"] == (False, None)
+    assert recipe["w13"][0] and recipe["w13"][1] is not None
+    reasons = recipe_roles(model, expert_stacks=["w*"])
+    assert "nn.Embedding weight" in reasons["tok.weight"].reason
+    assert "output head" in reasons["head.weight"].reason
+    placed = _roles(_collect(model, expert_stacks=["w*"]))
+    assert placed["tok.weight"] == (True, None) and placed["head.weight"] == (True, None)  # no recipe in placement
+    assert placed["scale"] == (False, None)
+    # an explicit matrix_filter decides the placement, for embeddings, head and stacks alike
     chosen = _roles(_collect(model, expert_stacks=["w*"], matrix_filter=lambda fqn, p: fqn != "w2"))
     assert chosen["tok.weight"] == (True, None) and chosen["head.weight"] == (True, None)
     assert chosen["w2"] == (False, None) and chosen["w13"][0]
-    # a head tied to the embedding is that embedding: AdamW
+    # a head tied to the embedding is that embedding: AdamW in the recipe
     model.head.weight = model.tok.weight
-    assert _roles(_collect(model, expert_stacks=["w*"]))["tok.weight"] == (False, None)
+    assert not recipe_roles(model, expert_stacks=["w*"])["tok.weight"].is_matrix
     hf = pytest.importorskip("transformers")
     llama = hf.LlamaForCausalLM(hf.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1))
-    roles = _roles(_collect(llama))
-    assert roles["model.embed_tokens.weight"] == (False, None) and roles["lm_head.weight"] == (False, None)
-    assert roles["model.layers.0.mlp.down_proj.weight"] == (True, None)
+    recipe = recipe_roles(llama)
+    assert not recipe["model.embed_tokens.weight"].is_matrix and not recipe["lm_head.weight"].is_matrix
+    assert recipe["model.layers.0.mlp.down_proj.weight"].is_matrix
 
 
 def test_stack_flops_are_counted_per_expert_and_block():
@@ -261,11 +271,10 @@ def test_stack_flops_are_counted_per_expert_and_block():
     assert role_cost(RoleKind.MATRIX, [spec])[1] == 4 * 2 * per_block  # the planner's price of the role
 
 
-def test_tag_expert_stacks_outside_matrix_shard_and_the_untagged_warning():
-    """Plain DDP / one device: untagged 3-D experts would go to AdamW (warned); after
-    tag_expert_stacks our Muon steps each expert (gate and up apart) as torch.optim.Muon does."""
-    from lightning_matrixfsdp.runtime.classify import tag_expert_stacks
-
+def test_muon_of_the_module_steps_stacks_per_expert_outside_matrix_shard_and_the_untagged_warning():
+    """Plain DDP / one device: 3-D experts in bare parameters go to AdamW (warned), as under
+    matrix_fsdp; Muon built from the module steps each expert (gate and up apart) as
+    torch.optim.Muon does on separate matrices."""
     hf = pytest.importorskip("transformers")
     cfg = hf.MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=6, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=3)
@@ -276,10 +285,10 @@ def test_tag_expert_stacks_outside_matrix_shard_and_the_untagged_warning():
         p.grad = grads[n].clone()
     with pytest.warns(UserWarning, match=r"steps a parameter of size \(3, 12, 8\) with AdamW"):
         Muon(experts.parameters(), lr=0.02).step()
-    stacks = tag_expert_stacks(experts)
-    assert stacks == {"gate_up_proj": ExpertStack(3, (6, 6)), "down_proj": ExpertStack(3, (8,))}
+    stacks = {"gate_up_proj": ExpertStack(3, (6, 6)), "down_proj": ExpertStack(3, (8,))}
+    ours = Muon(experts, lr=0.02)
+    assert [g["role"] for g in ours.param_groups] == ["matrix"]
     w = {n: p.detach().clone() for n, p in experts.named_parameters()}
-    ours = Muon(experts.parameters(), lr=0.02)
     separate = {(n, e, a): nn.Parameter(w[n][e, a:a + s.blocks[0]].clone())
                 for n, s in stacks.items() for e in range(3) for a in range(0, s.rows, s.blocks[0])}
     ref = torch.optim.Muon(list(separate.values()), lr=0.02)

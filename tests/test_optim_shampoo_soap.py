@@ -100,9 +100,10 @@ def oracle_optimizers(model: nn.Module, case: str) -> list[torch.optim.Optimizer
     return [lib_cls(mats, **lib_kw), torch.optim.AdamW(rest, foreach=False, **adamw_kw)]
 
 
-def ours(model: nn.Module, case: str, **extra: Any) -> torch.optim.Optimizer:
+def ours(model: nn.Module, case: str, recipe: bool = False, **extra: Any) -> torch.optim.Optimizer:
+    """``recipe``: built from the module (the Muon recipe's groups), else over bare parameters."""
     name, kw, _, _ = CASES[case]
-    return OURS[name](model.parameters(), **{**kw, **extra})
+    return OURS[name](model if recipe else model.parameters(), **{**kw, **extra})
 
 
 def assert_same_params(a: nn.Module, b: nn.Module, step: int, tol: dict | None = None) -> None:
@@ -318,9 +319,9 @@ def _run_case(rank: int, case: str, resume: dict | None) -> dict[str, Any]:
                 p.copy_(resume["params"][n])
     sharded = copy.deepcopy(oracle)
     mf.matrix_shard(sharded, collective="p2p")
-    mark_recipe_tail(oracle)  # embedding and head on AdamW, as matrix_shard's default
+    mark_recipe_tail(oracle)  # embedding and head on AdamW, as the optimizer built from the module does
     o_opts = [ours(oracle, case)] if case in WRAPPER_ORACLE else oracle_optimizers(oracle, case)
-    s_opt = route_optimizer(ours(sharded, case))
+    s_opt = route_optimizer(ours(sharded, case, recipe=True))
     first, out = 0, {}
     if resume is not None:
         for o, sd in zip(o_opts, resume["oracle_opts"]):

@@ -3,9 +3,9 @@
 Written as an ordinary LightningModule on purpose: no ``configure_model`` and no
 sharding calls, so it shows that MatrixFSDPStrategy wraps unmodified modules itself
 (each entry of ``blocks`` is the natural unit). The blocks' weight matrices are plain 2D
-``nn.Linear`` parameters, which is what Muon trains; the embeddings and the head go to
-AdamW by default (the Muon recipe), and LayerNorm parameters and biases form each unit's
-AdamW tail.
+``nn.Linear`` parameters, which is what Muon trains; the optimizer is built from the module
+(``Muon(self, ...)``), so the embeddings and the head go to AdamW (the Muon recipe) under every
+strategy alike, and LayerNorm parameters and biases form each unit's AdamW tail.
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ class GPT(LightningModule):
             rank_zero_warn("lightning_matrixfsdp.Muon is not importable; GPT falls back to torch.optim.AdamW")
             lr = hp.adamw_lr if hp.adamw_lr is not None else hp.lr
             return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=hp.weight_decay)
-        return Muon(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr)
+        # Built from the module: the Muon recipe's param groups, the same under DDP and matrix_fsdp.
+        return Muon(self, lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

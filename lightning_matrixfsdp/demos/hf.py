@@ -105,8 +105,8 @@ class HFCausalLM(LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        optimizer: torch.optim.Optimizer = Muon(
-            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr)
+        optimizer: torch.optim.Optimizer = Muon(  # the Muon recipe's groups, alike under every strategy
+            self, lr=hp.lr, weight_decay=hp.weight_decay, adamw_lr=hp.adamw_lr)
         return warmup_cosine(optimizer, self.trainer, hp.warmup_steps, hp.lr_schedule, hp.min_lr_ratio)
 
     def on_fit_start(self) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from .matrix_library import LIBRARY_REQUIREMENT, MatrixLibraryOptimizer
 from .tail import is_matrix_role
@@ -50,7 +50,9 @@ class SOAP(MatrixLibraryOptimizer):
     """SOAP (``pytorch_optimizer.SOAP``) on matrix roles, AdamW on the rest; no communication.
 
     Args:
-        params: parameters or param groups (a group may override any default).
+        params: a module (its parameters in the Muon recipe's groups, :func:`~.groups.param_groups`),
+            or parameters (by shape), or param groups (a group may override any default, and set
+            ``"role"``).
         lr, betas, shampoo_beta, weight_decay, precondition_frequency, max_precondition_dim,
             correct_bias, normalize_gradient, eps: as ``pytorch_optimizer.SOAP`` (same
             defaults). ``shampoo_beta=None`` uses ``betas[1]``; factors of a dimension larger
@@ -69,7 +71,7 @@ class SOAP(MatrixLibraryOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: nn.Module | Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 3e-3,
         betas: tuple[float, float] = (0.95, 0.95),
         shampoo_beta: float | None = None,
@@ -103,7 +105,9 @@ class Shampoo(MatrixLibraryOptimizer):
     matrix's update does not depend on which other matrices its rank owns.
 
     Args:
-        params: parameters or param groups (a group may override any default).
+        params: a module (its parameters in the Muon recipe's groups, :func:`~.groups.param_groups`),
+            or parameters (by shape), or param groups (a group may override any default, and set
+            ``"role"``).
         lr, betas, moving_average_for_momentum, weight_decay, decoupled_weight_decay,
             decoupled_learning_rate, nesterov, start_preconditioning_step,
             preconditioning_compute_steps, statistics_compute_steps, block_size,
@@ -135,7 +139,7 @@ class Shampoo(MatrixLibraryOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: nn.Module | Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         moving_average_for_momentum: bool = False,

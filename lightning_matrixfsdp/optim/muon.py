@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .fast import FAST_SCHEDULE, fast_newton_schulz, fast_newton_schulz_batched
 from .fused import decay_add_, momentum_update
@@ -67,9 +67,10 @@ FUSED_UPDATE = True
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 
-def uses_muon(p: Tensor) -> bool:
-    """True if ``p`` is trained by Muon: its role tag if any (matrix), else ``ndim == 2``."""
-    return is_matrix_role(p)
+def uses_muon(p: Tensor, group: dict[str, Any] | None = None) -> bool:
+    """True if ``p`` (of ``group``) is trained by Muon: the group's ``"role"`` if it has one, else by
+    shape (:func:`~.groups.routes_to_matrix`)."""
+    return is_matrix_role(p, group)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
@@ -88,7 +89,9 @@ class Muon(TailOptimizer):
     """Muon on matrix parameters, AdamW on the rest; no communication in ``step()``.
 
     Args:
-        params: parameters or param groups (any group may override any default).
+        params: a module (its parameters in the Muon recipe's groups, :func:`~.groups.param_groups`:
+            the same roles under every strategy), or parameters (by shape: 2-D on Muon), or param
+            groups (any group may override any default, and set ``"role"``).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
             adjust_lr_fn: as ``torch.optim.Muon`` (same defaults, same math).
         adamw_lr: AdamW learning rate; ``None`` -> the group's ``lr``. Follows LR
@@ -120,7 +123,7 @@ class Muon(TailOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        params: nn.Module | Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float | Tensor = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,

@@ -12,10 +12,10 @@ without talking to any other rank: nothing here calls ``torch.distributed``.
 which checks every parameter first (:func:`split_by_role`) and then hands each
 group's matrices to the subclass's ``_matrix_group`` and the rest to ``_adamw_group``.
 
-Routing (:func:`is_matrix_role`): a parameter with a role tag (read through
-:func:`lightning_matrixfsdp.runtime.tags.role_of`) follows it; an untagged one is a
-matrix iff it is 2D. Empty non-owner placeholders and parameters without a gradient
-are skipped.
+Routing (:func:`is_matrix_role`, written in ``groups.py``): a param group's ``"role"``
+decides (``Muon(model)`` builds the Muon recipe's groups); a group without one goes by shape
+(2-D: matrix), under every strategy alike. Empty non-owner placeholders and parameters without
+a gradient are skipped.
 
 Learning rate of the AdamW part (:func:`adamw_lr`): ``adamw_lr=None`` means "use the
 group's ``lr``" (so it follows any LR scheduler trivially). An explicit ``adamw_lr``
@@ -34,8 +34,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from torch import nn
+
 from lightning_matrixfsdp.runtime.placement import RoleKind
 from lightning_matrixfsdp.runtime.tags import role_of, stack_of
+
+from .groups import check_role, log, param_groups, routes_to_matrix, routing_line
 
 __all__ = [
     "TailOptimizer",
@@ -57,13 +61,9 @@ Routed = list[tuple[dict[str, Any], list[Tensor], list[Tensor]]]
 # ---------------------------------------------------------------------- routing
 
 
-def is_matrix_role(p: Tensor) -> bool:
-    """True if ``p`` goes to the matrix optimizer: its role tag if any, else ``ndim == 2`` or
-    an expert-stack tag (``runtime/tags.stack_of``)."""
-    role = role_of(p)
-    if role is None:
-        return p.ndim == 2 or stack_of(p) is not None
-    return role is RoleKind.MATRIX
+def is_matrix_role(p: Tensor, group: dict[str, Any] | None = None) -> bool:
+    """True if ``p`` (of ``group``) goes to the matrix optimizer (:func:`.groups.routes_to_matrix`)."""
+    return routes_to_matrix(p, group or {})
 
 
 def stack_pieces(p: Tensor, t: Tensor) -> list[tuple[int, slice, Tensor]]:
@@ -95,7 +95,11 @@ def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool =
                 raise ValueError(f"{who} does not support complex parameters")
             if p.grad.is_sparse:
                 raise RuntimeError(f"{who} does not support sparse gradients")
-            if is_matrix_role(p):
+            if is_matrix_role(p, group):
+                if role_of(p) is RoleKind.TAIL:
+                    raise ValueError(f"{who}: a parameter of size {tuple(p.size())} is in a param group with "
+                                     "role 'matrix', but the strategy's matrix_filter made it an AdamW (tail) "
+                                     "parameter; drop matrix_filter or leave it out of the matrix group")
                 stack = stack_of(p)
                 if stack is not None:  # every optimizer here steps a stack as its experts' matrices
                     if not stack.fits(tuple(p.shape)):
@@ -113,7 +117,7 @@ def split_by_role(param_groups: list[dict[str, Any]], who: str, flattens: bool =
                     )
                 matrices.append(p)
             else:
-                if p.ndim > 2 and role_of(p) is None:
+                if p.ndim > 2 and role_of(p) is None and group.get("role") is None:
                     _warn_untagged(who, p)
                 others.append(p)
         routed.append((group, matrices, others))
@@ -130,10 +134,10 @@ def _warn_untagged(who: str, p: Tensor) -> None:
         return
     _UNTAGGED_WARNED.add(id(p))
     warnings.warn(
-        f"{who} steps a parameter of size {tuple(p.size())} with AdamW: an untagged tensor of more than two "
-        "dimensions is not a matrix. For mixture-of-experts stacks [E, m, n] outside matrix_shard, call "
-        "lightning_matrixfsdp.runtime.classify.tag_expert_stacks(model) before building the optimizer, so each "
-        "expert is stepped as its own matrix (docs/moe.md)", UserWarning, stacklevel=5)
+        f"{who} steps a parameter of size {tuple(p.size())} with AdamW: a tensor of more than two dimensions "
+        "in a param group without a role is not a matrix. For mixture-of-experts stacks [E, m, n], build the "
+        "optimizer from the module (e.g. Muon(model, ...)), so each expert is stepped as its own matrix under "
+        "every strategy (docs/moe.md)", UserWarning, stacklevel=5)
 
 
 # ---------------------------------------------------------------------- values
@@ -276,11 +280,17 @@ class TailOptimizer(torch.optim.Optimizer):
     #: every TP rank (False: Muon's momentum). Checkpoints read it to restore state at any mesh.
     whole_tp_state: ClassVar[bool] = False
 
-    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], defaults: dict[str, Any]) -> None:
+    def __init__(self, params: nn.Module | Iterable[Tensor] | Iterable[dict[str, Any]],
+                 defaults: dict[str, Any]) -> None:
         # Validate the defaults even if every group overrides them: a bad default is a
         # bug the user wants to hear about at construction.
         self._validate_group(defaults)
+        names = None
+        if isinstance(params, nn.Module):  # the Muon recipe's groups, alike under every strategy
+            names = {id(p): fqn for fqn, p in params.named_parameters()}
+            params = param_groups(params)
         super().__init__(params, defaults)
+        log.info(routing_line(self._name(), self.param_groups, names))
 
     # ------------------------------------------------------------------ groups
 
@@ -295,6 +305,7 @@ class TailOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            check_role(group, self._name())
             self._validate_group(group)
             if any(torch.is_complex(p) for p in group["params"]):
                 raise ValueError(f"{self._name()} does not support complex parameters")

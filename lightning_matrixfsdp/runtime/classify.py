@@ -1,7 +1,20 @@
-"""Which role each parameter gets (matrix or AdamW tail), and why: one rule list, in order.
+"""Which role each parameter gets, and why: where it is placed, and which update the recipe gives it.
 
-``shard.collect`` asks :func:`classify` once per model; the plan printout shows every
-parameter's role with the rule that decided it (:func:`describe_roles`). The rules:
+Two questions, two functions, both pure (no communication, no tensors moved):
+
+- :func:`classify`: the *placement* role ``matrix_shard`` gives each parameter (a matrix role
+  kept whole on one owner, or a piece of its unit's packed tail). It depends only on shapes and
+  the strategy's explicit options, never on a default that would change the optimizer's math:
+  every 2-D parameter is a matrix role, so whatever optimizer the user builds can step it whole.
+- :func:`recipe_roles`: the *Muon recipe* (embeddings, the output head and per-expert biases on
+  AdamW; expert stacks stepped per expert; the other matrices on Muon). The optimizer applies
+  it when it is built from the module (``Muon(model)``, ``optim/groups.param_groups``), under
+  every strategy alike; bare ``parameters()`` go by shape everywhere (docs/decisions.md, "Same
+  code, same math").
+
+``shard.collect`` asks both once per model; the plan printout shows every parameter's
+placement and recipe role with the rule that decided each (:func:`describe_roles`).
+The placement rules, in order:
 
 1. a declared expert stack (``experts.py``: automatic for known layouts, or the
    ``expert_stacks`` option) is a matrix role stepped per expert, unless an explicit
@@ -11,13 +24,13 @@ parameter's role with the rule that decided it (:func:`describe_roles`). The rul
 3. more than two dimensions, not a stack: a matrix role as its ``(shape[0], -1)`` matrix
    under ``flatten_conv`` (and the filter), else the tail, with a warning naming it
    (a 3-D parameter never goes to AdamW silently);
-4. two dimensions: an explicit ``matrix_filter`` decides; without one, the Muon recipe:
-   ``nn.Embedding`` weights and the output head (Hugging Face ``get_output_embeddings()``,
-   or the last ``nn.Linear`` projecting to an embedding's vocabulary; a head tied to an
-   embedding is that embedding) go to the tail, and so do the per-expert biases ``[E, out]`` of
-   Hugging Face experts modules; every other matrix is a matrix role.
+4. two dimensions: an explicit ``matrix_filter`` decides; without one, a matrix role.
 
-Pure: no communication, no tensors moved.
+The recipe (:func:`recipe_roles`): a declared stack is a matrix stepped per expert; fewer or
+more than two dimensions: AdamW; ``nn.Embedding`` weights and the output head (Hugging Face
+``get_output_embeddings()``, or the last ``nn.Linear`` projecting to an embedding's vocabulary;
+a head tied to an embedding is that embedding) and the per-expert biases ``[E, out]`` of Hugging
+Face experts modules: AdamW; every other 2-D parameter: Muon.
 """
 
 from __future__ import annotations
@@ -29,11 +42,18 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks, expert_biases
+from lightning_matrixfsdp.runtime.experts import (
+    ExpertStack,
+    ExpertStackError,
+    check_expert_stacks,
+    declared_stacks,
+    expert_biases,
+)
 from lightning_matrixfsdp.runtime.options import MatrixShardError
-from lightning_matrixfsdp.runtime.tags import tag_stack
+from lightning_matrixfsdp.runtime.tags import recipe_of, tag_stack
 
-__all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_tail", "tag_expert_stacks"]
+__all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_roles", "recipe_tail",
+           "tag_expert_stacks"]
 
 
 class UndeclaredStackWarning(UserWarning):
@@ -106,8 +126,6 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
             f"flattened matrix, mixing its experts; expert stacks are stepped per expert without flatten_conv: set "
             f"flatten_conv=False ({len(stacks)} declared stack(s) in this model)")
     filt = config.matrix_filter
-    recipe = recipe_tail(module) if filt is None else {}
-    biases = expert_biases(module) if filt is None else {}
     out: dict[str, RoleChoice] = {}
     undeclared = []
     for fqn, p in module.named_parameters():
@@ -131,11 +149,6 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
         elif filt is not None:
             ok = bool(filt(fqn, p))
             out[fqn] = RoleChoice(ok, None, f"matrix_filter {'accepts' if ok else 'rejects'} it")
-        elif fqn in biases:
-            out[fqn] = RoleChoice(False, None, f"{biases[fqn]} on AdamW (pass matrix_filter to decide yourself)")
-        elif id(p) in recipe:
-            out[fqn] = RoleChoice(False, None, f"Muon recipe default: {recipe[id(p)]} on AdamW "
-                                               "(pass matrix_filter to decide yourself)")
         else:
             out[fqn] = RoleChoice(True, None, "2-D")
     if undeclared:
@@ -148,12 +161,44 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
     return out
 
 
+def recipe_roles(module: nn.Module, expert_stacks: Any = None) -> dict[str, RoleChoice]:
+    """fqn (first name of each parameter) -> its role under the Muon recipe, and why: what an
+    optimizer built from the module (``Muon(model)``) steps with the matrix optimizer. Reads only
+    the module's structure and whole shapes, so it answers alike on a plain model under any
+    strategy; a model ``matrix_shard`` sharded answers with the record it left on each parameter
+    (:func:`lightning_matrixfsdp.runtime.tags.recipe_of`), computed before its tensors moved."""
+    named = list(module.named_parameters())
+    recorded = {fqn: recipe_of(p) for fqn, p in named}
+    if named and all(r is not None for r in recorded.values()):
+        return recorded  # type: ignore[return-value]
+    try:
+        stacks = declared_stacks(module, check_expert_stacks(expert_stacks))
+    except ExpertStackError as err:
+        raise MatrixShardError(str(err)) from None
+    tail = recipe_tail(module)
+    biases = expert_biases(module)
+    out: dict[str, RoleChoice] = {}
+    for fqn, p in named:
+        if recorded[fqn] is not None:
+            out[fqn] = recorded[fqn]
+        elif fqn in stacks:
+            stack, why = stacks[fqn]
+            out[fqn] = RoleChoice(True, stack, f"expert stack, each expert a matrix: {stack.describe()} ({why})")
+        elif p.ndim != 2:
+            out[fqn] = RoleChoice(False, None, f"{p.ndim}-D")
+        elif fqn in biases:
+            out[fqn] = RoleChoice(False, None, f"Muon recipe: {biases[fqn]}")
+        elif id(p) in tail:
+            out[fqn] = RoleChoice(False, None, f"Muon recipe: {tail[id(p)]}")
+        else:
+            out[fqn] = RoleChoice(True, None, "2-D")
+    return out
+
+
 def tag_expert_stacks(module: nn.Module, expert_stacks: Any = None) -> dict[str, ExpertStack]:
     """Tag the expert stacks of an unsharded model (plain DDP, one device), so this library's
     Muon, Shampoo and SOAP step each expert as its own matrix there too (``matrix_shard`` tags
     them itself). ``expert_stacks``: the option's forms. Returns fqn -> stack."""
-    from lightning_matrixfsdp.runtime.experts import check_expert_stacks
-
     try:
         stacks = declared_stacks(module, check_expert_stacks(expert_stacks))
     except ExpertStackError as err:
@@ -167,11 +212,29 @@ def tag_expert_stacks(module: nn.Module, expert_stacks: Any = None) -> dict[str,
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
 
 
-def describe_roles(roles: dict[str, RoleChoice]) -> list[list[Any]]:
-    """Every parameter's role and why, as rows ``[fqn pattern, count, role, reason]``: fqns
-    that differ only in their layer indices (``layers.*.``) and share role and reason are one row."""
-    rows: dict[tuple[str, str, str], int] = {}
+def optimizer_of(choice: RoleChoice) -> str:
+    """"muon" or "adamw": the update a role choice gives (a stack: Muon per expert)."""
+    return "muon" if choice.is_matrix else "adamw"
+
+
+def describe_roles(roles: dict[str, RoleChoice], recipe: dict[str, RoleChoice]) -> list[list[Any]]:
+    """Every parameter's placement role and update, and why, as rows ``[fqn pattern, count,
+    placement, why, with Muon(model), why, with bare parameters]``: fqns that differ only in their
+    layer indices (``layers.*.``) and agree on everything else are one row. ``recipe``: the
+    :func:`recipe_roles` of the same model. Bare parameters go by shape (2-D: the matrix
+    optimizer) unless the placement was decided by ``matrix_filter`` or ``flatten_conv``."""
+    rows: dict[tuple[str, ...], int] = {}
     for fqn, choice in roles.items():
-        key = (_INDEX.sub("*", fqn), choice.role, choice.reason)
+        r = recipe[fqn]
+        bare = bare_update(choice)
+        key = (_INDEX.sub("*", fqn), choice.role, choice.reason, optimizer_of(r), r.reason, bare)
         rows[key] = rows.get(key, 0) + 1
-    return [[pattern, n, role, reason] for (pattern, role, reason), n in rows.items()]
+    return [[key[0], n, *key[1:]] for key, n in rows.items()]
+
+
+def bare_update(choice: RoleChoice) -> str:
+    """The update bare ``parameters()`` give a parameter with this placement: the matrix optimizer
+    for a matrix role that is not a stack (a 2-D parameter, or a kernel ``flatten_conv`` made a
+    matrix), AdamW for the tail and for expert stacks (a plain run's optimizer cannot tell a stack
+    from any 3-D tensor, so neither does ours: stacks need ``Muon(model)``)."""
+    return "muon" if choice.is_matrix and choice.stack is None else "adamw"

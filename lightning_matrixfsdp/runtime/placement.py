@@ -345,10 +345,18 @@ class Plan:
             f"optimizer compute {self.compute_imbalance:.3f}; max unit gamma {self.max_gamma:.3f}"
         )
         if self.options.get("roles"):  # matrix_shard's classification: every parameter, and the rule that decided
-            lines.append("roles (parameter: role, why):")
-            lines += [f"  {pattern}{f' (x{n})' if n > 1 else ''}: {role}, {why}"
-                      for pattern, n, role, why in self.options["roles"]]
+            lines.append("roles (parameter: placement, why | update with Muon(model), why | with bare parameters()):")
+            lines += [_role_line(row) for row in self.options["roles"]]
         return "\n".join(lines)
+
+
+def _role_line(row: Sequence[Any]) -> str:
+    """One row of ``classify.describe_roles`` as a printout line."""
+    pattern, n, role, why = row[:4]
+    line = f"  {pattern}{f' (x{n})' if n > 1 else ''}: {role}, {why}"
+    if len(row) == 7:  # the update each way of building the optimizer (older plans: placement only)
+        line += f" | Muon(model): {row[4]}, {row[5]} | bare: {row[6]}"
+    return line
 
 
 def _role_count(u: UnitLayout) -> int:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.checks import check_model
-from lightning_matrixfsdp.runtime.classify import RoleChoice, classify, describe_roles
+from lightning_matrixfsdp.runtime.classify import RoleChoice, classify, describe_roles, recipe_roles
 from lightning_matrixfsdp.runtime.collectives import make_collective
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
 from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig, bind_options, options_signature
@@ -39,7 +39,7 @@ from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
-from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_role, tag_tp, tag_tp_shape
+from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_recipe, tag_role, tag_tp, tag_tp_shape
 from lightning_matrixfsdp.runtime.topology_comm import resolve
 from lightning_matrixfsdp.runtime.tp import local_data, read_layout
 from lightning_matrixfsdp.runtime.tp_init import awaits_init, init_tp_meta, replays_whole
@@ -95,12 +95,14 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     The options come as ``config=MatrixFSDPConfig(...)`` or as its keywords (not both);
     ``mesh``: a DeviceMesh, a ``MeshInfo``, or None (the world, or ``shard_size``'s HSDP mesh).
 
-    Each matrix role (a 2D parameter accepted by ``matrix_filter``; without one, every 2D
-    parameter but the embeddings and the output head; and each declared expert stack,
-    ``expert_stacks``: docs/moe.md) is kept whole on one owner rank of the shard group and
-    empty elsewhere; the other parameters of each unit form one tail role. The plan
-    printout gives every parameter's role and the rule that chose it (``runtime/classify.py``).  A 2-D ``mesh`` ``(replicate, shard)`` gives HSDP.
-    Build optimizers *after* this call, over ``module.parameters()``.  ``device``
+    Each matrix role (a 2D parameter accepted by ``matrix_filter``, every 2D parameter without
+    one, and each declared expert stack, ``expert_stacks``: docs/moe.md) is kept whole on one
+    owner rank of the shard group and empty elsewhere; the other parameters of each unit form
+    one tail role. Which update each parameter gets is the optimizer's choice, as under DDP:
+    ``Muon(module)`` applies the Muon recipe, bare ``module.parameters()`` go by shape. The plan
+    printout gives every parameter's role, its update either way, and the rule that chose each
+    (``runtime/classify.py``). A 2-D ``mesh`` ``(replicate, shard)`` gives HSDP.
+    Build optimizers *after* this call.  ``device``
     moves resident tensors and buffers there while sharding (default: where the
     parameters are, or the current accelerator for a meta-device model), so a
     CPU-built model never needs to fit on one accelerator whole.  ``shard_size=W``
@@ -175,7 +177,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
         plan.options["split_stacks_reason"] = why_not  # printed; not in the digest
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
                         replica_split_reason=choice.replica_split_reason,  # printed; not in the digest
-                        roles=describe_roles(collected.roles))
+                        roles=describe_roles(collected.roles, collected.recipe))
     if experts is not None:
         plan.options["expert_parallel"] = experts.describe()  # printed; not in the digest
     tp_plan = None
@@ -184,6 +186,9 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     state = build_runtime(module, config, mesh, plan, collected, device, tp_plan, stats)  # 3. the runtime
     if experts is not None:
         state.attach_experts(experts)
+    for fqn, p in module.named_parameters():  # for an optimizer built from the module: Muon(model)
+        if fqn in collected.recipe:
+            tag_recipe(p, collected.recipe[fqn])
     return module
 
 
@@ -207,6 +212,8 @@ class Collected:
     params: dict[str, nn.Parameter]
     registrations: dict[str, list[tuple[nn.Module, str]]]
     roles: dict[str, RoleChoice]
+    #: the Muon recipe's role of every parameter (classify.recipe_roles), recorded on each for Muon(model)
+    recipe: dict[str, RoleChoice]
 
 
 def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
@@ -234,7 +241,8 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
                 regs.setdefault(id(p), []).append((mod, pname))
     # expert-parallel slices are local: no unit materializes or reduces them (expert_parallel.py)
     param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if expert_slice_of(p) is None}
-    roles = classify(module, config)  # every parameter's role, and why (runtime/classify.py)
+    roles = classify(module, config)  # every parameter's placement role, and why (runtime/classify.py)
+    recipe = recipe_roles(module, config.expert_stacks)  # and its update under the Muon recipe
 
     specs = []
     for uname, _ in units:
@@ -243,7 +251,7 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
                        for pid, p in param_objs.items() if unit_of_param[pid] == uname)
         specs.append(UnitSpec(uname, params))
     return Collected(units, specs, {first_fqn[pid]: p for pid, p in param_objs.items()},
-                     {first_fqn[pid]: r for pid, r in regs.items()}, roles)
+                     {first_fqn[pid]: r for pid, r in regs.items()}, roles, recipe)
 
 
 def tensor_parallel_plan(collected: Collected, plan: Plan, mesh: MeshInfo, ns_steps: int) -> TPPlan:

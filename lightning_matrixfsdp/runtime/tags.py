@@ -30,6 +30,7 @@ _TP = "_mfsdp_tp"
 _TP_SHAPE = "_mfsdp_tp_shape"
 _EXPERTS = "_mfsdp_expert_slice"
 _STACK = "_mfsdp_stack"
+_RECIPE = "_mfsdp_recipe"
 
 
 # ---------------------------------------------------------------------- parameters
@@ -66,6 +67,19 @@ def tag_stack(p: Any, stack: Optional[ExpertStack]) -> None:
 def stack_of(p: Any) -> Optional[ExpertStack]:
     """The expert-stack declaration of ``p``, or None (an ordinary parameter)."""
     return getattr(p, _STACK, None)
+
+
+def tag_recipe(p: Any, choice: Any) -> None:
+    """Record a parameter's role under the Muon recipe (a ``classify.RoleChoice``), decided on the
+    whole model before ``matrix_shard`` moved its tensors; an optimizer built from the sharded
+    module reads it (placeholders no longer show the whole shape). Kept by ``untag_param``: the
+    recipe does not depend on the placement."""
+    setattr(p, _RECIPE, choice)
+
+
+def recipe_of(p: Any) -> Optional[Any]:
+    """The ``RoleChoice`` :func:`tag_recipe` recorded, or None (a plain parameter)."""
+    return getattr(p, _RECIPE, None)
 
 
 def tag_tp(p: Any, fragment: Any) -> None:
