@@ -95,11 +95,11 @@ def fabric_worker(rank: int, world: int, cfg: dict) -> dict:
     oracle = copy.deepcopy(model)
     o_opts = oracle_optimizers(oracle)
     if cfg.get("joint"):  # optimizer built before sharding, set up together
-        opt = _muon(model.parameters())
+        opt = _muon(model)
         model, opt = fabric.setup(model, opt)
     else:
         model = fabric.setup_module(model)
-        opt = fabric.setup_optimizers(_muon(model.parameters()))
+        opt = fabric.setup_optimizers(_muon(model))
     start = 0
     if cfg.get("load"):
         state = {"model": model, "optimizer": opt}
@@ -206,7 +206,7 @@ def interchange_worker(rank: int, world: int, root: str) -> dict:
     fabric = _fabric(world)
     torch.manual_seed(123)
     model = fabric.setup_module(Wrapper())
-    opt = fabric.setup_optimizers(_muon(model.parameters()))
+    opt = fabric.setup_optimizers(_muon(model))
     rest = fabric.load(t1, {"model": model, "optimizer": opt})
     assert rest["global_step"] == 2 and "loops" in rest, sorted(rest)
     for step in range(2):
@@ -286,7 +286,7 @@ def precision_worker(rank: int, world: int, precision: str) -> dict:
     fabric = _fabric(world, precision)
     torch.manual_seed(0)
     model = fabric.setup_module(Wrapper())
-    opt = fabric.setup_optimizers(_muon(model.parameters()))
+    opt = fabric.setup_optimizers(_muon(model))
     losses = []
     for step in range(2):
         batch = batch_for(step, rank)

@@ -195,7 +195,7 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
 
         def configure_optimizers(self) -> Any:
             a = ADAMW_DEFAULTS
-            return mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+            return mf.Muon(self, adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
 
     torch.manual_seed(0)
     lit = LitLM()

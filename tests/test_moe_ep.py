@@ -152,7 +152,7 @@ def sharded(experts: int, ep: int, build=None, **options):
 
     model = (build or tiny_mixtral)(experts)
     mf.matrix_shard(model, expert_parallel_size=ep, **options)
-    opt = mf.route_optimizer(mf.Muon(list(model.parameters()), lr=LR, weight_decay=WD, adamw_lr=ADAM_LR,
+    opt = mf.route_optimizer(mf.Muon(model, lr=LR, weight_decay=WD, adamw_lr=ADAM_LR,
                                      adamw_weight_decay=WD))
     return model, opt
 

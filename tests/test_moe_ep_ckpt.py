@@ -107,7 +107,7 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
 def optimizer(name: str, model: nn.Module):
     import lightning_matrixfsdp as mf
 
-    params = list(model.parameters())
+    params = mf.param_groups(model, expert_stacks=STACKS)  # the Muon recipe: each expert a matrix
     if name == "muon":
         opt = mf.Muon(params, lr=0.02, weight_decay=0.1, adamw_lr=0.01)
     elif name == "shampoo":  # preconditioning from the first step, recomputed every other step

@@ -71,7 +71,7 @@ MUON_CASES = {
 def test_gptoss_stacks_step_as_torch_muon_on_the_separate_linear_weights(case):
     kw = MUON_CASES[case]
     a, b, separate = _setup(seed=1)
-    ours = Muon([a, b], **kw)
+    ours = Muon([{"params": [a, b], "role": "matrix"}], **kw)
     ref = torch.optim.Muon(separate, **kw)
     for _ in _feed(a, b, separate, seed=2, steps=3):
         ours.step()
@@ -88,7 +88,7 @@ def test_gptoss_stacks_on_the_whole_stack_path_equal_the_separate_linear_weights
     ``[-1, rows, cols]``) wherever it applies, on CPU too: a transposed, interleaved stack must not
     be viewed that way. The oracle is the same optimizer on the separate (out, in) matrices."""
     a, b, separate = _setup(seed=5)
-    ours = Muon([a, b], lr=0.02, orthogonalizer="batched")
+    ours = Muon([{"params": [a, b], "role": "matrix"}], lr=0.02, orthogonalizer="batched")
     ref = Muon(separate, lr=0.02, orthogonalizer="batched")
     for _ in _feed(a, b, separate, seed=6, steps=2):
         ours.step()
@@ -114,7 +114,7 @@ def test_the_other_layout_combinations_step_as_torch_muon(transposed, interleave
         return [m[r].contiguous() for m in mats for r in rows]
 
     separate = [nn.Parameter(m) for m in cut(w)]
-    ours, ref = Muon([stack], lr=0.02), torch.optim.Muon(separate, lr=0.02)
+    ours, ref = Muon([{"params": [stack], "role": "matrix"}], lr=0.02), torch.optim.Muon(separate, lr=0.02)
     for _ in range(3):
         grad = torch.randn(shape, generator=g)
         stack.grad = grad.clone()

@@ -98,9 +98,9 @@ def _checkpoint_scenario(rank: int, root: str, kind: str) -> dict[str, Any]:
         model = build("mixtral")
         mf.matrix_shard(model)
         if kind == "muon":
-            opt = mf.Muon(model.parameters(), lr=0.02)
+            opt = mf.Muon(model, lr=0.02)
         else:
-            opt = mf.SOAP(model.parameters(), lr=0.01, precondition_frequency=1)
+            opt = mf.SOAP(model, lr=0.01, precondition_frequency=1)
         return model, mf.route_optimizer(opt)
 
     def step(model, opt, i):

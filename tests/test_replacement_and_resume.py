@@ -111,10 +111,7 @@ class LitSched(LitTiny):
         if self.optimizer_name == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=MODULE_LR, momentum=0.9)
         else:
-            from helpers.oracle import mark_recipe_tail
-
-            mark_recipe_tail(self)  # the DDP run: embeddings and head on AdamW, as matrix_fsdp's default
-            opt = mf.Muon(self.parameters(), **MUON)
+            opt = mf.Muon(self, **MUON)  # the Muon recipe, under DDP and matrix_fsdp alike
         return CASES[self.case](opt, opt.param_groups[0]["lr"])
 
 

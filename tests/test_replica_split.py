@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from helpers.equiv import move_grads_into, step_oracle_and_sharded
 from helpers.models import TinyLM, batch_for, lm_loss
-from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
+from helpers.oracle import (ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail,
+                            oracle_optimizers, sharded_recipe_matrix)
 
 
 # ---------------------------------------------------------------------- pure: the assignment
@@ -110,14 +111,14 @@ def _optimizers(model, kind: str, sharded: bool):
 
     if not sharded:
         mark_recipe_tail(model)  # the DDP oracle: embedding and head on AdamW, as matrix_shard's default
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = mf.param_groups(model) if sharded else [p for p in model.parameters() if p.requires_grad]
     if kind == "soap":
         opt = [SOAP(params, lr=0.01, precondition_frequency=2)]
     elif kind == "shampoo":
         opt = [Shampoo(params, lr=0.01, start_preconditioning_step=1, preconditioning_compute_steps=1,
                        graft_type="adagrad", weight_decay=0.01, decoupled_weight_decay=True)]
     elif kind == "torch" and sharded:  # torch.optim.Muon + AdamW through routing
-        opt = oracle_optimizers(model, is_matrix=lambda n, p: getattr(p, "_mfsdp_role", None) == "matrix")
+        opt = oracle_optimizers(model, is_matrix=sharded_recipe_matrix)
     elif kind == "muon" and sharded:
         ak = ADAMW_DEFAULTS
         opt = [mf.Muon(params, adamw_lr=ak["lr"], adamw_betas=ak["betas"], adamw_eps=ak["eps"],

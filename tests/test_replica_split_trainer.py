@@ -86,7 +86,7 @@ def _fabric_loop(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     oracle = copy.deepcopy(model)
     model = fabric.setup_module(model)
     a = ADAMW_DEFAULTS
-    opt = fabric.setup_optimizers(mf.Muon(model.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"],
+    opt = fabric.setup_optimizers(mf.Muon(model, adamw_betas=a["betas"], adamw_eps=a["eps"],
                                           **MUON_DEFAULTS))
     o_opts = oracle_optimizers(oracle)
     stale = []

@@ -88,7 +88,7 @@ def _mixed_precision_worker(rank, world):
     model = mf.matrix_shard(copy.deepcopy(oracle), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     seen = {}
     h = model.blocks[0].qkv.register_forward_pre_hook(lambda m, a: seen.update(compute=m.weight.dtype))
-    opt = mf.route_optimizer(mf.Muon(model.parameters(), lr=0.02))
+    opt = mf.route_optimizer(mf.Muon(model, lr=0.02))
     o_opts = oracle_optimizers(oracle)
     gaps = []
     for step in range(3):

@@ -142,7 +142,7 @@ def _fresh(split: bool = True, kind: str = "muon"):
 
     model = build()
     mf.matrix_shard(model, split_stacks=split)
-    opt = mf.Muon(model.parameters(), lr=0.02) if kind == "muon" else mf.SOAP(model.parameters(), lr=0.01)
+    opt = mf.Muon(model, lr=0.02) if kind == "muon" else mf.SOAP(model, lr=0.01)
     return model, mf.route_optimizer(opt)
 
 

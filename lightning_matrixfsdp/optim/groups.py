@@ -36,7 +36,8 @@ ROLES = ("matrix", "adamw")
 
 def param_groups(module: nn.Module, *, matrix: Optional[Mapping[str, Any]] = None,
                  adamw: Optional[Mapping[str, Any]] = None, expert_stacks: Any = None) -> list[dict[str, Any]]:
-    """The Muon recipe as param groups of ``module``'s trainable parameters: ``{"params": [...],
+    """The Muon recipe as param groups of all of ``module``'s parameters (frozen ones too, as
+    ``module.parameters()`` gives them; they are skipped while they have no gradient): ``{"params": [...],
     "role": "matrix", **matrix}`` then ``{"params": [...], "role": "adamw", **adamw}`` (an empty
     group is left out). ``matrix`` / ``adamw``: per-group options (e.g. ``{"weight_decay": 0}``).
     ``expert_stacks``: the user's own stacks, in the strategy option's forms (docs/moe.md).
@@ -50,8 +51,6 @@ def param_groups(module: nn.Module, *, matrix: Optional[Mapping[str, Any]] = Non
     mats: list[Tensor] = []
     rest: list[Tensor] = []
     for fqn, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
         choice = roles[fqn]
         if choice.stack is not None and stack_of(p) is None:
             tag_stack(p, choice.stack)  # a plain model: the optimizer cuts the stack into its experts

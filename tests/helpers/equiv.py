@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.models import TinyLM, batch_for, lm_loss
-from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers, sharded_recipe_matrix
 
 # Tolerances.  Both sides run the same float32 forward/backward on the same rank.
 # The p2p collective sums gradients in shard-rank order, exactly as the oracle's
@@ -57,11 +57,11 @@ def make_sharded_optimizer(model, kind: str, muon_kw=None, adamw_kw=None):
 
     if kind == "ours":
         mk, ak = {**MUON_DEFAULTS, **(muon_kw or {})}, {**ADAMW_DEFAULTS, **(adamw_kw or {})}
-        opt = mf.Muon([p for p in model.parameters() if p.requires_grad], adamw_lr=ak["lr"],
+        opt = mf.Muon(model, adamw_lr=ak["lr"],  # the Muon recipe's groups, as the oracle's
                       adamw_betas=ak["betas"], adamw_eps=ak["eps"], adamw_weight_decay=ak["weight_decay"], **mk)
         return [mf.route_optimizer(opt)]
     # any torch optimizer via routing: torch.optim.Muon on matrix roles, AdamW on the tail
-    opts = oracle_optimizers(model, is_matrix=lambda n, p: getattr(p, "_mfsdp_role", None) == "matrix",
+    opts = oracle_optimizers(model, is_matrix=sharded_recipe_matrix,
                              muon_kw=muon_kw, adamw_kw=adamw_kw)
     return [mf.route_optimizer(o) for o in opts]
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
 from helpers.models import TinyLM, lm_loss
-from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, mark_recipe_tail, oracle_optimizers
+from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, allreduce_mean_grads, clip_global_norm, oracle_optimizers
 
 
 class TokenData(torch.utils.data.Dataset):
@@ -69,8 +69,7 @@ class LitTiny(LightningModule):  # noqa: D101
             import lightning_matrixfsdp as mf
 
             a = ADAMW_DEFAULTS
-            mark_recipe_tail(self)  # a DDP run: embeddings and head on AdamW, as matrix_fsdp's default
-            opt = mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+            opt = mf.Muon(self, adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
         if not self.scheduler:
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, SCHEDULES[self.scheduler])

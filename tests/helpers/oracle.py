@@ -38,6 +38,12 @@ def recipe_matrix(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
     return lambda n, p: p.ndim == 2 and id(p) not in tail
 
 
+def sharded_recipe_matrix(name: str, p: nn.Parameter) -> bool:
+    """For a foreign optimizer on a sharded model: the Muon recipe's choice the library recorded on
+    the parameter (what ``lightning_matrixfsdp.param_groups`` reads)."""
+    return p._mfsdp_recipe.is_matrix and getattr(p, "_mfsdp_role", None) != "tail"
+
+
 def mark_recipe_tail(model: nn.Module) -> None:
     """Tag the recipe's AdamW parameters of an unsharded model (a DDP run) by hand, so the
     library's Muon, which routes an untagged 2-D tensor to Muon, steps them with AdamW as it
