@@ -104,9 +104,9 @@ class WalkModule(LightningModule):
         import lightning_matrixfsdp as mf
 
         a = ADAMW_DEFAULTS
-        params = [{**g, "params": [p for p in g["params"] if p.requires_grad or not self.trainable_only]}
-                  for g in mf.param_groups(self)]  # the Muon recipe, under DDP and matrix_fsdp alike
-        opt = mf.Muon([g for g in params if g["params"]], **{**MUON_DEFAULTS, "lr": self.lr}, adamw_betas=a["betas"],
+        # bare parameters: by shape (every 2-D tensor on Muon) under DDP and matrix_fsdp alike
+        params = [p for p in self.parameters() if p.requires_grad or not self.trainable_only]
+        opt = mf.Muon(params, **{**MUON_DEFAULTS, "lr": self.lr}, adamw_betas=a["betas"],
                       adamw_eps=self.adamw_eps)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
 
