@@ -90,6 +90,49 @@ class SameCode(LightningModule):
         return mf.Muon(self.parameters() if self.bare else self, lr=0.02, adamw_lr=3e-3)
 
 
+def tp_gpt_module(batch_size: int) -> LightningModule:
+    """The demo's tensor-parallel GPT as a user trains it (its plan applies only under a
+    tensor-parallel mesh; under DDP it is the plain GPT), recording its losses."""
+    from lightning_matrixfsdp.demos.gpt import TensorParallelGPT
+
+    class Recorded(TensorParallelGPT):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # noqa: D102
+            loss = super().training_step(batch, batch_idx)
+            self.recorded.append(loss.item())
+            return loss
+
+        def train_dataloader(self):  # noqa: D102
+            t = tokens()
+            return torch.utils.data.DataLoader(list(zip(t[:, :-1], t[:, 1:])), batch_size=batch_size)
+
+    torch.manual_seed(0)
+    lit = Recorded(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=2, n_heads=2, warmup_steps=0)
+    lit.recorded = []
+    # float64: Muon's Newton-Schulz and AdamW's first steps turn gradient rounding noise in directions
+    # whose gradient is zero (a key bias; a matrix's null directions) into whole-step differences, so
+    # float32 runs with different summation orders drift apart; float64 keeps that noise at ~1e-12.
+    return lit.double()
+
+
+def tp_scenario(rank: int, world: int, strategy: str, model: str, bare: bool, options: dict) -> dict:
+    """The same TP-ready module under DDP (two data-parallel ranks, one sample each per step) and
+    under ``tensor_parallel_size=2`` (one data-parallel rank, both samples per step): the same
+    samples per step, so the same math up to the summation order of the TP reductions."""
+    lit = tp_gpt_module(batch_size=1 if strategy == "ddp" else 2)
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=_strategy(strategy, **options), max_steps=STEPS,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=os.environ.get("TMPDIR", "/tmp"))
+    trainer.fit(lit)
+    if strategy == "ddp":
+        weights = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    else:
+        import lightning_matrixfsdp as mf
+
+        with mf.full_model(lit, rank=None) as whole:  # the public way to see every weight whole
+            weights = {n: p.detach().clone() for n, p in whole.named_parameters()}
+    return {"losses": lit.recorded, "weights": weights, "updates": {}}
+
+
 def _strategy(name: str, **kw: Any) -> Any:
     if name == "ddp" or not kw:
         return name
@@ -149,7 +192,7 @@ def fabric_scenario(rank: int, world: int, strategy: str, model: str, bare: bool
 def run(rank: int, world: int, kind: str, strategy: str, model: str, bare: bool, options: dict) -> dict:
     """One scenario; an exception comes back as text (the test prints it; the pool stays usable)."""
     try:
-        fn = fabric_scenario if kind == "fabric" else trainer_scenario
+        fn = {"fabric": fabric_scenario, "tp": tp_scenario}.get(kind, trainer_scenario)
         return fn(rank, world, strategy, model, bare, options)
     except Exception:  # noqa: BLE001
         return {"error": traceback.format_exc()}
