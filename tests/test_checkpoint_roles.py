@@ -98,7 +98,7 @@ def _trainer_worker(rank, world, root):
 
     def run(tail, steps, ckpt=None, **strategy_kw):
         torch.manual_seed(0)
-        lit = LitTiny()
+        lit = LitTiny("muon_bare")  # one param group, so a role change moves no parameter between groups
         strategy = mf.MatrixFSDPStrategy(matrix_filter=lambda fqn, p: fqn.split("model.", 1)[-1] not in tail,
                                          log_plan=False, **strategy_kw)
         trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,

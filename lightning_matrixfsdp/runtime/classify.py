@@ -68,6 +68,9 @@ class RoleChoice:
     is_matrix: bool
     stack: Optional[ExpertStack]
     reason: str
+    #: decided by an explicit strategy option (``matrix_filter``, ``flatten_conv``), which the
+    #: recipe recorded for ``Muon(model)`` follows too
+    explicit: bool = False
 
     @property
     def role(self) -> str:
@@ -132,9 +135,9 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
         if fqn in stacks:
             stack, why = stacks[fqn]
             if filt is not None and not filt(fqn, p):
-                out[fqn] = RoleChoice(False, None, f"expert stack ({why}) rejected by matrix_filter")
+                out[fqn] = RoleChoice(False, None, f"expert stack ({why}) rejected by matrix_filter", True)
             else:
-                out[fqn] = RoleChoice(True, stack, f"expert stack, {stack.describe()} ({why})")
+                out[fqn] = RoleChoice(True, stack, f"expert stack, {stack.describe()} ({why})", filt is not None)
         elif p.ndim < 2:
             out[fqn] = RoleChoice(False, None, f"{p.ndim}-D")
         elif p.ndim > 2:
@@ -143,12 +146,12 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
                 out[fqn] = RoleChoice(False, None, f"{p.ndim}-D, neither a declared expert stack nor flattened "
                                                    "(warned)")
             elif filt is not None and not filt(fqn, p):
-                out[fqn] = RoleChoice(False, None, f"{p.ndim}-D, rejected by matrix_filter")
+                out[fqn] = RoleChoice(False, None, f"{p.ndim}-D, rejected by matrix_filter", True)
             else:
-                out[fqn] = RoleChoice(True, None, f"flatten_conv: its (shape[0], -1) matrix")
+                out[fqn] = RoleChoice(True, None, "flatten_conv: its (shape[0], -1) matrix", True)
         elif filt is not None:
             ok = bool(filt(fqn, p))
-            out[fqn] = RoleChoice(ok, None, f"matrix_filter {'accepts' if ok else 'rejects'} it")
+            out[fqn] = RoleChoice(ok, None, f"matrix_filter {'accepts' if ok else 'rejects'} it", True)
         else:
             out[fqn] = RoleChoice(True, None, "2-D")
     if undeclared:
@@ -161,12 +164,15 @@ def classify(module: nn.Module, config: Any) -> dict[str, RoleChoice]:
     return out
 
 
-def recipe_roles(module: nn.Module, expert_stacks: Any = None) -> dict[str, RoleChoice]:
+def recipe_roles(module: nn.Module, expert_stacks: Any = None,
+                 placement: Optional[dict[str, RoleChoice]] = None) -> dict[str, RoleChoice]:
     """fqn (first name of each parameter) -> its role under the Muon recipe, and why: what an
     optimizer built from the module (``Muon(model)``) steps with the matrix optimizer. Reads only
     the module's structure and whole shapes, so it answers alike on a plain model under any
     strategy; a model ``matrix_shard`` sharded answers with the record it left on each parameter
-    (:func:`lightning_matrixfsdp.runtime.tags.recipe_of`), computed before its tensors moved."""
+    (:func:`lightning_matrixfsdp.runtime.tags.recipe_of`), computed before its tensors moved.
+    ``placement``: :func:`classify`'s roles; where an explicit strategy option decided one
+    (``matrix_filter``, ``flatten_conv``), the recipe follows it (an option of this strategy only)."""
     named = list(module.named_parameters())
     recorded = {fqn: recipe_of(p) for fqn, p in named}
     if named and all(r is not None for r in recorded.values()):
@@ -181,6 +187,8 @@ def recipe_roles(module: nn.Module, expert_stacks: Any = None) -> dict[str, Role
     for fqn, p in named:
         if recorded[fqn] is not None:
             out[fqn] = recorded[fqn]
+        elif placement is not None and placement[fqn].explicit:
+            out[fqn] = placement[fqn]
         elif fqn in stacks:
             stack, why = stacks[fqn]
             out[fqn] = RoleChoice(True, stack, f"expert stack, each expert a matrix: {stack.describe()} ({why})")

@@ -242,7 +242,7 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
     # expert-parallel slices are local: no unit materializes or reduces them (expert_parallel.py)
     param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if expert_slice_of(p) is None}
     roles = classify(module, config)  # every parameter's placement role, and why (runtime/classify.py)
-    recipe = recipe_roles(module, config.expert_stacks)  # and its update under the Muon recipe
+    recipe = recipe_roles(module, config.expert_stacks, roles)  # and its update under the Muon recipe
 
     specs = []
     for uname, _ in units:

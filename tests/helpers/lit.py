@@ -69,7 +69,8 @@ class LitTiny(LightningModule):  # noqa: D101
             import lightning_matrixfsdp as mf
 
             a = ADAMW_DEFAULTS
-            opt = mf.Muon(self, adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+            # from the module (the Muon recipe's two groups), or "muon_bare": one group, by shape
+            opt = mf.Muon(self.parameters() if self.optimizer_name == "muon_bare" else self, adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
         if not self.scheduler:
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, SCHEDULES[self.scheduler])
