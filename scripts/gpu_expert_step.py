@@ -110,7 +110,7 @@ class Problem:
             p = torch.nn.Parameter(w.clone())
             tag_stack(p, ExpertStack(w.shape[0], self.blocks[tuple(w.shape)]))
             params.append(p)
-        return params, muon.Muon(params, lr=LR, weight_decay=WD, **options)
+        return params, muon.Muon([{"params": params, "role": "matrix"}], lr=LR, weight_decay=WD, **options)
 
     def check(self, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> dict:
         for grads in self.grads:

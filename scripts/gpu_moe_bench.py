@@ -55,7 +55,7 @@ def _sync() -> None:
 
 
 # ---------------------------------------------------------------- part: train
-def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf16-mixed") -> dict:
+def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf16-mixed", profile: int = 0) -> dict:
     from lightning.pytorch import Callback, LightningModule, Trainer
     from torch.utils.data import DataLoader, Dataset
 
@@ -89,7 +89,7 @@ def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf1
 
         def configure_optimizers(self):
             if mode == "ours":
-                return mf.Muon(self.parameters(), lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD)
+                return mf.Muon(self, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD)  # groups from the module
             return PerExpertMuon(self.model)
 
     class Timer(Callback):
@@ -101,6 +101,9 @@ def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf1
             _sync()
             if i == warmup and torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
+            if profile and i == warmup + steps - profile:  # the last ``profile`` steps, under the profiler
+                self.prof = torch.profiler.profile(activities=_activities())
+                self.prof.__enter__()
             self.t0 = time.perf_counter()
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -109,7 +112,7 @@ def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf1
 
         def on_train_batch_end(self, trainer, pl_module, outputs, b, i) -> None:
             _sync()
-            if i >= warmup:
+            if i >= warmup and not (profile and i >= warmup + steps - profile):  # profiled steps: not timed
                 self.rows.append(((self.t1 - self.t0) * 1e3, (time.perf_counter() - self.t1) * 1e3))
 
     losses: list[float] = []
@@ -122,12 +125,28 @@ def train(mode: str, preset: str, steps: int, warmup: int, precision: str = "bf1
                       precision=precision, max_steps=warmup + steps, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
     trainer.fit(module, DataLoader(Steps(), batch_size=None))
+    prof = getattr(timer, "prof", None)
+    tables = {}
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        cuda = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        tables = {"by_self_device_time": prof.key_averages().table(sort_by=cuda, row_limit=30, max_name_column_width=70),
+                  "by_self_cpu_time": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                                                max_name_column_width=70)}
     fb = [r[0] for r in timer.rows]
     opt = [r[1] for r in timer.rows]
     return {"mode": mode, "fwd_bwd_ms": statistics.median(fb), "opt_ms": statistics.median(opt),
             "total_ms": statistics.median(a + b for a, b in timer.rows), "step_ms": [a + b for a, b in timer.rows],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-            "losses": losses, "muon_matrices": _muon_matrices(trainer.optimizers[0], module.model)}
+            "losses": losses, "muon_matrices": _muon_matrices(trainer.optimizers[0], module.model),
+            "fwd_bwd_rows_ms": fb, "profile": tables}
+
+
+def _activities() -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
 
 
 def _muon_matrices(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> int | None:
@@ -171,7 +190,7 @@ def experts(preset: str, reps: int) -> dict:
     ours_params = stacks()
     for p in ours_params:
         tag_stack(p, ExpertStack(e, blocks[tuple(p.shape)]))
-    ours = mf.Muon(ours_params, lr=LR, weight_decay=WD)
+    ours = mf.Muon([{"params": ours_params, "role": "matrix"}], lr=LR, weight_decay=WD)  # stacks: per expert
     ours_ms = median_ms(ours.step, dev, reps)
     del ours, ours_params
     plain_params = stacks()
@@ -203,7 +222,8 @@ def experts(preset: str, reps: int) -> dict:
 # ---------------------------------------------------------------- driver
 def _child(args: argparse.Namespace, part: list[str], path: Path) -> dict:
     cmd = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--precision", args.precision, "--part", *part, "--json", str(path)]
+           str(args.warmup), "--precision", args.precision, "--profile", str(args.profile), "--part", *part,
+           "--json", str(path)]
     subprocess.run(cmd, check=True, timeout=args.part_timeout)
     return json.loads(path.read_text())
 
@@ -217,12 +237,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="train plain, ours in turn this many times")
     p.add_argument("--precision", default="bf16-mixed", help="the Trainer's precision (both modes)")
     p.add_argument("--part-timeout", type=float, default=240.0)
+    p.add_argument("--profile", type=int, default=0, help="profile the last N of the steps (not timed; in the JSON)")
+    p.add_argument("--no-experts", action="store_true", help="skip the experts' step part")
     p.add_argument("--part", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:  # a child: one part, its JSON, nothing else
         if args.part[0] == "train":
-            res = train(args.part[1], args.preset, args.steps, args.warmup, args.precision)
+            res = train(args.part[1], args.preset, args.steps, args.warmup, args.precision, args.profile)
         else:
             res = experts(args.preset, args.steps)
         Path(args.json).write_text(json.dumps(res))
@@ -235,7 +257,7 @@ def main() -> None:
     for k in range(args.rounds):
         for mode in ("plain", "ours"):
             runs[mode].append(_child(args, ["train", mode], out / f"train_{mode}_{k}.json"))
-    exp = _child(args, ["experts"], out / "experts.json")
+    exp = None if args.no_experts else _child(args, ["experts"], out / "experts.json")
     train_rows = {m: {"total_ms": statistics.median(r["total_ms"] for r in rs),
                       "fwd_bwd_ms": statistics.median(r["fwd_bwd_ms"] for r in rs),
                       "opt_ms": statistics.median(r["opt_ms"] for r in rs),
@@ -265,6 +287,9 @@ def main() -> None:
         print(f"  {m:5s}: step {r['total_ms']:.1f} ms (fwd+bwd {r['fwd_bwd_ms']:.1f}, opt {r['opt_ms']:.1f}), "
               f"peak {peak}, {r['muon_matrices']} Muon matrices, last loss {r['losses'][-1]:.4f}")
     print("  ours / plain: " + ", ".join(f"{k} {v:.3f}" for k, v in result["ratios"].items() if v is not None))
+    if exp is None:
+        print(f"  wrote {out / 'gpu_moe_bench.json'}")
+        return
     print(f"  expert step alone ({exp['matrices']} matrices, {exp['ns_tflop']:.1f} TFLOP of Newton-Schulz at "
           f"{exp['matmul_tflops']:.0f} TFLOP/s): ours {exp['ours_ms']:.1f} ms = {exp['ours_over_floor']:.3f}x the "
           f"FLOP floor {exp['floor_ms']:.1f} ms ({exp['ours_over_ns_matmuls']:.3f}x the NS matmuls alone, "

@@ -159,7 +159,7 @@ def build_mode(name: str, cfg: MoEConfig, device: torch.device, ep: int = 1,
 
         model = mf.matrix_shard(raw.to(device), expert_parallel_size=ep, expert_stacks=EXPERT_STACKS,
                                 matrix_filter=is_muon_param, wrap_policy={type(raw.blocks[0])})
-        opt = mf.Muon(model.parameters(), lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD)
+        opt = mf.Muon(model, lr=LR, adamw_lr=ADAMW_LR, weight_decay=WD)  # groups from the module: stacks per expert
         return MoEMode(f"ours_ep{ep}" if ep > 1 else "ours_no_ep", model, opt, ep,
                        stats_fn=lambda: mf.get_comm_stats(model, reset=True),
                        info={"plan": mf.get_plan(model)})
