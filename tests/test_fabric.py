@@ -93,13 +93,13 @@ def fabric_worker(rank: int, world: int, cfg: dict) -> dict:
     fabric = _fabric(world, cfg.get("precision", "32-true"), **cfg.get("strategy", {}))
     model = Wrapper()
     oracle = copy.deepcopy(model)
-    o_opts = oracle_optimizers(oracle)
+    o_opts = oracle_optimizers(oracle, is_matrix=lambda n, p: p.ndim == 2)  # bare parameters: by shape
     if cfg.get("joint"):  # optimizer built before sharding, set up together
-        opt = _muon(model)
+        opt = _muon(model.parameters())
         model, opt = fabric.setup(model, opt)
     else:
         model = fabric.setup_module(model)
-        opt = fabric.setup_optimizers(_muon(model))
+        opt = fabric.setup_optimizers(_muon(model.parameters()))
     start = 0
     if cfg.get("load"):
         state = {"model": model, "optimizer": opt}
@@ -177,7 +177,7 @@ def _lit_fit(world: int, steps: int, ckpt_in: Optional[str], ckpt_out: str, root
 
     from helpers.lit import LitTiny
 
-    lit = LitTiny()
+    lit = LitTiny("muon_bare")  # bare parameters, as the Fabric phase builds its optimizer
     trainer = Trainer(accelerator="cpu", devices=world, strategy="matrix_fsdp", max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, default_root_dir=root)
@@ -196,7 +196,7 @@ def interchange_worker(rank: int, world: int, root: str) -> dict:
     lit = _lit_fit(world, 2, None, t1, root)
     torch.manual_seed(0)
     oracle = Wrapper()  # LitTiny's initial weights: same seed, same construction order
-    o_opts = oracle_optimizers(oracle)
+    o_opts = oracle_optimizers(oracle, is_matrix=lambda n, p: p.ndim == 2)  # bare parameters: by shape
     losses: list[float] = list(lit.losses)
     o_losses: list[float] = []
     for batch in lit.seen:
@@ -206,7 +206,7 @@ def interchange_worker(rank: int, world: int, root: str) -> dict:
     fabric = _fabric(world)
     torch.manual_seed(123)
     model = fabric.setup_module(Wrapper())
-    opt = fabric.setup_optimizers(_muon(model))
+    opt = fabric.setup_optimizers(_muon(model.parameters()))
     rest = fabric.load(t1, {"model": model, "optimizer": opt})
     assert rest["global_step"] == 2 and "loops" in rest, sorted(rest)
     for step in range(2):
@@ -286,7 +286,7 @@ def precision_worker(rank: int, world: int, precision: str) -> dict:
     fabric = _fabric(world, precision)
     torch.manual_seed(0)
     model = fabric.setup_module(Wrapper())
-    opt = fabric.setup_optimizers(_muon(model))
+    opt = fabric.setup_optimizers(_muon(model.parameters()))
     losses = []
     for step in range(2):
         batch = batch_for(step, rank)

@@ -210,9 +210,10 @@ def trainer_worker(rank: int, world: int, cfg: dict) -> dict:
     trainer.fit(lit)
     full = gather_full(lit.model)
     units = [u.fqn for u in mf.get_plan(lit).units]
-    from lightning_matrixfsdp.runtime.tags import role_of
+    from lightning_matrixfsdp.runtime.tags import recipe_of
 
-    roles = {n: role_of(p).value for n, p in lit.model.named_parameters()}
+    # what Muon(self) steps with Muon: the recipe recorded on each parameter (explicit options win)
+    roles = {n: "matrix" if recipe_of(p).is_matrix else "adamw" for n, p in lit.model.named_parameters()}
 
     oracle.train()
     keep = cfg.get("strategy", {}).get("matrix_filter")
@@ -272,7 +273,7 @@ def test_trainer_strategy_equals_ddp_muon(case: str, tmp_path, pool) -> None:
         if cfg.get("strategy", {}).get("matrix_filter"):
             assert "model.embed_tokens.weight" not in matrices and "model.layers.0.mlp.up_proj.weight" in matrices
         else:
-            # the Muon recipe by default: embeddings (and the head) train with AdamW
+            # the Muon recipe of Muon(self): embeddings (and the head) train with AdamW
             assert {n for n in r["roles"] if n.endswith(("embed_tokens.weight", "wte.weight"))}.isdisjoint(matrices)
     assert res[0]["losses"][-1] != res[0]["losses"][0], "did not train"
 

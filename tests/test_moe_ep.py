@@ -140,11 +140,11 @@ def gathered(model) -> dict[str, torch.Tensor]:
 
 
 def matrix_names(model) -> set[str]:
-    """The parameters the sharded run steps with Muon (matrix roles and expert stacks)."""
-    from lightning_matrixfsdp.runtime.tags import role_of, stack_of
+    """The parameters the sharded run steps with Muon: the recipe's matrices (hidden matrices and
+    expert stacks), which its optimizer, built from the module, follows."""
+    from lightning_matrixfsdp.runtime.tags import recipe_of
 
-    return {n for n, p in model.named_parameters()
-            if stack_of(p) is not None or (role_of(p) is not None and role_of(p).value == "matrix")}
+    return {n for n, p in model.named_parameters() if recipe_of(p).is_matrix}
 
 
 def sharded(experts: int, ep: int, build=None, **options):

@@ -143,7 +143,7 @@ def test_gptoss_stacks_shampoo_soap_equal_one_instance_per_linear_weight(case):
     name, kw = LIB_CASES[case]
     cls = getattr(matrix_optimizers, name)
     a, b, separate = _setup(seed=5)
-    ours = cls([a, b], **kw)
+    ours = cls([{"params": [a, b], "role": "matrix"}], **kw)
     refs = [cls([q], **kw) for q in separate]
     for _ in _feed(a, b, separate, seed=6, steps=3):
         for r in refs:
@@ -206,8 +206,12 @@ def test_gptoss_is_declared_automatically_biases_on_adamw_and_priced_per_linear_
     base = "model.layers.0.mlp.experts."
     assert roles[base + "gate_up_proj"] == (True, ExpertStack(2, (6, 6), True, True))
     assert roles[base + "down_proj"] == (True, ExpertStack(2, (8,), True))
-    assert roles[base + "gate_up_proj_bias"] == (False, None) and roles[base + "down_proj_bias"] == (False, None)
-    assert "per-expert bias" in collected.roles[base + "down_proj_bias"].reason
+    # placed as 2-D matrix roles (whole on an owner); the recipe of Muon(model) trains them with AdamW
+    assert roles[base + "gate_up_proj_bias"] == (True, None) and roles[base + "down_proj_bias"] == (True, None)
+    recipe = collected.recipe
+    assert not recipe[base + "gate_up_proj_bias"].is_matrix and not recipe[base + "down_proj_bias"].is_matrix
+    assert "per-expert bias" in recipe[base + "down_proj_bias"].reason
+    assert recipe[base + "gate_up_proj"].is_matrix and recipe[base + "gate_up_proj"].stack == roles[base + "gate_up_proj"][1]
     # the planner's price: per expert, the (out, in) matrices gate (6, 8), up (6, 8), down (8, 6)
     ns = newton_schulz_flops
     assert ns((2, 8, 12), 5, roles[base + "gate_up_proj"][1]) == 2 * 2 * ns((6, 8))
@@ -500,7 +504,7 @@ def _expert_parallel(rank: int, world: int) -> dict[str, Any]:
     import lightning_matrixfsdp as mf
     from helpers.equiv import make_sharded_optimizer
     from helpers.models import batch_for, lm_loss
-    from lightning_matrixfsdp.runtime.tags import expert_slice_of, role_of
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of, recipe_of
 
     torch.manual_seed(0)
     # the eager loop (torch's CPU grouped_mm takes no float64)
@@ -508,7 +512,8 @@ def _expert_parallel(rank: int, world: int) -> dict[str, Any]:
                          experts_implementation="eager").to(torch.float64)
     oracle = copy.deepcopy(model)
     mf.matrix_shard(model, expert_parallel_size=2)
-    local = {n: (tuple(p.shape), None if role_of(p) is None else role_of(p).value)
+    # each local slice's shape and the update Muon(model) gives it (the recipe recorded on it)
+    local = {n: (tuple(p.shape), "matrix" if recipe_of(p).is_matrix else "adamw")
              for n, p in model.named_parameters() if expert_slice_of(p) is not None}
     opts = make_sharded_optimizer(model, "ours")
     ref = PerExpertMuon(oracle)
@@ -562,6 +567,6 @@ def test_tiny_gptoss_under_expert_parallelism_equals_one_process():
         ep = r["ep"]
         assert ep["worst"]["loss"] < 1e-9 and ep["worst"]["param"] < 1e-9, ep["worst"]
         base = "model.layers.0.mlp.experts."
-        assert ep["local"][base + "gate_up_proj"] == ((2, 16, 24), None), ep["local"]
-        assert ep["local"][base + "gate_up_proj_bias"] == ((2, 24), "tail"), ep["local"]
-        assert ep["local"][base + "down_proj_bias"] == ((2, 16), "tail"), ep["local"]
+        assert ep["local"][base + "gate_up_proj"] == ((2, 16, 24), "matrix"), ep["local"]
+        assert ep["local"][base + "gate_up_proj_bias"] == ((2, 24), "adamw"), ep["local"]
+        assert ep["local"][base + "down_proj_bias"] == ((2, 16), "adamw"), ep["local"]

@@ -160,8 +160,10 @@ def test_hf_moe_equals_ddp_with_per_expert_muon(name: str, world: int, pools) ->
     assert len(res["split"]) == (4 if world == 4 else 0), res["split"]  # 4 processes: blocks of experts (split stacks)
     plan = res["plan"]
     assert "experts.gate_up_proj (x2): stack, expert stack, 4 experts, each as 2 blocks (12, 12)" in plan, plan
-    assert "lm_head.weight: adamw, Muon recipe default" in plan, plan
-    assert "embed_tokens.weight: adamw, Muon recipe default: nn.Embedding weight" in plan, plan
+    # placed whole on an owner (a matrix role); Muon(model) trains them with AdamW, bare parameters with Muon
+    assert "lm_head.weight: matrix, 2-D | Muon(model): adamw, Muon recipe: output head" in plan, plan
+    assert "embed_tokens.weight: matrix, 2-D | Muon(model): adamw, Muon recipe: nn.Embedding weight" in plan, plan
+    assert "| bare: muon" in plan.split("embed_tokens.weight", 1)[1].splitlines()[0], plan
 
 
 def test_stacks_resume_from_checkpoints_without_expert_parallelism(hf_pool) -> None:

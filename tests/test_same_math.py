@@ -25,6 +25,7 @@ CASES = {  # name -> (kind, model, bare, matrix_fsdp options)
     "hf_qwen3_moe_bare": ("trainer", "hf_qwen3_moe", True, {}),
     "litgpt": ("trainer", "litgpt", False, {}),
     "hsdp": ("trainer", "demo_gpt", False, {"shard_size": 1}),
+    "clip": ("trainer", "hf_llama_tied", False, {"gradient_clip_val": 0.05}),  # norm over the groups' order
     "fabric": ("fabric", "hf_llama_tied", False, {}),
 }
 TP_OPTIONS = {"tensor_parallel_size": 2, "log_plan": False}
@@ -36,7 +37,8 @@ def both(hf_pool):
     def get(name: str) -> tuple[list, list]:
         if name not in _cache:
             kind, model, bare, options = CASES[name]
-            _cache[name] = tuple(hf_pool.run(run, kind, strategy, model, bare, options if strategy != "ddp" else {},
+            both_kw = {k: v for k, v in options.items() if k == "gradient_clip_val"}  # Trainer options
+            _cache[name] = tuple(hf_pool.run(run, kind, strategy, model, bare, options if strategy != "ddp" else both_kw,
                                              timeout=300) for strategy in ("ddp", "matrix_fsdp"))
         for strategy, res in zip(("ddp", "matrix_fsdp"), _cache[name]):
             for r in res:

@@ -154,7 +154,10 @@ def trainer_scenario(rank: int, world: int, strategy: str, model: str, bare: boo
     from lightning_matrixfsdp.optim.routing import full_param_groups
 
     lit = SameCode(model, bare)
+    options = dict(options)
+    clip = options.pop("gradient_clip_val", None)  # a Trainer option, for both strategies
     trainer = Trainer(accelerator="cpu", devices=world, strategy=_strategy(strategy, **options), max_steps=STEPS,
+                      gradient_clip_val=clip,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, default_root_dir=os.environ.get("TMPDIR", "/tmp"))
     trainer.fit(lit)
