@@ -95,7 +95,7 @@ class LitSched(LitTiny):
     """LitTiny with a scheduler form; ``sgd``: the module's optimizer is SGD (replaced), else Muon."""
 
     def __init__(self, case: str, sgd: bool) -> None:
-        super().__init__(optimizer="sgd" if sgd else "muon")
+        super().__init__(optimizer="sgd" if sgd else "muon_bare")
         self.case = case
         self.momenta: list[float] = []
 
@@ -111,7 +111,8 @@ class LitSched(LitTiny):
         if self.optimizer_name == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=MODULE_LR, momentum=0.9)
         else:
-            opt = mf.Muon(self, **MUON)  # the Muon recipe, under DDP and matrix_fsdp alike
+            # bare parameters, as the optimizer= factory receives them (one group, by shape)
+            opt = mf.Muon(self.parameters() if self.optimizer_name == "muon_bare" else self, **MUON)
         return CASES[self.case](opt, opt.param_groups[0]["lr"])
 
 
