@@ -65,13 +65,15 @@ def test_gradient_accumulation(no_sync, dist_pools):
 def test_optimizer_option_replaces_an_existing_modules_sgd_with_muon(dist_pools):
     a = ADAMW_DEFAULTS
     opt = dict(adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
-    res = dist_pools(2).run(trainer_worker, {"steps": 4, "module_optimizer": "sgd", "strategy": {"optimizer": opt}})
+    # the factory receives bare parameters: by shape, every 2-D tensor on Muon (the oracle too)
+    res = dist_pools(2).run(trainer_worker, {"steps": 4, "module_optimizer": "sgd", "strategy": {"optimizer": opt},
+                                             "oracle_all_2d": True})
     _exact(res)
     assert res[0]["optimizer"] == "Muon"
 
 
 def every_matrix(fqn: str, p) -> bool:
-    """A matrix_filter: every 2-D parameter is a matrix role (the roles before the recipe default)."""
+    """A matrix_filter: every 2-D parameter is a matrix role, so Muon(model) steps the embeddings too."""
     return True
 
 
@@ -127,6 +129,7 @@ def test_optimizer_replacement_keeps_the_modules_lr_schedule(scheduler, dist_poo
     a = ADAMW_DEFAULTS
     opt = dict(adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
     res = dist_pools(2).run(trainer_worker, {"steps": 4, "module_optimizer": "sgd", "scheduler": scheduler,
+                                             "oracle_all_2d": True,  # the factory's bare parameters: by shape
                                              "strategy": {"optimizer": opt}})
     _exact(res)  # the oracle runs the same LambdaLR on Muon's own lr (0.02), not on SGD's 0.1
     factor = (lambda s: 0.5 ** s) if scheduler is True else (lambda s: (s + 1) / 4)
