@@ -95,8 +95,10 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         children of its own launch, torchrun, SLURM), so they skip Lightning's
         ``OMP_NUM_THREADS`` setting: on CPU the children then ran with one thread per core
         and the ranks oversubscribed the machine (CHANGELOG, "Fixed", has the measured
-        cost). The launcher starts no process where the environment already did.
+        cost). The launcher starts no process where the environment already did. Every parallel
+        size is checked against the world first (``check_world``): refused here, before the launch.
         """
+        self.check_world()
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
