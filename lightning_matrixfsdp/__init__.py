@@ -42,6 +42,7 @@ from lightning_matrixfsdp.adapters import (
     register,
     register_fabric,
 )
+from lightning_matrixfsdp.adapters.double_precision import install_double_precision
 from lightning_matrixfsdp.adapters.from_checkpoint import install_directory_loading
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __version__ = "0.1.0"
 register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 register_fabric()  # and Fabric(strategy="matrix_fsdp")
 install_directory_loading()  # and MyModule.load_from_checkpoint(a checkpoint directory)
+install_double_precision()  # and precision="64-true" with a strategy instance (and under Fabric)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
            "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",

@@ -218,6 +218,9 @@ class MatrixFSDPAdapter:
     config: MatrixFSDPConfig
     #: the groups of the sharded models (``setup_environment`` builds it)
     shard_mesh: Optional[MeshInfo] = None
+    #: ``precision="64-true"`` trains in float64 (Lightning refuses it for ``ModelParallelStrategy``:
+    #: ``double_precision.py`` lets the connectors accept it for these strategies)
+    serves_double_precision: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         sig = self.options_signature
