@@ -27,9 +27,11 @@ import lightning_matrixfsdp as mf
 from lightning_matrixfsdp.demos import ByteTextDataModule, HFCausalLM, LossPrinter, OptimizerReport
 
 LAYER = "transformers.models.mixtral.modeling_mixtral.MixtralDecoderLayer"
+# output_router_logits: Hugging Face's load-balancing loss, times router_aux_loss_coef, in the loss (and
+# logged as train_aux_loss by the Trainer path)
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-              tie_word_embeddings=False)
+              tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.02)
 
 
 def trainer_run(args: argparse.Namespace) -> None:
@@ -54,8 +56,7 @@ def fabric_run(args: argparse.Namespace) -> None:
                                                          expert_parallel_size=args.expert_parallel_size))
     fabric.launch()
     fabric.seed_everything(0)
-    config = MixtralConfig(vocab_size=256, output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False,
-                           **dict(CONFIG, max_position_embeddings=args.seq_len))
+    config = MixtralConfig(vocab_size=256, use_cache=False, **dict(CONFIG, max_position_embeddings=args.seq_len))
     model = fabric.setup_module(MixtralForCausalLM(config))
     optimizer = fabric.setup_optimizers(mf.Muon(model.parameters(), lr=args.lr, adamw_lr=3e-3))
     g = torch.Generator().manual_seed(fabric.global_rank)

@@ -1,0 +1,86 @@
+"""Mixture-of-experts training as its users expect (issue 36): the load-balancing loss in the demo's
+loss, and the experts' statistics in the Trainer's logger.
+
+The load-balancing loss: ``HFCausalLM``'s training loss and logged ``train_aux_loss`` equal Hugging
+Face's own ``outputs.loss`` / ``outputs.aux_loss`` of the same model on the same batch (the oracle is
+transformers itself). One process, plain Lightning: nothing distributed is needed for the loss.
+"""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers.walk_scenarios import MemoryLogger
+
+pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16, tie_word_embeddings=False)
+
+
+def _hf_module(**config):
+    from lightning_matrixfsdp.demos import HFCausalLM
+
+    torch.manual_seed(0)
+    return HFCausalLM(model_type="mixtral", config=dict(TINY, **config), lr=0.02, warmup_steps=0,
+                      lr_schedule="constant")
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) as the demos' data gives them, y = x shifted by one; the last label is ignored (-100), so
+    that the loss is the one Hugging Face computes with ``labels=x`` (it shifts them itself)."""
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    y = torch.cat([x[:, 1:], torch.full((2, 1), -100)], dim=1)
+    return x, y
+
+
+def _one_step_metrics(module) -> dict[str, float]:
+    from lightning.pytorch import Trainer
+
+    logger = MemoryLogger()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=logger, log_every_n_steps=1,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([_batch()], batch_size=None))
+    return {k: v for _, m in logger.records for k, v in m.items()}
+
+
+@pytest.mark.parametrize("asks", [True, False], ids=["output_router_logits", "without"])
+def test_training_loss_is_hugging_faces_loss_with_its_load_balancing_loss(asks: bool) -> None:
+    module = _hf_module(output_router_logits=asks, router_aux_loss_coef=0.05)
+    x, _ = _batch()
+    reference = copy.deepcopy(module.model)
+    with torch.no_grad():
+        want = reference(input_ids=x, labels=x)  # Hugging Face's own loss, before the step changes the weights
+    got = _one_step_metrics(module)
+    assert got["train_loss"] == pytest.approx(want.loss.item(), rel=0, abs=2e-6), (got, want.loss)
+    if asks:
+        assert want.aux_loss is not None and want.aux_loss.item() > 0
+        assert got["train_aux_loss"] == pytest.approx(want.aux_loss.item(), rel=0, abs=1e-7)
+        with torch.no_grad():  # the difference is the scaled auxiliary loss: it is really in the loss
+            plain = reference(input_ids=x, labels=x, output_router_logits=False).loss
+        assert got["train_loss"] - plain.item() == pytest.approx(0.05 * want.aux_loss.item(), abs=2e-6)
+    else:
+        assert "train_aux_loss" not in got
+
+
+def test_router_losses_are_refused_or_scaled_as_the_model_says() -> None:
+    from lightning_matrixfsdp.demos.hf import router_losses
+
+    logits = torch.zeros(1, 2, 3)
+    asks = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.1, router_z_loss_coef=0.001)
+    # a model type that reports no load-balancing loss although its config asks for the router outputs
+    with pytest.raises(ValueError, match="returned no aux_loss"):
+        router_losses(SimpleNamespace(config=asks), SimpleNamespace(logits=logits, aux_loss=None))
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        router_losses(SimpleNamespace(config=SimpleNamespace(output_router_logits=True)),
+                      SimpleNamespace(logits=logits, aux_loss=torch.tensor(1.0)))
+    # the model's own attribute wins over its config (what its forward scales by), and a z-loss is taken too
+    model = SimpleNamespace(config=asks, router_aux_loss_coef=0.2)
+    terms = router_losses(model, SimpleNamespace(logits=logits, aux_loss=torch.tensor(2.0), z_loss=torch.tensor(3.0)))
+    assert {k: (v.item(), c) for k, (v, c) in terms.items()} == {"aux_loss": (2.0, 0.2), "z_loss": (3.0, 0.001)}
+    assert router_losses(SimpleNamespace(config=SimpleNamespace(output_router_logits=False)),
+                         SimpleNamespace(logits=logits, aux_loss=torch.tensor(2.0))) == {}
