@@ -60,6 +60,7 @@ def fabric_run(args: argparse.Namespace) -> None:
     model = fabric.setup_module(MixtralForCausalLM(config))
     optimizer = fabric.setup_optimizers(mf.Muon(model.parameters(), lr=args.lr, adamw_lr=3e-3))
     g = torch.Generator().manual_seed(fabric.global_rank)
+    since = 0  # optimizer steps since the experts' load was last read
     for step in range(args.max_steps):
         for micro in range(2):  # gradient accumulation: the last micro-batch reduces
             ids = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
@@ -69,9 +70,13 @@ def fabric_run(args: argparse.Namespace) -> None:
         norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)  # each expert counted once
         optimizer.step()
         optimizer.zero_grad()
+        since += 1
         if step % args.print_every == 0 or step == args.max_steps - 1:
+            # the tokens per expert since the last read, over every rank (collective: every rank calls it)
+            cv = mf.get_expert_stats(model, steps=since)["matrix_fsdp/experts/tokens_cv_max"]
+            since = 0
             fabric.print(f"step {step:3d}  loss {out.loss.item():.4f}  aux {out.aux_loss.item():.4f}  "
-                         f"grad norm {norm.item():.3f}")
+                         f"grad norm {norm.item():.3f}  expert load cv {cv:.3f}")
     fabric.print(f"traffic: {mf.get_comm_stats(model)}")
 
 

@@ -14,6 +14,7 @@ from lightning_matrixfsdp.runtime import (
     parallelize_experts,
     full_model,
     get_comm_stats,
+    get_expert_stats,
     get_plan,
     hsdp_mesh,
     is_matrix_sharded,
@@ -56,7 +57,7 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "C
            "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
-           "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_plan", "grad_norm",
+           "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_expert_stats", "get_plan", "grad_norm",
            "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "PartialStateDictError", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.matrix_optimizers import SOAP, Shampoo

@@ -8,11 +8,13 @@ transformers itself). One process, plain Lightning: nothing distributed is neede
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from helpers.dist import PoolTask
 from helpers.walk_scenarios import MemoryLogger
 
 pytest.importorskip("transformers")
@@ -84,3 +86,88 @@ def test_router_losses_are_refused_or_scaled_as_the_model_says() -> None:
     assert {k: (v.item(), c) for k, (v, c) in terms.items()} == {"aux_loss": (2.0, 0.2), "z_loss": (3.0, 0.001)}
     assert router_losses(SimpleNamespace(config=SimpleNamespace(output_router_logits=False)),
                          SimpleNamespace(logits=logits, aux_loss=torch.tensor(2.0))) == {}
+
+
+# ---------------------------------------------------------------------- expert statistics in the logger
+LAYER = "transformers.models.mixtral.modeling_mixtral.MixtralDecoderLayer"
+EXPERTS, TOP_K, STEPS, EVERY = 4, 2, 4, 2
+
+
+def _counted_module(ep: int):
+    """The demo module, with a plain count of every router's top-k choices in each training step's
+    forward (a forward hook on the router; a recomputation inside backward is not a training
+    forward: what it adds is dropped when the next step starts)."""
+    from lightning_matrixfsdp.demos import HFCausalLM
+
+    class Counted(HFCausalLM):
+        def __init__(self) -> None:
+            super().__init__(model_type="mixtral", config=dict(TINY, output_router_logits=True,
+                                                               router_aux_loss_coef=0.02),
+                             lr=0.02, warmup_steps=0, lr_schedule="constant")
+            self.seen: list[torch.Tensor] = []
+            self.steps: list[torch.Tensor] = []  # per training forward: [layers, experts]
+            for layer in self.model.model.layers:
+                layer.mlp.gate.register_forward_hook(
+                    lambda m, args, out: self.seen.append(torch.bincount(out[2].reshape(-1), minlength=EXPERTS)))
+
+        def training_step(self, batch, batch_idx):
+            self.seen.clear()
+            loss = super().training_step(batch, batch_idx)
+            self.steps.append(torch.stack(self.seen))
+            return loss
+
+    torch.manual_seed(0)
+    return Counted()
+
+
+def _fit_with_stats(rank: int, world: int, ep: int, accumulate: int, checkpointing: bool) -> dict:
+    from lightning.pytorch import Trainer
+
+    import lightning_matrixfsdp as mf
+
+    module = _counted_module(ep)
+    logger = MemoryLogger()
+    g = torch.Generator().manual_seed(5)
+    data = [(x, torch.roll(x, -1)) for x in torch.randint(0, 256, (32, 8), generator=g)]
+    strategy = mf.MatrixFSDPStrategy(wrap_policy=LAYER, expert_parallel_size=ep, log_plan=False,
+                                     activation_checkpointing_policy=LAYER if checkpointing else None)
+    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, logger=logger,
+                      log_every_n_steps=EVERY, accumulate_grad_batches=accumulate, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, default_root_dir=".")
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=2))
+    return {"steps": [s.tolist() for s in module.steps], "records": logger.records if rank == 0 else []}
+
+
+def _stats_world2(rank: int, world: int) -> dict:
+    return {"ep2": _fit_with_stats(rank, world, ep=2, accumulate=2, checkpointing=True),
+            "ep1": _fit_with_stats(rank, world, ep=1, accumulate=1, checkpointing=False)}
+
+
+STATS = PoolTask(_stats_world2, timeout=600)  # on hf_pool (tests/conftest.py): warm, transformers imported
+
+
+@pytest.mark.parametrize("scenario,accumulate", [("ep2", 2), ("ep1", 1)], ids=["ep2_checkpointing_accumulation",
+                                                                              "without_ep"])
+def test_tokens_per_expert_in_the_logger_equal_a_plain_count_of_the_routers_choices(scenario, accumulate, hf_pool):
+    results = [r[scenario] for r in STATS.results(hf_pool)]
+    per_rank = [torch.tensor(r["steps"]) for r in results]  # [micro-batches, layers, experts] per rank
+    assert all(len(p) == STEPS * accumulate for p in per_rank)
+    logged = [m for _, m in results[0]["records"] if "matrix_fsdp/experts/tokens_cv_max" in m]
+    assert len(logged) == STEPS // EVERY, results[0]["records"]
+    window = EVERY * accumulate
+    for w, metrics in enumerate(logged):
+        counts = sum(p[w * window:(w + 1) * window].sum(0) for p in per_rank)  # [layers, experts], every rank
+        assert counts.sum() == len(per_rank) * window * 2 * 8 * TOP_K * 2  # ranks x batches x tokens x k x layers
+        worst = 0.0
+        for layer, row in enumerate(counts.double()):
+            mean = row.mean()
+            cv = (((row - mean) ** 2).mean().sqrt() / mean).item()
+            worst = max(worst, cv)
+            assert metrics[f"matrix_fsdp/experts/{layer}/tokens_min"] == row.min().item() / EVERY
+            assert metrics[f"matrix_fsdp/experts/{layer}/tokens_max"] == row.max().item() / EVERY
+            assert metrics[f"matrix_fsdp/experts/{layer}/tokens_cv"] == pytest.approx(cv, rel=1e-12)
+        assert metrics["matrix_fsdp/experts/tokens_cv_max"] == pytest.approx(worst, rel=1e-12)
+        assert "matrix_fsdp/experts/dropped" not in metrics  # Mixtral drops no token
+    aux = [m["train_aux_loss"] for _, m in results[0]["records"] if "train_aux_loss" in m]
+    assert aux and all(math.isfinite(a) and a > 0 for a in aux)

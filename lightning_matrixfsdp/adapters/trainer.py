@@ -202,8 +202,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             if self.async_saver is not None:  # once: the first save's host buffer, in the background
                 self.async_saver.reserve(module, self.optimizers)
         self._telemetry.end_step(self.root_device)
-        if self.is_global_zero and module is not None:
-            self._telemetry.log(module.trainer, self._sharded_roots())
+        if module is not None:  # every rank: the experts' counts are summed over the world at a log step
+            self._telemetry.log(module.trainer, self._sharded_roots(), self.is_global_zero)
         return out
 
     @contextmanager

@@ -44,6 +44,7 @@ from lightning_matrixfsdp.runtime.expert_comm import (
 )
 from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward, hf_experts_forward
 from lightning_matrixfsdp.runtime.expert_seams import ExpertSeam, find_seams, install_forward
+from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.small_comm import gather_objects
@@ -210,10 +211,11 @@ def _first_difference(a: list, b: list) -> str:
 
 
 def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional[torch.device],
-                    stats: CommStats) -> Optional[ExpertParallel]:
+                    stats: CommStats, routing: Optional[RoutingCounts] = None) -> Optional[ExpertParallel]:
     """Split every experts module's stacks over the expert-parallel groups (module docstring);
     None without expert parallelism. ``stats``: the model's traffic counters (the token
-    all-to-alls count under ``ep_dispatch``/``ep_combine``, the gradient sums under ``experts``)."""
+    all-to-alls count under ``ep_dispatch``/``ep_combine``, the gradient sums under ``experts``).
+    ``routing``: where each experts module's dispatch adds the tokens it routed to each expert."""
     if ep == 1:
         return None
     seams = find_seams(module)
@@ -233,5 +235,9 @@ def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional
             tag_expert_slice(p, ExpertSlice(fqn, tuple(p.shape), groups.ep_rank * count, count, groups, p.is_meta))
             params[fqn] = p
             registrations[fqn] = [(s.module, n)]
-        install_forward(s, dispatch, groups.ep_group, fused=hf_experts_forward)
+        seam_dispatch = dispatch
+        if routing is not None:  # the counts the dispatch computes for its exchange, kept for the logs
+            routing.add_module(s.fqn, s.num_experts)
+            seam_dispatch = functools.partial(dispatch, on_counts=routing.recorder(s.fqn, s.module))
+        install_forward(s, seam_dispatch, groups.ep_group, fused=hf_experts_forward)
     return ExpertParallel(params, groups, stats, device, registrations)

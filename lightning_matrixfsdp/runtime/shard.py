@@ -27,6 +27,7 @@ from lightning_matrixfsdp.runtime.consensus import (
 )
 from lightning_matrixfsdp.runtime.copies import track_copies
 from lightning_matrixfsdp.runtime.expert_parallel import prepare_experts
+from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts, watch_routing
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info, shard_mesh
@@ -157,7 +158,10 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     device = torch.device(device)
     # expert parallelism: each rank keeps its experts as local parameters, outside every unit
     stats = CommStats()
-    experts = prepare_experts(module, config.expert_parallel_size, mesh, device, stats)
+    routing = RoutingCounts()  # tokens per expert for the logs: the dispatch's counts under EP, else a hook's
+    experts = prepare_experts(module, config.expert_parallel_size, mesh, device, stats, routing)
+    if experts is None:
+        watch_routing(module, routing)
 
     # "auto" options resolved once, alike on every rank, before any other collective (runtime/topology.py)
     choice = resolve(config.collective, config.replica_split, mesh)
@@ -184,6 +188,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     state = build_runtime(module, config, mesh, plan, collected, device, tp_plan, stats)  # 3. the runtime
     if experts is not None:
         state.attach_experts(experts)
+    state.attach_routing(routing)
     return module
 
 
