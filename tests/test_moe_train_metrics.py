@@ -171,3 +171,72 @@ def test_tokens_per_expert_in_the_logger_equal_a_plain_count_of_the_routers_choi
         assert "matrix_fsdp/experts/dropped" not in metrics  # Mixtral drops no token
     aux = [m["train_aux_loss"] for _, m in results[0]["records"] if "train_aux_loss" in m]
     assert aux and all(math.isfinite(a) and a > 0 for a in aux)
+
+
+# ---------------------------------------------------------------------- the plan printout
+def _row(text: str, rank: int) -> list[str]:
+    """The printout table's cells for ``rank``."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) == 5 and cells[0] == str(rank):
+            return cells
+    raise AssertionError(f"no row for rank {rank} in\n{text}")
+
+
+def _plans_world2(rank: int, world: int) -> dict:
+    """Each rank's printout at EP=2 and without EP, beside what the rank really holds: its parameter
+    bytes, and after one step of Muon its parameters, gradients and optimizer state; the printed
+    expert ranges checked against the local slices' values (the whole stacks are known: every rank
+    builds the same model)."""
+    import re
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.tags import expert_slice_of
+    from test_moe_ep import batch, loss_of, tiny_mixtral
+
+    out = {}
+    whole = dict(tiny_mixtral(4).named_parameters())
+    for ep in (2, 1):
+        model = tiny_mixtral(4)
+        mf.matrix_shard(model, expert_parallel_size=ep)
+        plan = mf.get_plan(model)
+        text = str(plan)
+        held = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        opt = mf.Muon(model.parameters(), lr=0.02)
+        loss_of(model, batch(0, rank)).backward()
+        opt.step()
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0)  # not the 0-d step counters
+        stacks = {}
+        if ep > 1:  # the range the printout gives this rank, against the rows of the whole stacks it holds
+            a, b = map(int, re.search(rf"^  rank {rank}: experts \[(\d+), (\d+)\)", text, re.M).groups())
+            stacks = {n: torch.equal(held[n], whole[n][a:b]) for n, p in model.named_parameters()
+                      if expert_slice_of(p) is not None}
+        else:  # "stack X: whole on rank r": the owner holds it whole, the other rank nothing
+            for n, owner in re.findall(r"^stack (\S+): whole on rank (\d+)", text, re.M):
+                stacks[n] = torch.equal(held[n], whole[n]) if int(owner) == rank else held[n].numel() == 0
+        out[ep] = {"text": text, "params": params, "resident": params + grads + state, "stacks": stacks,
+                   "plan": (plan.param_bytes(rank), plan.resident_bytes(rank))}
+    return out
+
+
+PLANS = PoolTask(_plans_world2, timeout=300)
+
+
+@pytest.mark.parametrize("ep", [2, 1], ids=["ep2", "without_ep"])
+def test_the_plan_printout_gives_what_each_rank_holds(ep, hf_pool):
+    results = [r[ep] for r in PLANS.results(hf_pool)]
+    for rank, r in enumerate(results):
+        # the plan's figures, to the byte: parameters held; parameters, gradients and optimizer state after a step
+        assert r["plan"] == (r["params"], r["resident"]), (rank, r["plan"], r["params"], r["resident"])
+        cells = _row(results[0]["text"], rank)  # rank 0 prints the plan; every rank's figures are in it
+        assert cells[1] == f"{r['params'] / 2**20:.2f}", (cells, r["params"])
+        assert cells[2] == f"{r['resident'] / 2**20:.2f}", (cells, r["resident"])
+        assert len(r["stacks"]) == 4 and all(r["stacks"].values()), r["stacks"]  # 2 layers x 2 stacks
+    if ep > 1:
+        assert "  rank 0: experts [0, 2) of every experts module" in results[0]["text"]
+        assert "  rank 1: experts [2, 4) of every experts module" in results[0]["text"]
+    else:
+        assert "expert_parallel" not in results[0]["text"]

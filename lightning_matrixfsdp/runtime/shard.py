@@ -180,8 +180,8 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
                         replica_split_reason=choice.replica_split_reason,  # printed; not in the digest
                         roles=describe_roles(collected.roles))
-    if experts is not None:
-        plan.options["expert_parallel"] = experts.describe()  # printed; not in the digest
+    if experts is not None:  # the local experts in the printout's table, and which rank holds which (not in the digest)
+        plan.options.update(experts.plan_options({f: r.is_matrix for f, r in collected.roles.items()}, config.ns_steps))
     tp_plan = None
     if mesh.tp_size > 1:  # the owners from global shapes (above); the TP steppers and this rank's fragments
         tp_plan = tensor_parallel_plan(collected, plan, mesh, config.ns_steps)
