@@ -240,3 +240,41 @@ def test_the_plan_printout_gives_what_each_rank_holds(ep, hf_pool):
         assert "  rank 1: experts [2, 4) of every experts module" in results[0]["text"]
     else:
         assert "expert_parallel" not in results[0]["text"]
+
+
+def test_routing_counts_take_training_forwards_only_and_report_dropped_slots() -> None:
+    """The counting hook without a process group: a slot routed to expert E (no expert) is a dropped
+    slot, a keyword routing argument (GPT-OSS's ``router_indices``) is read, evaluation and a forward
+    inside backward are not counted; the summary against plain arithmetic written here."""
+    from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts, summarize
+
+    class Experts(torch.nn.Module):
+        def forward(self, hidden_states, router_indices=None, routing_weights=None):
+            return hidden_states
+
+    a, b = Experts(), Experts()
+    routing, backward = RoutingCounts(), [False]
+    routing.in_backward = lambda: backward[0]
+    for name, m in (("model.layers.0.mlp.experts", a), ("model.layers.1.mlp.experts", b)):
+        routing.add_module(name, 4)
+        routing.watch(name, m, kind_grouped=False)
+    h = torch.zeros(3, 2)
+    a(h, torch.tensor([[0, 1], [0, 4], [2, 0]]), None)  # one slot to no expert (4 = E)
+    b(h, router_indices=torch.tensor([[3, 3], [3, 1], [2, 3]]), routing_weights=None)
+    backward[0] = True
+    a(h, torch.tensor([[1, 1], [1, 1], [1, 1]]), None)  # a recomputation inside backward: not counted
+    backward[0] = False
+    a.eval()
+    a(h, torch.tensor([[2, 2], [2, 2], [2, 2]]), None)  # evaluation: not counted
+    names, experts, flat = routing.take()
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"] and experts == [4, 4]
+    assert flat.tolist() == [3, 1, 1, 0, 1, 0, 1, 1, 4, 0]
+    metrics = summarize(names, experts, flat.tolist(), steps=2)
+    cv0 = math.sqrt(((3 - 1.25) ** 2 + 2 * (1 - 1.25) ** 2 + 1.25 ** 2) / 4) / 1.25
+    cv1 = math.sqrt((1.5 ** 2 + 0.5 ** 2 + 0.5 ** 2 + 2.5 ** 2) / 4) / 1.5
+    assert metrics == pytest.approx({
+        "matrix_fsdp/experts/0/tokens_min": 0.0, "matrix_fsdp/experts/0/tokens_max": 1.5,
+        "matrix_fsdp/experts/0/tokens_cv": cv0, "matrix_fsdp/experts/1/tokens_min": 0.0,
+        "matrix_fsdp/experts/1/tokens_max": 2.0, "matrix_fsdp/experts/1/tokens_cv": cv1,
+        "matrix_fsdp/experts/tokens_cv_max": max(cv0, cv1), "matrix_fsdp/experts/dropped": 0.5})
+    assert routing.take()[2].tolist() == [0] * 10  # taken: the next window starts from zero
