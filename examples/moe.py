@@ -27,9 +27,11 @@ import lightning_matrixfsdp as mf
 from lightning_matrixfsdp.demos import ByteTextDataModule, HFCausalLM, LossPrinter, OptimizerReport
 
 LAYER = "transformers.models.mixtral.modeling_mixtral.MixtralDecoderLayer"
+# output_router_logits: Hugging Face's load-balancing loss, times router_aux_loss_coef, in the loss (and
+# logged as train_aux_loss by the Trainer path)
 CONFIG = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-              tie_word_embeddings=False)
+              tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.02)
 
 
 def trainer_run(args: argparse.Namespace) -> None:
@@ -54,11 +56,11 @@ def fabric_run(args: argparse.Namespace) -> None:
                                                          expert_parallel_size=args.expert_parallel_size))
     fabric.launch()
     fabric.seed_everything(0)
-    config = MixtralConfig(vocab_size=256, output_router_logits=True, router_aux_loss_coef=0.02, use_cache=False,
-                           **dict(CONFIG, max_position_embeddings=args.seq_len))
+    config = MixtralConfig(vocab_size=256, use_cache=False, **dict(CONFIG, max_position_embeddings=args.seq_len))
     model = fabric.setup_module(MixtralForCausalLM(config))
     optimizer = fabric.setup_optimizers(mf.Muon(model, lr=args.lr, adamw_lr=3e-3))
     g = torch.Generator().manual_seed(fabric.global_rank)
+    since = 0  # optimizer steps since the experts' load was last read
     for step in range(args.max_steps):
         for micro in range(2):  # gradient accumulation: the last micro-batch reduces
             ids = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
@@ -68,9 +70,13 @@ def fabric_run(args: argparse.Namespace) -> None:
         norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)  # each expert counted once
         optimizer.step()
         optimizer.zero_grad()
+        since += 1
         if step % args.print_every == 0 or step == args.max_steps - 1:
+            # the tokens per expert since the last read, over every rank (collective: every rank calls it)
+            cv = mf.get_expert_stats(model, steps=since)["matrix_fsdp/experts/tokens_cv_max"]
+            since = 0
             fabric.print(f"step {step:3d}  loss {out.loss.item():.4f}  aux {out.aux_loss.item():.4f}  "
-                         f"grad norm {norm.item():.3f}")
+                         f"grad norm {norm.item():.3f}  expert load cv {cv:.3f}")
     fabric.print(f"traffic: {mf.get_comm_stats(model)}")
 
 

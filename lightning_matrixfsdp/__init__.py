@@ -14,6 +14,7 @@ from lightning_matrixfsdp.runtime import (
     parallelize_experts,
     full_model,
     get_comm_stats,
+    get_expert_stats,
     get_plan,
     hsdp_mesh,
     is_matrix_sharded,
@@ -43,6 +44,7 @@ from lightning_matrixfsdp.adapters import (
     register_fabric,
 )
 from lightning_matrixfsdp.adapters.console import show_routing_lines
+from lightning_matrixfsdp.adapters.double_precision import install_double_precision
 from lightning_matrixfsdp.adapters.from_checkpoint import install_directory_loading
 
 __version__ = "0.1.0"
@@ -51,12 +53,13 @@ register()  # Trainer(strategy="matrix_fsdp") works once the package is imported
 register_fabric()  # and Fabric(strategy="matrix_fsdp")
 install_directory_loading()  # and MyModule.load_from_checkpoint(a checkpoint directory)
 show_routing_lines()  # each optimizer's one-line account of which tensors it steps how, on rank zero
+install_double_precision()  # and precision="64-true" with a strategy instance (and under Fabric)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
            "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
-           "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_plan", "grad_norm",
+           "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_expert_stats", "get_plan", "grad_norm",
            "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "param_groups", "PartialStateDictError", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.groups import param_groups

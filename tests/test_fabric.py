@@ -93,6 +93,8 @@ def fabric_worker(rank: int, world: int, cfg: dict) -> dict:
     fabric = _fabric(world, cfg.get("precision", "32-true"), **cfg.get("strategy", {}))
     model = Wrapper()
     oracle = copy.deepcopy(model)
+    if cfg.get("precision") == "64-true":  # DDP's float64: Fabric's DoublePrecision hands the outputs back in float32
+        oracle.double().register_forward_hook(lambda m, args, out: out.float())
     o_opts = oracle_optimizers(oracle, is_matrix=lambda n, p: p.ndim == 2)  # bare parameters: by shape
     if cfg.get("joint"):  # optimizer built before sharding, set up together
         opt = _muon(model.parameters())
@@ -150,6 +152,15 @@ def test_fabric_loop_equals_ddp_oracle_with_clip_and_accumulation(world: int, di
     _exact(res)
     assert all(n > 0.05 for r in res for n in r["norms"]), "the clip must have scaled the gradients"
     assert res[0]["norms"] == res[1]["norms"], "every rank sees the same global norm"
+
+
+def test_float64_with_a_strategy_instance_equals_ddp_in_float64(dist_pools) -> None:
+    """precision="64-true" with MatrixFSDPFabricStrategy(...) (Lightning refuses it for its
+    ModelParallelStrategy): the sharded loop trains in float64, bitwise the DDP oracle in float64."""
+    res = dist_pools(2).run(fabric_worker, {"steps": 3, "clip": 0.05, "precision": "64-true",
+                                            "strategy": {"accumulation_no_sync": True}}, timeout=TIMEOUT)
+    _exact(res)
+    assert all(r["dtype"] == "torch.float64" for r in res)
 
 
 def test_fabric_joint_setup_and_reduce_every_micro_batch(dist_pools) -> None:

@@ -110,12 +110,16 @@ def test_bad_options_are_refused_clearly():
     # (on CPU the Trainer turns 16-mixed into bf16-mixed, so hand the plugin over as a GPU run would)
     with pytest.raises(ValueError, match="16-mixed"):
         mf.MatrixFSDPStrategy().precision_plugin = MixedPrecision("16-mixed", device="cpu")
-    # Lightning's own connector refuses 64-true for a ModelParallelStrategy *instance* (the
-    # registered name trains in float64: test_other_precisions_train); documented.
+    # Lightning's own connector refuses 64-true for a ModelParallelStrategy instance; the package lets it
+    # through for its strategy (trains bitwise DDP's float64: test_callbacks_walk.py), and only for it
     from lightning import Trainer
+    from lightning.pytorch.plugins.precision import DoublePrecision
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
+    trainer = Trainer(strategy=mf.MatrixFSDPStrategy(), precision="64-true", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy.precision_plugin, DoublePrecision)
     with pytest.raises(ValueError, match="64-true"):
-        Trainer(strategy=mf.MatrixFSDPStrategy(), precision="64-true", accelerator="cpu", devices=2, logger=False)
+        Trainer(strategy=ModelParallelStrategy(), precision="64-true", accelerator="cpu", devices=2, logger=False)
 
 
 def test_configure_model_calling_matrix_shard_is_respected(dist_pools):

@@ -38,7 +38,7 @@ from lightning_matrixfsdp.runtime import (
     get_plan, matrix_shard, norm_groups, set_requires_gradient_sync, start_replica_sync, wait_replicas)
 from lightning_matrixfsdp.runtime.config import ADAPTER, MatrixFSDPConfig, bind_options, options_signature
 from lightning_matrixfsdp.runtime.copies import copies_of
-from lightning_matrixfsdp.runtime.mesh import MeshInfo
+from lightning_matrixfsdp.runtime.mesh import MeshInfo, parallel_sizes
 from lightning_matrixfsdp.runtime.mesh_comm import mesh_info
 from lightning_matrixfsdp.runtime.small_comm import any_rank
 from lightning_matrixfsdp.runtime.tags import sharded_roots
@@ -205,15 +205,7 @@ def adapter_signature(**defaults: Any) -> inspect.Signature:
 def mesh_sizes(data_parallel: Any, tensor_parallel: Any, world: int, per_node: int) -> tuple[int, int]:
     """(data-parallel size, tensor-parallel size) for the options' values (``"auto"`` TP: the
     processes of a node; ``"auto"`` DP: the rest of the world), checked against the world."""
-    tp = per_node if tensor_parallel == "auto" else int(tensor_parallel)
-    if data_parallel == "auto":
-        if world % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the world size {world}")
-        return world // tp, tp
-    dp = int(data_parallel)
-    if dp * tp != world:
-        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the world size {world}")
-    return dp, tp
+    return parallel_sizes(world, per_node, data_parallel=data_parallel, tensor_parallel=tensor_parallel)
 
 
 class MatrixFSDPAdapter:
@@ -226,6 +218,9 @@ class MatrixFSDPAdapter:
     config: MatrixFSDPConfig
     #: the groups of the sharded models (``setup_environment`` builds it)
     shard_mesh: Optional[MeshInfo] = None
+    #: ``precision="64-true"`` trains in float64 (Lightning refuses it for ``ModelParallelStrategy``:
+    #: ``double_precision.py`` lets the connectors accept it for these strategies)
+    serves_double_precision: ClassVar[bool] = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         sig = self.options_signature
@@ -260,21 +255,32 @@ class MatrixFSDPAdapter:
         world = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
         return {"num_replicas": world // tp, "rank": self.global_rank // tp}  # type: ignore[attr-defined]
 
+    def check_world(self) -> tuple[int, int]:
+        """(data-parallel size, tensor-parallel size) of this run's world (devices x nodes), every
+        parallel size checked against it (``mesh.parallel_sizes``). Called when Lightning has the
+        devices and nodes and configures the launcher, so a size that cannot divide the world is
+        refused in ``Trainer(...)`` / ``Fabric(...)``, before any process starts; and again on every
+        rank before the process group, so a strategy that got through raises the same error on each."""
+        nodes, per_node = self.num_nodes, self.num_processes  # type: ignore[attr-defined]
+        return parallel_sizes(nodes * per_node, per_node, data_parallel=self.config.data_parallel_size,
+                              tensor_parallel=self.config.tensor_parallel_size, shard_size=self.config.shard_size,
+                              expert_parallel=self.config.expert_parallel_size,
+                              where=f"devices={per_node} x num_nodes={nodes}")
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.check_world()  # before the launch: Lightning knows the devices and nodes now
+        super()._configure_launcher()  # type: ignore[misc]
+
     @override
     def setup_environment(self) -> None:
-        """The mesh sizes (``mesh_sizes``: all ranks data parallel by default, unlike Lightning's
+        """The mesh sizes (``check_world``: all ranks data parallel by default, unlike Lightning's
         "auto"), Lightning's ``(data_parallel, tensor_parallel)`` mesh, then the shard mesh: its
         data-parallel dimension, or ``shard_size``'s HSDP inside it; the TP group beside."""
-        world = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
-        dp, tp = mesh_sizes(self.config.data_parallel_size, self.config.tensor_parallel_size, world,
-                            self.num_processes)  # type: ignore[attr-defined]
+        dp, tp = self.check_world()
         # Lightning takes the sizes only in __init__, before the world is known (docs/decisions.md, issue 29)
         self._data_parallel_size, self._tensor_parallel_size = dp, tp
         super().setup_environment()  # type: ignore[misc]
-        size = self.config.shard_size or dp
-        if dp % size:
-            raise ValueError(f"shard_size={size} must divide the data-parallel size {dp}"
-                             + (f" (world {world} / tensor_parallel_size {tp})" if tp > 1 else ""))
         self.shard_mesh = mesh_info(self.device_mesh, self.config.shard_size, self.root_device,  # type: ignore[attr-defined]
                                    self.config.timeout)
 

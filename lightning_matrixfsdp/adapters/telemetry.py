@@ -1,8 +1,9 @@
 """What the Trainer strategy reports: per-step telemetry and the model summary.
 
 ``StepTelemetry``: the strategy records a timestamp pair around every optimizer step and,
-at the Trainer's logging interval, logs their mean and the megabytes each phase moved since
-the last log.
+at the Trainer's logging interval, logs their mean, the megabytes each phase moved since
+the last log, and the experts' load over the steps since then (``get_expert_stats``: the
+only collective here, one small all-reduce of token counts at a log step, on every rank).
 
 ``MatrixFSDPSummary``: Lightning's summary counts local ``numel``; owner placeholders are
 empty, so it would under-report on every rank but the owners. Counts here come from the
@@ -19,7 +20,7 @@ import torch
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
 from torch import nn
 
-from lightning_matrixfsdp.runtime import get_comm_stats
+from lightning_matrixfsdp.runtime import get_comm_stats, get_expert_stats
 from lightning_matrixfsdp.runtime.tags import global_numel
 
 __all__ = ["MatrixFSDPLayerSummary", "MatrixFSDPSummary", "StepTelemetry"]
@@ -35,6 +36,7 @@ class StepTelemetry:
         self._marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
         self._last_stats: dict[str, dict[str, int]] = {}
         self._start: Any = None  # the running step's start, set when its closure returned
+        self._steps = 0  # optimizer steps since the last log (the experts' per-step figures)
 
     def timed_closure(self, closure: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
         """``closure`` (forward and backward), marking the start of the optimizer's own step when it returns."""
@@ -74,14 +76,23 @@ class StepTelemetry:
             return start.elapsed_time(end)
         return (end - start) * 1e3
 
-    def log(self, trainer: Any, roots: Iterable[nn.Module]) -> None:
-        """Log at the Trainer's interval (call on global rank 0 only)."""
+    def log(self, trainer: Any, roots: Iterable[nn.Module], global_zero: bool) -> None:
+        """Log at the Trainer's interval. Call on every rank after each optimizer step: the experts'
+        counts are summed over the world at a log step; rank 0 (``global_zero``) logs."""
+        self._steps += 1
         if trainer is None or trainer.logger is None:
             return
         step = trainer.global_step
         if trainer.log_every_n_steps <= 0 or (step + 1) % trainer.log_every_n_steps:
             return
+        roots = list(roots)
         metrics: dict[str, float] = {}
+        for root in roots:  # collective, the same on every rank (the same model, the same interval)
+            metrics.update(get_expert_stats(root, steps=self._steps))
+        self._steps = 0
+        if not global_zero:
+            self._marks = []
+            return
         if self._marks:
             times = [self._elapsed_ms(a, b) for a, b in self._marks]
             metrics["matrix_fsdp/optimizer_step_ms"] = sum(times) / len(times)

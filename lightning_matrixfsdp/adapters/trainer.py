@@ -95,8 +95,10 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         children of its own launch, torchrun, SLURM), so they skip Lightning's
         ``OMP_NUM_THREADS`` setting: on CPU the children then ran with one thread per core
         and the ranks oversubscribed the machine (CHANGELOG, "Fixed", has the measured
-        cost). The launcher starts no process where the environment already did.
+        cost). The launcher starts no process where the environment already did. Every parallel
+        size is checked against the world first (``check_world``): refused here, before the launch.
         """
+        self.check_world()
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -200,8 +202,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             if self.async_saver is not None:  # once: the first save's host buffer, in the background
                 self.async_saver.reserve(module, self.optimizers)
         self._telemetry.end_step(self.root_device)
-        if self.is_global_zero and module is not None:
-            self._telemetry.log(module.trainer, self._sharded_roots())
+        if module is not None:  # every rank: the experts' counts are summed over the world at a log step
+            self._telemetry.log(module.trainer, self._sharded_roots(), self.is_global_zero)
         return out
 
     @contextmanager

@@ -26,6 +26,7 @@ from lightning_matrixfsdp.runtime.queries import (
     NormGroups,
     broadcast_buffers,
     get_comm_stats,
+    get_expert_stats,
     get_plan,
     is_matrix_sharded,
     is_sharded_root,
@@ -45,7 +46,7 @@ from lightning_matrixfsdp.runtime.state_dict_guard import PartialStateDictError,
 
 __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "MatrixShard", "MatrixShardError",
            "MeshInfo", "PartialStateDictError", "Plan",
-           "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "parallelize_experts", "get_comm_stats",
+           "RankDivergenceError", "RoleKind", "UnevenInputsError", "UnitLayout", "full_model", "parallelize_experts", "get_comm_stats", "get_expert_stats",
            "get_plan", "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "scheduled_forwards",
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards",
            # what the adapters and optimizers ask of and do to a sharded model (queries.py)

@@ -23,6 +23,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.runtime.experts import ExpertStackError, check_expert_stacks
+from lightning_matrixfsdp.runtime.mesh import parallel_sizes
 from lightning_matrixfsdp.runtime.options import (
     MatrixShardError,
     check_backend,
@@ -149,6 +150,18 @@ class MatrixFSDPConfig:
             raise MatrixShardError("async_save=True writes checkpoint directories in the background; it does not "
                                    "apply to save_distributed_checkpoint=False (one file gathered on rank 0): set "
                                    "save_distributed_checkpoint=True or async_save=False")
+        self._check_sizes()
+
+    def _check_sizes(self) -> None:
+        """The sizes that cannot go together whatever the world (the rest waits for the world:
+        ``mesh.parallel_sizes``, called by the strategies before the launch)."""
+        ep, tp, dp = self.expert_parallel_size, self.tensor_parallel_size, self.data_parallel_size
+        if ep > 1 and tp != "auto" and tp > 1:
+            raise MatrixShardError(f"expert_parallel_size={ep} with tensor parallelism (tensor_parallel_size={tp}) "
+                                   "is not supported yet; use one of them")
+        if dp != "auto":  # shard_size and expert_parallel_size split the data-parallel ranks
+            parallel_sizes(dp, 1, data_parallel=dp, shard_size=self.shard_size, expert_parallel=ep,
+                           where=f"data_parallel_size={dp}")
 
     @classmethod
     def names(cls, where: str) -> tuple[str, ...]:

@@ -103,14 +103,17 @@ def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
 def expert_parallel_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                             num_experts: int, local_experts: LocalExperts,
                             group: Optional[torch.distributed.ProcessGroup], *,
-                            stats: Optional[CommStats] = None) -> torch.Tensor:
+                            stats: Optional[CommStats] = None,
+                            on_counts: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
     """``sum_j top_k_weights[t, j] * expert[top_k_index[t, j]](hidden[t])`` for every token ``t``,
     the experts spread over ``group`` in contiguous blocks (see the module docstring).
 
     ``hidden`` [T, H], ``top_k_index`` [T, k] (global expert ids, ``num_experts`` = no expert),
     ``top_k_weights`` [T, k]; returns [T, H] in ``hidden``'s dtype. ``stats`` counts the bytes
-    under ``ep_dispatch`` and ``ep_combine``. Every rank of ``group`` must call it, in the same
-    order (it communicates in forward and in backward)."""
+    under ``ep_dispatch`` and ``ep_combine``; ``on_counts`` gets this rank's tokens per global
+    expert, ``[E + 1]`` on the host (the last: slots routed to no expert), the counts the
+    exchange computes anyway (``expert_stats.py``). Every rank of ``group`` must call it, in the
+    same order (it communicates in forward and in backward)."""
     sg = expert_group(group)
     ep = sg.size
     if num_experts < 1 or num_experts % ep:
@@ -121,7 +124,10 @@ def expert_parallel_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top
     counts = torch.zeros(num_experts, dtype=torch.long)
     if status == _OK:
         flat = top_k_index.reshape(-1).long()
-        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].cpu()
+        every = torch.bincount(flat, minlength=num_experts + 1).cpu()
+        counts = every[:num_experts]
+        if on_counts is not None:
+            on_counts(every)
     h = int(hidden.shape[-1]) if hidden.dim() else 0
     header = torch.tensor([[status, h, dtype_code(hidden.dtype)]], dtype=torch.long).expand(ep, _HEADER)
     rows = torch.cat([counts.view(ep, per_rank), header], dim=1).to(hidden.device)

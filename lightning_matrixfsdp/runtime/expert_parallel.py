@@ -44,10 +44,13 @@ from lightning_matrixfsdp.runtime.expert_comm import (
 )
 from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward, hf_experts_forward
 from lightning_matrixfsdp.runtime.expert_seams import ExpertSeam, find_seams, install_forward
+from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.placement import ParamSpec, RoleKind
+from lightning_matrixfsdp.runtime.roles import role_cost
 from lightning_matrixfsdp.runtime.small_comm import gather_objects
-from lightning_matrixfsdp.runtime.tags import expert_slice_of, tag_expert_slice, tag_stack
+from lightning_matrixfsdp.runtime.tags import expert_slice_of, stack_of, tag_expert_slice, tag_stack
 
 __all__ = ["ExpertParallel", "ExpertSlice", "prepare_experts"]
 
@@ -84,9 +87,11 @@ class ExpertParallel:
     """The local expert parameters of a sharded model and their gradients' way to DDP's mean."""
 
     def __init__(self, params: dict[str, nn.Parameter], groups: ExpertGroups, stats: CommStats,
-                 device: Optional[torch.device], registrations: Optional[dict[str, list[tuple[nn.Module, str]]]] = None
-                 ) -> None:
+                 device: Optional[torch.device], registrations: Optional[dict[str, list[tuple[nn.Module, str]]]] = None,
+                 modules: Optional[dict[str, int]] = None) -> None:
         self.params = params
+        #: the experts modules (fqn -> number of experts), for the plan printout
+        self.modules = modules or {}
         #: every (module, name) each stack is registered as (a meta-device stack is replaced there by ``split``)
         self.registrations = registrations or {}
         self.groups = groups
@@ -136,13 +141,41 @@ class ExpertParallel:
             self._handles.append(q.register_hook(self._take(q)))
         return q
 
-    def describe(self) -> str:
-        """One line for the plan printout."""
+    def plan_options(self, is_matrix: dict[str, bool], ns_steps: int) -> dict[str, Any]:
+        """What the plan printout shows of the local experts (``Plan.options``, not in the digest): the
+        parameter bytes, resident bytes (gradients and optimizer state by the planner's cost model) and
+        optimizer FLOPs each rank adds for its experts (the same on every rank), the stacks it steps,
+        and which experts each rank holds. ``is_matrix``: each stack's role (GPT-OSS's expert biases
+        are AdamW tail)."""
+        param_bytes = resident = flops = matrices = 0
+        for fqn, p in self.params.items():
+            kind = RoleKind.MATRIX if is_matrix.get(fqn, False) else RoleKind.TAIL
+            spec = ParamSpec(fqn, tuple(p.shape), str(p.dtype).replace("torch.", ""), kind is RoleKind.MATRIX,
+                             p.requires_grad, stack_of(p))
+            nbytes, nflops = role_cost(kind, [spec], ns_steps)
+            param_bytes, resident, flops = param_bytes + spec.nbytes, resident + nbytes, flops + nflops
+            matrices += kind is RoleKind.MATRIX
+        return {"expert_param_bytes": param_bytes, "expert_resident_bytes": resident, "expert_flops": flops,
+                "expert_matrices": matrices, "expert_parallel": self.describe(param_bytes, resident)}
+
+    def describe(self, param_bytes: int, resident: int) -> str:
+        """The plan printout's lines: the groups, then which experts each rank holds."""
         g = self.groups
-        local = sum(p.numel() * p.element_size() for p in self.params.values())
-        return (f"expert_parallel: EP={g.ep_size} (groups of {g.ep_size} consecutive ranks; {g.replica_size} "
-                f"cop{'y' if g.replica_size == 1 else 'ies'} of each expert); {len(self.params)} stacked parameters "
-                f"split by expert, {local / 2**20:.2f} MiB of local experts per rank, outside the roles above")
+        lines = [f"expert_parallel: EP={g.ep_size} (groups of {g.ep_size} consecutive ranks; {g.replica_size} "
+                 f"cop{'y' if g.replica_size == 1 else 'ies'} of each expert); {len(self.params)} stacked "
+                 f"parameters split by expert, outside the roles; every rank holds {param_bytes / 2**20:.2f} MiB of "
+                 f"expert weights ({resident / 2**20:.2f} MiB with gradients and optimizer state), counted in the "
+                 "table above; the experts each global rank keeps:"]
+        sizes = sorted(set(self.modules.values()))
+        for place in range(g.ep_size):
+            ranks = list(range(place, g.dp_size, g.ep_size))
+            held = ", ".join(f"[{place * e // g.ep_size}, {(place + 1) * e // g.ep_size})"
+                             + (f" of the {e}-expert modules" if len(sizes) > 1 else "") for e in sizes)
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+            lines.append(f"  {who}: experts {held} of every experts module")
+        names = ", ".join(self.modules)
+        lines.append(f"  experts modules ({len(self.modules)}): {names}")
+        return "\n".join(lines)
 
     def finish_backward(self, sync: bool = True) -> None:
         """End of backward (collective, the same on every rank): the local gradients summed over
@@ -210,10 +243,11 @@ def _first_difference(a: list, b: list) -> str:
 
 
 def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional[torch.device],
-                    stats: CommStats) -> Optional[ExpertParallel]:
+                    stats: CommStats, routing: Optional[RoutingCounts] = None) -> Optional[ExpertParallel]:
     """Split every experts module's stacks over the expert-parallel groups (module docstring);
     None without expert parallelism. ``stats``: the model's traffic counters (the token
-    all-to-alls count under ``ep_dispatch``/``ep_combine``, the gradient sums under ``experts``)."""
+    all-to-alls count under ``ep_dispatch``/``ep_combine``, the gradient sums under ``experts``).
+    ``routing``: where each experts module's dispatch adds the tokens it routed to each expert."""
     if ep == 1:
         return None
     seams = find_seams(module)
@@ -233,5 +267,10 @@ def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional
             tag_expert_slice(p, ExpertSlice(fqn, tuple(p.shape), groups.ep_rank * count, count, groups, p.is_meta))
             params[fqn] = p
             registrations[fqn] = [(s.module, n)]
-        install_forward(s, dispatch, groups.ep_group, fused=hf_experts_forward)
-    return ExpertParallel(params, groups, stats, device, registrations)
+        seam_dispatch = dispatch
+        if routing is not None:  # the counts the dispatch computes for its exchange, kept for the logs
+            routing.add_module(s.fqn, s.num_experts)
+            seam_dispatch = functools.partial(dispatch, on_counts=routing.recorder(s.fqn, s.module))
+        install_forward(s, seam_dispatch, groups.ep_group, fused=hf_experts_forward)
+    return ExpertParallel(params, groups, stats, device, registrations,
+                          modules={s.fqn or "<root>": s.num_experts for s in seams})

@@ -92,30 +92,40 @@ def _kind(module: nn.Module) -> Optional[str]:
     return TOPK if stacked and _arg_names(type(module).forward) == _HF_ARGS else None
 
 
-def find_seams(root: nn.Module) -> list[ExpertSeam]:
+def find_seams(root: nn.Module, strict: bool = True) -> list[ExpertSeam]:
     """Every experts module under ``root``, in module order, with its stacked parameters
-    checked (each parameter registered on the module must be stacked over its experts)."""
+    checked (each parameter registered on the module must be stacked over its experts).
+    ``strict=False`` leaves out a module that fails the check instead of refusing it (the
+    routing statistics of a model without expert parallelism, which splits nothing)."""
     seams = []
     for fqn, m in root.named_modules():
         kind = _kind(m)
         if kind is None:
             continue
-        params = {n: p for n, p in m._parameters.items() if p is not None}
-        first3 = next((p for p in params.values() if p.ndim == 3), None)
-        e = getattr(m, "num_experts", None)
-        if not isinstance(e, int) or isinstance(e, bool):
-            e = first3.shape[0] if first3 is not None else None
-        if not params or e is None:
-            raise MatrixShardError(f"experts module {fqn or '<root>'!r} ({type(m).__name__}) holds no stacked "
-                                   "parameter [num_experts, ...] to split over the expert-parallel ranks")
-        for n, p in params.items():
-            if p.ndim < 1 or p.shape[0] != e:
-                raise MatrixShardError(
-                    f"parameter {fqn + '.' + n if fqn else n!r} of the experts module {type(m).__name__} has shape "
-                    f"{tuple(p.shape)}, not stacked over its {e} experts (leading size {e}); expert parallelism "
-                    "splits every parameter of an experts module by expert")
-        seams.append(ExpertSeam(fqn, m, kind, int(e), tuple(params)))
+        try:
+            seams.append(_seam(fqn, m, kind))
+        except MatrixShardError:
+            if strict:
+                raise
     return seams
+
+
+def _seam(fqn: str, m: nn.Module, kind: str) -> ExpertSeam:
+    params = {n: p for n, p in m._parameters.items() if p is not None}
+    first3 = next((p for p in params.values() if p.ndim == 3), None)
+    e = getattr(m, "num_experts", None)
+    if not isinstance(e, int) or isinstance(e, bool):
+        e = first3.shape[0] if first3 is not None else None
+    if not params or e is None:
+        raise MatrixShardError(f"experts module {fqn or '<root>'!r} ({type(m).__name__}) holds no stacked "
+                               "parameter [num_experts, ...] to split over the expert-parallel ranks")
+    for n, p in params.items():
+        if p.ndim < 1 or p.shape[0] != e:
+            raise MatrixShardError(
+                f"parameter {fqn + '.' + n if fqn else n!r} of the experts module {type(m).__name__} has shape "
+                f"{tuple(p.shape)}, not stacked over its {e} experts (leading size {e}); expert parallelism "
+                "splits every parameter of an experts module by expert")
+    return ExpertSeam(fqn, m, kind, int(e), tuple(params))
 
 
 def install_forward(seam: ExpertSeam, dispatch: Callable[..., torch.Tensor], group: Any,

@@ -6,6 +6,11 @@ rank's place in each, and the device collectives run on. Built once
 (``mesh_comm.mesh_info``: from a DeviceMesh, Lightning's ``(data_parallel,
 tensor_parallel)`` mesh, or ``shard_size``) and passed down as one object. Reading it
 needs no communication.
+
+:func:`parallel_sizes` checks the options' sizes against a world size before any process
+exists (the strategies call it when Lightning knows the devices and nodes, before the launch,
+and again on every rank before the process group): a size that cannot divide the world is
+refused there, naming the option, instead of on every rank after the launch.
 """
 
 from __future__ import annotations
@@ -17,8 +22,42 @@ import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.comm import ShardGroup, comm_device
+from lightning_matrixfsdp.runtime.options import MatrixShardError
 
-__all__ = ["MeshInfo"]
+__all__ = ["MeshInfo", "parallel_sizes"]
+
+
+def parallel_sizes(world: int, per_node: int, *, data_parallel: Any = "auto", tensor_parallel: Any = 1,
+                   shard_size: Optional[int] = None, expert_parallel: int = 1, where: str = "") -> tuple[int, int]:
+    """(data-parallel size, tensor-parallel size) of ``world`` processes (``per_node`` on each node) for
+    the options' values (``"auto"`` TP: the processes of a node; ``"auto"`` DP: the rest of the world).
+    Refuses, as :class:`MatrixShardError` naming the option, every size that cannot divide what it
+    splits: TP the world, DP x TP not the world, ``shard_size`` the data-parallel size, expert
+    parallelism the data-parallel size or together with TP. ``where`` (e.g. "devices=2 x num_nodes=1")
+    says where the world size came from. Pure: no process group."""
+    at = f" ({where})" if where else ""
+    tp = per_node if tensor_parallel == "auto" else int(tensor_parallel)
+    if data_parallel == "auto":
+        if world % tp:
+            raise MatrixShardError(f"tensor_parallel_size={tp} must divide the world size {world}{at}")
+        dp = world // tp
+    else:
+        dp = int(data_parallel)
+        if dp * tp != world:
+            raise MatrixShardError(f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the world size "
+                                   f"{world}{at}")
+    beside = f" (world {world}{at} / tensor_parallel_size {tp})" if tp > 1 else at
+    if shard_size is not None and dp % shard_size:
+        raise MatrixShardError(f"shard_size={shard_size} must divide the data-parallel size {dp}{beside}; pick a "
+                               "divisor of it (or leave shard_size unset: one shard group over every rank)")
+    if expert_parallel > 1 and tp > 1:
+        raise MatrixShardError(f"expert_parallel_size={expert_parallel} with tensor parallelism (tensor_parallel_size="
+                               f"{tp}{at}) is not supported yet; use one of them")
+    if dp % expert_parallel:
+        raise MatrixShardError(f"expert_parallel_size={expert_parallel} must divide the data-parallel world size "
+                               f"{dp}{beside}; use a divisor of it, or a world whose size is a multiple of "
+                               f"{expert_parallel}")
+    return dp, tp
 
 
 @dataclass(frozen=True, eq=False)

@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any, Iterable, Optional, Sequence
 
 from lightning_matrixfsdp.runtime.experts import ExpertStack
+from lightning_matrixfsdp.runtime.plan_text import plan_text
 
 
 class RoleKind(str, Enum):
@@ -248,13 +249,29 @@ class Plan:
         """The replica that steps ``fqn``'s role; None without ``replica_split`` (every replica)."""
         return self.steppers.get(fqn) if self.steppers else None
 
+    # Expert parallelism's local experts are outside the roles; ``matrix_shard`` records what each rank
+    # holds of them in ``options`` (printed, not in the digest), the same on every rank.
+    def param_bytes(self, rank: int) -> int:
+        """Parameter bytes shard rank ``rank`` holds between steps: the roles it owns (a split stack's
+        block), plus its local experts under expert parallelism."""
+        return sum(u.owned_bytes(rank) for u in self.units) + int(self.options.get("expert_param_bytes", 0))
+
+    def resident_bytes(self, rank: int) -> int:
+        """The cost model's resident bytes of shard rank ``rank`` (parameters, gradients, optimizer
+        state): its roles' load plus its local experts'."""
+        return self.loads_bytes[rank] + int(self.options.get("expert_resident_bytes", 0))
+
+    def optimizer_flops(self, rank: int) -> int:
+        """Optimizer FLOPs per step of shard rank ``rank``: its roles' plus its local experts'."""
+        return self.loads_flops[rank] + int(self.options.get("expert_flops", 0))
+
     @property
     def memory_imbalance(self) -> float:
-        return _imbalance(self.loads_bytes)
+        return _imbalance([self.resident_bytes(r) for r in range(self.world)])
 
     @property
     def compute_imbalance(self) -> float:
-        return _imbalance(self.loads_flops)
+        return _imbalance([self.optimizer_flops(r) for r in range(self.world)])
 
     @property
     def gammas(self) -> dict[str, float]:
@@ -310,60 +327,7 @@ class Plan:
 
     # ------------------------------------------------------------------ display
     def __str__(self) -> str:
-        lines = [
-            f"MatrixFSDP plan: planner={self.planner} span={self.world} replicate={self.replicate} "
-            f"units={len(self.units)} roles={sum(_role_count(u) for u in self.units)}",
-            f"{'rank':>4} | {'resident MiB':>12} | {'optimizer GFLOP':>15} | {'matrices':>8}",
-        ]
-        n_mat = [0] * self.world
-        for s in self.shards():
-            if s.role is RoleKind.MATRIX:
-                n_mat[s.owner] += 1
-        for r in range(self.world):
-            lines.append(
-                f"{r:>4} | {self.loads_bytes[r] / 2**20:>12.2f} | "
-                f"{self.loads_flops[r] / 1e9:>15.3f} | {n_mat[r]:>8}"
-            )
-        for fqn, blocks in self.split_stacks.items():  # each owner's contiguous experts of a split stack
-            lines.append(f"split stack {fqn}: " + ", ".join(f"rank {o} experts [{a}, {b})" for a, b, o in blocks))
-        if self.options.get("split_stacks_reason"):  # why no stack is split (TP, replica_split, option off)
-            lines.append(f"split_stacks: {self.options['split_stacks_reason']}")
-        if "collective" in self.options:  # matrix_shard's resolved choice ("auto" or explicit) and why
-            lines.append(f"collective: {self.options['collective']} ({self.options.get('collective_reason', '')}); "
-                         f"replica_split: {self.replica_split} ({self.options.get('replica_split_reason', '')})")
-        if "tensor_parallel" in self.options:  # matrix_shard under TP: the TP steppers' balance
-            lines.append(str(self.options["tensor_parallel"]))
-        if "expert_parallel" in self.options:  # matrix_shard under EP: the local experts, outside the plan
-            lines.append(str(self.options["expert_parallel"]))
-        if self.steppers:
-            per = ", ".join(f"replica {k}: " + " ".join(f"{f / 1e9:.3f}" for f in row)
-                            for k, row in enumerate(self.replica_flops))
-            lines.append(f"replica_split: each role stepped by one of {self.replicate} replicas; "
-                         f"optimizer GFLOP per rank: {per}")
-        lines.append(
-            f"imbalance (max/avg): memory {self.memory_imbalance:.3f}, "
-            f"optimizer compute {self.compute_imbalance:.3f}; max unit gamma {self.max_gamma:.3f}"
-        )
-        if self.options.get("roles"):  # matrix_shard's classification: every parameter, and the rule that decided
-            lines.append("roles (parameter: placement, why | update with Muon(model), why | with bare parameters()):")
-            lines += [_role_line(row) for row in self.options["roles"]]
-        return "\n".join(lines)
-
-
-def _role_line(row: Sequence[Any]) -> str:
-    """One row of ``classify.describe_roles`` as a printout line."""
-    pattern, n, role, why = row[:4]
-    line = f"  {pattern}{f' (x{n})' if n > 1 else ''}: {role}, {why}"
-    if len(row) == 7:  # the update each way of building the optimizer (older plans: placement only)
-        line += f" | Muon(model): {row[4]}, {row[5]} | bare: {row[6]}"
-    return line
-
-
-def _role_count(u: UnitLayout) -> int:
-    """Matrices, 2D+ tail roles of their own, and the packed small tail."""
-    return sum(1 for s in u.shards if s.role is RoleKind.MATRIX or len(s.shape) >= 2) + int(
-        any(s.role is RoleKind.TAIL and len(s.shape) < 2 for s in u.shards)
-    )
+        return plan_text(self)
 
 
 def _imbalance(loads: Sequence[int]) -> float:

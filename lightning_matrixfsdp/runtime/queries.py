@@ -14,13 +14,16 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.comm import CommStats
 
 from lightning_matrixfsdp.runtime.consensus import PeerCheck, host_group
+from lightning_matrixfsdp.runtime.expert_stats import summarize
 from lightning_matrixfsdp.runtime.placement import Plan
+from lightning_matrixfsdp.runtime.small_comm import sum_counts
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import find_state, sharded_roots, state_of, tp_of
 
@@ -44,6 +47,31 @@ def get_comm_stats(module: nn.Module, reset: bool = False) -> dict[str, dict[str
     if reset:
         st.stats.reset()
     return snap
+
+
+def get_expert_stats(module: nn.Module, steps: int = 1) -> dict[str, float]:
+    """The experts' load since the last call, over the whole world, as metrics for a logger
+    (``matrix_fsdp/experts/...``; docs/moe.md, "Expert statistics"): per experts module the tokens
+    of the least and the most loaded expert per step and the coefficient of variation of the
+    tokens per expert, the worst coefficient, and the slots routed to no expert if any. ``steps``:
+    the optimizer steps the counts span (the per-step figures divide by it). Counted in training
+    forwards only. Collective: every rank must call it (one small all-reduce of the counts); an
+    empty dict, with no communication, for a model without experts modules."""
+    names, experts, flats = [], [], []
+    tp = 1
+    for root in sharded_roots(module):
+        st = state_of(root)
+        if st.routing is None or not st.routing.num_experts:
+            continue
+        n, e, flat = st.routing.take()
+        names += n
+        experts += e
+        flats.append(flat)
+        tp = st.mesh.tp_size
+    if not names:
+        return {}
+    total = sum_counts(torch.cat(flats))  # the world's tokens; the ranks of a TP group route the same ones
+    return summarize(names, experts, [c // tp for c in total], steps)
 
 
 def set_requires_gradient_sync(module: nn.Module, value: bool) -> None:

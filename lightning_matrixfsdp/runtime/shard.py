@@ -27,6 +27,7 @@ from lightning_matrixfsdp.runtime.consensus import (
 )
 from lightning_matrixfsdp.runtime.copies import track_copies
 from lightning_matrixfsdp.runtime.expert_parallel import prepare_experts
+from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts, watch_routing
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info, shard_mesh
@@ -159,7 +160,10 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     device = torch.device(device)
     # expert parallelism: each rank keeps its experts as local parameters, outside every unit
     stats = CommStats()
-    experts = prepare_experts(module, config.expert_parallel_size, mesh, device, stats)
+    routing = RoutingCounts()  # tokens per expert for the logs: the dispatch's counts under EP, else a hook's
+    experts = prepare_experts(module, config.expert_parallel_size, mesh, device, stats, routing)
+    if experts is None:
+        watch_routing(module, routing)
 
     # "auto" options resolved once, alike on every rank, before any other collective (runtime/topology.py)
     choice = resolve(config.collective, config.replica_split, mesh)
@@ -178,8 +182,9 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
                         replica_split_reason=choice.replica_split_reason,  # printed; not in the digest
                         roles=describe_roles(collected.roles, collected.recipe))
-    if experts is not None:
-        plan.options["expert_parallel"] = experts.describe()  # printed; not in the digest
+    if experts is not None:  # the local experts in the printout's table, and which rank holds which (not in the digest)
+        # priced by the update Muon(model) gives them (the recipe: a per-expert bias is no matrix)
+        plan.options.update(experts.plan_options({f: r.is_matrix for f, r in collected.recipe.items()}, config.ns_steps))
     tp_plan = None
     if mesh.tp_size > 1:  # the owners from global shapes (above); the TP steppers and this rank's fragments
         tp_plan = tensor_parallel_plan(collected, plan, mesh, config.ns_steps)
@@ -189,6 +194,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     for fqn, p in module.named_parameters():  # for an optimizer built from the module: Muon(model)
         if fqn in collected.recipe:
             tag_recipe(p, collected.recipe[fqn])
+    state.attach_routing(routing)
     return module
 
 

@@ -2,7 +2,7 @@
 
 None of these is on a unit's data path. The training-step ones (:func:`all_reduce_norm`
 for the global-norm clip, :func:`gather_ints` for the sequence check and the evaluation
-join) move a few scalars; the rest (:func:`any_rank`, :func:`gather_objects`, :func:`broadcast_object`,
+join, :func:`sum_counts` for the experts' token counts at a log step) move a few scalars; the rest (:func:`any_rank`, :func:`gather_objects`, :func:`broadcast_object`,
 :func:`barrier`, :func:`monitored_barrier`, :func:`gloo_subgroups`) run at setup, around
 checkpoints, or on an error path. Only the clip is counted in :class:`~comm.CommStats`
 (under ``clip``): the others are not model traffic.
@@ -52,6 +52,16 @@ def gather_ints(values: Sequence[int], group: Optional[dist.ProcessGroup] = None
     work = dist.all_gather(rows, mine, group=group, async_op=True)
     wait_all([work], mine.device.type == "cpu", what)
     return [r.tolist() for r in rows]
+
+
+def sum_counts(counts: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> list[int]:
+    """``counts`` (int64) summed over ``group`` (the world by default), as a list: the experts' token
+    counts at a log step (``queries.get_expert_stats``)."""
+    total = counts.to(comm_device(group), torch.int64).reshape(-1).clone()
+    if not _alone(group):
+        work = dist.all_reduce(total, group=group, async_op=True)
+        wait_all([work], total.device.type == "cpu", "the all-reduce of the experts' token counts")
+    return total.tolist()
 
 
 def any_rank(flag: bool) -> bool:

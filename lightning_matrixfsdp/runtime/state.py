@@ -47,6 +47,8 @@ class MatrixFSDPState(RefusePickle):
         self._unsynced = False
         #: expert parallelism's local experts (``expert_parallel.ExpertParallel``; None without)
         self.experts: Optional[Any] = None
+        #: tokens per expert of every experts module since the last report (``expert_stats.RoutingCounts``)
+        self.routing: Optional[Any] = None
 
     def _pickle_name(self) -> str:
         return "the runtime state on the root module"
@@ -100,6 +102,12 @@ class MatrixFSDPState(RefusePickle):
     def attach_experts(self, experts: Any) -> None:
         """Expert parallelism's local experts: their gradients finish with every backward."""
         self.experts = experts
+
+    def attach_routing(self, routing: Any) -> None:
+        """The experts modules' routing counts; a forward inside backward (activation-checkpoint
+        recomputation) is not counted again."""
+        routing.in_backward = lambda: self.schedule.in_backward
+        self.routing = routing
 
     # ------------------------------------------------------------------ end of backward
     def _end_of_backward(self) -> None:
