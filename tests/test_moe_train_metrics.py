@@ -203,7 +203,7 @@ def _plans_world2(rank: int, world: int) -> dict:
         text = str(plan)
         held = {n: p.detach().clone() for n, p in model.named_parameters()}
         params = sum(p.numel() * p.element_size() for p in model.parameters())
-        opt = mf.Muon(model.parameters(), lr=0.02)
+        opt = mf.Muon(model, lr=0.02)  # the recipe the plan prices
         loss_of(model, batch(0, rank)).backward()
         opt.step()
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)

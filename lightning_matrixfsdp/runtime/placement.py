@@ -70,6 +70,8 @@ class ParamSpec(_Sized):
     requires_grad: bool = True
     #: an expert stack (a matrix role stepped as ``stack.num_experts`` matrices), or None
     stack: Optional[ExpertStack] = None
+    #: a matrix role the Muon recipe steps with AdamW (an embedding, the head): priced as AdamW
+    recipe_adamw: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def role_cost(kind: RoleKind, params: Sequence[ParamSpec], ns_steps: int = 5) ->
         if not p.requires_grad:
             nbytes += p.nbytes
             continue
-        if kind is RoleKind.MATRIX:
+        if kind is RoleKind.MATRIX and not p.recipe_adamw:
             nbytes += 3 * p.nbytes  # param, grad, momentum
             flops += newton_schulz_flops(p.shape, ns_steps, p.stack)
         else:

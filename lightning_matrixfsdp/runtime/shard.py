@@ -252,9 +252,11 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
 
     specs = []
     for uname, _ in units:
-        params = tuple(ParamSpec(first_fqn[pid], tuple(p.shape), str(p.dtype).replace("torch.", ""),
-                                 roles[first_fqn[pid]].is_matrix, p.requires_grad, roles[first_fqn[pid]].stack)
-                       for pid, p in param_objs.items() if unit_of_param[pid] == uname)
+        params = tuple(ParamSpec(fqn, tuple(p.shape), str(p.dtype).replace("torch.", ""), roles[fqn].is_matrix,
+                                 p.requires_grad, roles[fqn].stack,
+                                 recipe_adamw=roles[fqn].is_matrix and not recipe[fqn].is_matrix)
+                       for pid, p in param_objs.items() if unit_of_param[pid] == uname
+                       for fqn in [first_fqn[pid]])
         specs.append(UnitSpec(uname, params))
     return Collected(units, specs, {first_fqn[pid]: p for pid, p in param_objs.items()},
                      {first_fqn[pid]: r for pid, r in regs.items()}, roles, recipe)
