@@ -15,7 +15,7 @@ from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
-from lightning_matrixfsdp.runtime.state_dict_guard import refuse_partial_state_dict
+from lightning_matrixfsdp.runtime.state_dict_guard import part_guard, refuse_partial_state_dict
 from lightning_matrixfsdp.runtime.sync import BufferSync
 from lightning_matrixfsdp.runtime.unit import Unit
 
@@ -215,8 +215,12 @@ class MatrixFSDPState(RefusePickle):
             unit.install_hooks()
         if self._root_handles:
             return
-        # a partial state_dict() is refused (state_dict_guard); registered first, before the wait below
+        # a partial state_dict() is refused (state_dict_guard); registered first, before the wait below; on
+        # the submodules holding parameters too (a LightningModule's inner model, save_pretrained)
         self._root_handles = [self.root.register_state_dict_pre_hook(refuse_partial_state_dict)]
+        guard = part_guard(self)
+        self._root_handles += [m.register_state_dict_pre_hook(guard) for m in self.root.modules()
+                               if m is not self.root and m._parameters]
         if self.replicas is not None:
             self._root_handles += [
                 self.root.register_forward_pre_hook(self.before_root_forward, prepend=True),
