@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, warn
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointKeyError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.expert_files import FusedStack, check_fused, file_names, find_fused, fused_reads
 from lightning_matrixfsdp.checkpoint.load import load_weights
 from lightning_matrixfsdp.checkpoint.save import PathLike
 from lightning_matrixfsdp.runtime.checkpoint_view import ModelView, model_view_of
@@ -203,9 +204,14 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
             problems.append(f"{key!r}: {e.dtype} in {e.file.name}, {dtype} in the model (no cast between "
                             "integer and floating point)")
         elif dst is not None:  # a TP fragment (``shape`` is the global one) takes its slice of the whole
-            at = tp_rank if at is None else at  # an expert slice: its expert-parallel rank's chunk
-            part = (tp.dim, tp.offset(at), tp.sizes[at]) if tp is not None else None
-            reads.append((e, key, dst, part))
+            reads.append((e, key, dst, _part(tp, at, tp_rank)))
+
+    def take_fused(fs: FusedStack, pv: Any) -> None:
+        used.update(fs.used)
+        found = check_fused(fs, pv.shape, pv.dtype, layout, _DTYPES)
+        problems.extend(found)
+        if not found and pv.local is not None:
+            reads.extend(fused_reads(fs, layout, pv.local, _part(pv.tp, pv.part, tp_rank)))
 
     seen: set[int] = set()
     for pv in view.params.values():
@@ -216,8 +222,14 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
         if not names:
             continue
         found = [n for n in names if n in layout]
+        if not found:  # a Hugging Face file's own name for it (Mixtral's block_sparse_moe)
+            found = [a for n in names for a in file_names(n)[1:] if a in layout]
         if not found:
-            missing.append(" = ".join(names))  # tied names: any one of them in the file loads it
+            fused = find_fused(names, pv.shape, layout)  # experts held one matrix per expert in the files
+            if fused is not None:
+                take_fused(fused, pv)
+            else:
+                missing.append(" = ".join(names))  # tied names: any one of them in the file loads it
             continue
         used.update(found[1:])  # a tie stored twice: the first name in model order wins, as a tie does
         take(found[0], pv.shape, pv.dtype, pv.local, pv.tp, pv.part)
@@ -242,6 +254,15 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
         hint = f" (prefix={prefix!r} is put in front of every file key)" if prefix else " (a prefix= argument?)"
         raise CheckpointKeyError(f"{where}: " + "; ".join(parts) + hint + "; strict=False loads the rest")
     return reads, missing, unexpected
+
+
+def _part(tp: Any, at: Optional[int], tp_rank: int) -> Optional[tuple[int, int, int]]:
+    """``(dim, start, length)`` of the whole tensor this rank holds: a TP fragment's (at its TP rank),
+    an expert slice's or a planner block's (at ``at``: its expert-parallel or shard rank); None: all."""
+    if tp is None:
+        return None
+    at = tp_rank if at is None else at
+    return tp.dim, tp.offset(at), tp.sizes[at]
 
 
 def _read_into(entry: Entry, dst: torch.Tensor, f: Any, part: Optional[tuple[int, int, int]] = None) -> int:
