@@ -47,6 +47,9 @@ class MatrixFSDPState(RefusePickle):
         self._unsynced = False
         #: expert parallelism's local experts (``expert_parallel.ExpertParallel``; None without)
         self.experts: Optional[Any] = None
+        #: ids of the parameters built on the meta device whose module has no ``reset_parameters``:
+        #: uninitialized memory until a load writes them (``checkpoint_view.note_loaded``)
+        self.uninitialized: set[int] = set()
 
     def _pickle_name(self) -> str:
         return "the runtime state on the root module"
