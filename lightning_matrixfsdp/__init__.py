@@ -35,6 +35,7 @@ from lightning_matrixfsdp.checkpoint import (
     save_sharded,
 )
 from lightning_matrixfsdp.adapters import (
+    DirectoryCheckpointIO,
     MatrixFSDPFabricStrategy,
     MatrixFSDPStrategy,
     PretrainedWeights,
@@ -51,7 +52,7 @@ register_fabric()  # and Fabric(strategy="matrix_fsdp")
 install_directory_loading()  # and MyModule.load_from_checkpoint(a checkpoint directory)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
+           "CheckpointNotResumableError", "DirectoryCheckpointIO", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
            "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_plan", "grad_norm",
