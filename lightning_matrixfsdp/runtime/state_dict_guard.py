@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from torch import nn
 
 from lightning_matrixfsdp.runtime.residency import EXPERT_SLICE, PartialTensor, partial_tensors
 from lightning_matrixfsdp.runtime.tags import state_of
 
-__all__ = ["PartialStateDictError", "local_state_dict", "local_views", "part_guard", "refuse_partial_state_dict"]
+__all__ = ["PartialStateDictError", "local_state_dict", "local_views", "refuse_partial_part",
+           "refuse_partial_state_dict"]
 
 _LOCAL = threading.local()  # per thread: a background checkpoint thread does not open the main one's door
 
@@ -118,14 +119,13 @@ def refuse_partial_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -
         _refuse(st, module, partial, prefix, part=False)
 
 
-def part_guard(st: Any) -> Callable[[nn.Module, str, bool], None]:
-    """The ``state_dict`` pre-hook of a submodule holding parameters: the same rule on its own
-    parameters (its children have theirs). A closure over the state ``st``, so that a copy of the
-    model drops it with the runtime's other hooks (``copies.py``)."""
-    def refuse_partial_part(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if getattr(_LOCAL, "depth", 0):
-            return
-        partial = partial_tensors(module, recurse=False)
-        if partial:
-            _refuse(st, module, partial, prefix, part=True)
-    return refuse_partial_part
+def refuse_partial_part(st: Any, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """The ``state_dict`` pre-hook of a submodule holding parameters, as a method of the root's
+    state ``st`` (``MatrixFSDPState.refuse_partial_part``: a copy of the model drops it with the
+    runtime's other hooks, and a pickle meets the state's refusal): the same rule on the
+    submodule's own parameters (its children have theirs)."""
+    if getattr(_LOCAL, "depth", 0):
+        return
+    partial = partial_tensors(module, recurse=False)
+    if partial:
+        _refuse(st, module, partial, prefix, part=True)
