@@ -9,7 +9,9 @@ parallelism at EP=2) loads the files with ``load_pretrained``; every weight this
 where it owns it, its experts of each stack under EP, its block of a split stack) must equal
 ``from_pretrained``'s bit for bit, and under EP each rank reads only its own experts' tensors.
 A third directory is written here by hand in the Hub's Mixtral naming, from the reference's own
-stacks (gate and up rows apart, bfloat16, spread over two files with an index). Errors: a missing
+stacks (gate and up rows apart, bfloat16, spread over two files with an index); a fourth holds the
+stacks fused (this library's export), of which each expert-parallel rank reads only its experts'
+rows: in every case the ranks together read each byte of the files exactly once. Errors: a missing
 expert, and a missing router that meta-device building left uninitialized (refused even with
 ``strict=False``, which the message does not suggest).
 """
@@ -84,7 +86,27 @@ def dirs(tmp_path_factory) -> dict[str, str]:
         out[kind] = str(root / kind)
     _hub_mixtral(root / "mixtral", root / "hub_mixtral")
     out["hub_mixtral"] = str(root / "hub_mixtral")
+    _fused(root / "mixtral", root / "fused_mixtral")
+    out["fused_mixtral"] = str(root / "fused_mixtral")
     return out
+
+
+def _fused(src: Path, dst: Path) -> None:
+    """The model's own keys, stacks fused (what this library's safetensors export writes)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    dst.mkdir()
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, dst / "model.safetensors")
+    (dst / "config.json").write_text((src / "config.json").read_text())
+
+
+def _file_bytes(d: str) -> int:
+    """Bytes of every tensor in a directory's safetensors files."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for f in Path(d).glob("*.safetensors") for t in load_file(f).values())
 
 
 def _held(ours: torch.nn.Module, ref: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -135,7 +157,7 @@ def load_worker(rank: int, world: int, dirs: dict[str, str]) -> dict:
                                         for m in [re.search(r"experts\.(\d+)\.", k)] if m}),
                 "blocks": sorted((n, shard_of(p).experts) for n, p in ours.named_parameters()
                                  if shard_of(p) is not None and shard_of(p).experts is not None),
-                "files": len(report.files)}
+                "files": len(report.files), "bytes": report.bytes_read}
     return out
 
 
@@ -168,8 +190,11 @@ def test_per_expert_files_load_as_from_pretrained(dirs, hf_pool) -> None:
         assert r["hub_mixtral", "owners"]["files"] == 2
         # under EP each rank read its own experts' tensors only, and holds its experts of every stack
         for name in dirs:
-            assert r[name, "ep2"]["experts_read"] == [2 * rank, 2 * rank + 1], (name, r[name, "ep2"])
+            want = [] if name == "fused_mixtral" else [2 * rank, 2 * rank + 1]  # fused: no per-expert keys
+            assert r[name, "ep2"]["experts_read"] == want, (name, r[name, "ep2"])
             assert len(r[name, "ep2"]["stacks"]) == (2 if name == "mixtral_split" else 4)
+    for key in res[0]:  # each tensor's bytes read once in all, by the ranks holding them (EP: experts apart)
+        assert sum(r[key]["bytes"] for r in res) == _file_bytes(dirs[key[0]]), key
     owned = [set(r["mixtral", "owners"]["stacks"]) for r in res]  # owners: every stack on one rank or the other
     assert len(owned[0] | owned[1]) == 4 and not owned[0] & owned[1], owned
     for rank, r in enumerate(res):  # split stacks: each rank its block of experts of each stack, read into it

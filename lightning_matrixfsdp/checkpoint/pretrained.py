@@ -21,7 +21,7 @@ import contextlib
 import json
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
@@ -284,7 +284,15 @@ def _part(tp: Any, at: Optional[int], tp_rank: int) -> Optional[tuple[int, int, 
 def _read_into(entry: Entry, dst: torch.Tensor, f: Any, part: Optional[tuple[int, int, int]] = None) -> int:
     """Read one tensor's bytes into ``dst``: in place when it is a contiguous CPU tensor of the file's
     dtype, else into one temporary CPU tensor that ``copy_`` casts and moves (as ``.to(dtype)``).
-    ``part`` (a TP fragment): the whole tensor is read and ``dst`` takes that slice of it."""
+    ``part`` ``(dim, start, length)``: ``dst`` takes that slice of the file tensor; along the first
+    dimension only its rows are read (the experts of a rank, a row fragment), along another the
+    whole tensor is read and narrowed."""
+    if part is not None and part[0] == 0 and entry.shape:  # leading rows: one contiguous byte range, read alone
+        _, start, length = part  # (an expert-parallel rank's experts, a planner block, a row fragment)
+        row = (entry.end - entry.begin) // entry.shape[0] if entry.shape[0] else 0
+        entry = replace(entry, shape=(length, *entry.shape[1:]), begin=entry.begin + start * row,
+                        end=entry.begin + (start + length) * row)
+        part = None
     src_dtype = _DTYPES[entry.dtype]
     direct = part is None and dst.device.type == "cpu" and dst.dtype == src_dtype and dst.is_contiguous()
     target = dst if direct else torch.empty(entry.shape, dtype=src_dtype)
