@@ -9,8 +9,11 @@ straight into the resident tensors (``readinto``, no memory map, no second copy 
 dtypes agree). A checkpoint of this library (directory or consolidated file) goes through
 ``load_weights``, which reads the owned tensors only as well.
 
-With tensor parallelism an owner of a TP-split parameter reads the whole tensor (one at a
-time, into a temporary CPU tensor) and keeps its fragment's slice.
+A part of a tensor along its first dimension (an expert-parallel rank's experts, a planner's
+block of a stack, a TP row fragment) is read alone, as the byte range of its rows; a TP
+fragment along another dimension reads the whole tensor (one at a time, into a temporary CPU
+tensor) and keeps its slice. Hugging Face MoE files that keep one matrix per expert are read
+expert by expert into the rows of the stacks (``expert_files.py``).
 
 Every step is agreed across ranks (``agree``): keys, shapes and dtypes are checked against
 the files' headers before any tensor is read, and an error on one rank is raised on all.
