@@ -36,6 +36,7 @@ from lightning_matrixfsdp.checkpoint import (
     save_sharded,
 )
 from lightning_matrixfsdp.adapters import (
+    DirectoryCheckpointIO,
     MatrixFSDPFabricStrategy,
     MatrixFSDPStrategy,
     PretrainedWeights,
@@ -56,7 +57,7 @@ show_routing_lines()  # each optimizer's one-line account of which tensors it st
 install_double_precision()  # and precision="64-true" with a strategy instance (and under Fabric)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
+           "CheckpointNotResumableError", "DirectoryCheckpointIO", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
            "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_expert_stats", "get_plan", "grad_norm",

@@ -6,7 +6,10 @@
 * ``fit(ckpt_path=...)`` on a checkpoint without the training state is refused as DDP refuses
   it, never restarted with a fresh optimizer; validate on it works; a DDP full checkpoint
   resumes exactly as under DDP;
-* ``lightning_matrixfsdp.load_from_checkpoint`` reads the directory ``ModelCheckpoint`` wrote.
+* ``lightning_matrixfsdp.load_from_checkpoint`` reads the directory ``ModelCheckpoint`` wrote;
+* (issue 36) a matrix_fsdp directory resumes under DDP, through the import's wrap of Lightning's
+  loader and through ``DirectoryCheckpointIO``, as the uninterrupted matrix_fsdp run (weights,
+  optimizer and scheduler states, bitwise), and the plugin alone restores it on one device.
 
 Float32 tolerance where stated: a rescaled schedule computes ``new_lr * (x / module_lr)``
 where the DDP run computes ``x`` on the new learning rate, so learning rates agree to a few
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import lr_scheduler as S
 
-from helpers.lit import LitTiny, gather_full
+from helpers.lit import LitTiny, TokenData, gather_full
 from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
 STEPS = 6  # two batches per epoch: three epochs
@@ -282,7 +285,7 @@ def _resume_worker(rank: int, world: int, root: str) -> dict:
     for src, path in sources.items():
         for name in ("ddp", "matrix_fsdp"):
             if name == "ddp" and src == "our_weights":
-                continue  # a directory: DDP cannot read it at all
+                continue  # a weights-only directory under DDP: Lightning's own refusal, as for its file
             torch.manual_seed(1)
             lit = LitTiny(scheduler=True)
             before = {n: p.detach().clone() for n, p in lit.named_parameters()}
@@ -294,6 +297,21 @@ def _resume_worker(rank: int, world: int, root: str) -> dict:
             val, error = _attempt(_trainer(_strategy(name), root, limit_val_batches=2).validate, LitTiny(),
                                   ckpt_path=path, verbose=False)
             out["validate", src, name] = {"error": error, "val": val[0]["val_loss"] if val else None}
+    # back to DDP (issue 36): a matrix_fsdp run of four one-step epochs saving a directory at each epoch's end;
+    # the one at step 2 resumed under DDP, without and with the explicit plugin
+    torch.manual_seed(0)
+    lit = LitOneStep(scheduler=True)
+    every = ModelCheckpoint(dirpath=root_p / "back", save_top_k=-1)
+    _trainer(_matrix_fsdp(), root, max_steps=4, callbacks=[every], enable_checkpointing=True).fit(lit)
+    out["back", "uninterrupted"] = {"error": None, "losses": lit.losses, "lrs": lit.lrs, "seen": lit.seen}
+    for name, plugins in (("ddp", []), ("ddp_plugin", [mf.DirectoryCheckpointIO()])):
+        torch.manual_seed(1)
+        lit = LitOneStep(scheduler=True)
+        trainer = _trainer("ddp", root, max_steps=4, plugins=plugins)
+        _, error = _attempt(trainer.fit, lit, ckpt_path=root_p / "back" / "epoch=1-step=2.ckpt")
+        if error is None:
+            trainer.save_checkpoint(root_p / f"back-{name}.ckpt")
+        out["back", name] = {"error": error, "losses": lit.losses, "lrs": lit.lrs, "seen": lit.seen}
     # a DDP full checkpoint (one .ckpt file, optimizer and scheduler states) resumed by each strategy
     for name in ("ddp", "matrix_fsdp"):
         torch.manual_seed(1)
@@ -322,8 +340,13 @@ def _resume_worker(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def resumed(dist_pools, tmp_path_factory):
-    return dist_pools(2).run(_resume_worker, str(tmp_path_factory.mktemp("resume")), timeout=600)
+def resume_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("resume")
+
+
+@pytest.fixture(scope="module")
+def resumed(dist_pools, resume_root):
+    return dist_pools(2).run(_resume_worker, str(resume_root), timeout=600)
 
 
 @pytest.mark.parametrize("src", ["ddp_weights", "our_weights", "plain"])
@@ -360,6 +383,84 @@ def test_a_ddp_full_checkpoint_resumes_as_under_ddp(resumed):
         assert len(ours["losses"]) == 2 and ours["losses"] == ddp["losses"]  # steps 2 and 3
         assert ours["lrs"] == ddp["lrs"]  # the scheduler's state came along
         assert all(torch.equal(ours["params"][n], t) for n, t in ddp["params"].items())
+
+
+class LitOneStep(LitTiny):
+    """One batch per rank per epoch (2 ranks): a checkpoint at an epoch's end resumes on exactly the
+    batches the uninterrupted run sees next (Lightning restarts a dataloader that was part-way through)."""
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(TokenData(4), batch_size=2)
+
+
+def _hyper(group: dict) -> dict:
+    """A param group's hyper-parameters; torch's implementation flags read as booleans, absent as False
+    (its ``Optimizer.__setstate__`` fills them in; a checkpoint need not hold them)."""
+    flags = ("differentiable", "foreach", "fused", "capturable")
+    out = {k: v for k, v in group.items() if k not in ("param_names", *flags)}
+    return {**out, **{k: bool(group.get(k)) for k in flags}}
+
+
+def _same_state(a: dict, b: dict) -> list[str]:
+    """Where two checkpoint files' weights, optimizer states and schedulers differ (bitwise)."""
+    bad = [k for k in b["state_dict"] if not torch.equal(a["state_dict"][k], b["state_dict"][k])]
+    for i, (oa, ob) in enumerate(zip(a["optimizer_states"], b["optimizer_states"], strict=True)):
+        assert oa["state"].keys() == ob["state"].keys()
+        bad += [f"optimizer {i} param {j} {n}" for j, st in ob["state"].items() for n, t in st.items()
+                if not torch.equal(torch.as_tensor(oa["state"][j][n]), torch.as_tensor(t))]
+        bad += [f"optimizer {i} group {j}" for j, (ga, gb) in enumerate(zip(oa["param_groups"], ob["param_groups"]))
+                if _hyper(ga) != _hyper(gb)]
+    return bad + (["lr_schedulers"] if a["lr_schedulers"] != b["lr_schedulers"] else [])
+
+
+@pytest.mark.parametrize("how", ["ddp", "ddp_plugin"])
+def test_a_matrix_fsdp_directory_resumes_under_ddp_as_the_uninterrupted_run(resumed, resume_root, how):
+    """Before: ``Trainer(strategy="ddp").fit(ckpt_path=<directory>)`` stopped with IsADirectoryError on
+    every rank. Now steps 2 and 3 under DDP are the uninterrupted matrix_fsdp run's, bit for bit."""
+    for r in resumed:
+        ref, got = r["back", "uninterrupted"], r["back", how]
+        assert got["error"] is None, got["error"]
+        assert len(got["losses"]) == 2 and got["losses"] == ref["losses"][2:]
+        assert got["lrs"] == ref["lrs"][2:]
+        assert all(torch.equal(a, b) for a, b in zip(got["seen"], ref["seen"][2:], strict=True))
+    from lightning_matrixfsdp.checkpoint.consolidate import read_directory
+
+    ours = read_directory(resume_root / "back" / "epoch=3-step=4.ckpt")  # the uninterrupted run's last save
+    ddp = torch.load(resume_root / f"back-{how}.ckpt", weights_only=False)
+    assert ours["global_step"] == ddp["global_step"] == 4
+    assert _same_state(ours, ddp) == []  # weights, Muon momenta, AdamW moments and steps, the scheduler
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")  # its ModelCheckpoint: not needed here
+def test_directory_checkpoint_io_restores_one_device(resumed, resume_root, monkeypatch, tmp_path):
+    """The explicit plugin on its own (the import's wrap of Lightning's loader taken off): one device
+    restores the directory's weights and optimizer state; without either, Lightning's IsADirectoryError."""
+    import lightning.fabric.plugins.io.torch_io as torch_io
+    from lightning.fabric.utilities.cloud_io import _load
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.checkpoint.consolidate import read_directory
+
+    path = resume_root / "back" / "epoch=1-step=2.ckpt"
+    monkeypatch.setattr(torch_io, "pl_load", _load)
+    with pytest.raises(IsADirectoryError):
+        _one_device(path, tmp_path, [])
+    lit, trainer = _one_device(path, tmp_path, [mf.DirectoryCheckpointIO()])
+    want = read_directory(path)
+    got = {"state_dict": lit.state_dict(), "optimizer_states": [o.state_dict() for o in trainer.optimizers],
+           "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+    assert _same_state(want, got) == []
+
+
+def _one_device(path, root, plugins):
+    from lightning.pytorch import Trainer
+
+    lit = LitOneStep(scheduler=True)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, default_root_dir=root, plugins=plugins)
+    trainer.fit(lit, ckpt_path=path)  # at its step: restored, nothing trained
+    return lit, trainer
 
 
 def test_replacement_schedule_survives_a_resume(resumed):

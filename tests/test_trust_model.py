@@ -46,6 +46,7 @@ def _state_dict_scenario(rank: int, world: int, root: str) -> dict:
         trainer = cpu_trainer("matrix_fsdp", world, root, max_steps=2, limit_val_batches=0)
         trainer.fit(lit)
     out: dict[str, Any] = {"every_rank": _error(lit.state_dict)}
+    out["inner"] = _error(lit.model.state_dict)  # the LightningModule's inner model (save_pretrained calls it)
     out["named_parameters"] = {n: tuple(p.shape) for n, p in lit.named_parameters()}
     if rank == 0:  # the common `if trainer.is_global_zero: torch.save(model.state_dict(), ...)`
         out["rank0_alone"] = _error(lambda: torch.save(lit.state_dict(), os.path.join(root, "model.pt")))
@@ -76,6 +77,57 @@ def _state_dict_scenario(rank: int, world: int, root: str) -> dict:
     mf.matrix_shard(plain, shard_size=1)
     sd = plain.state_dict()
     out["replicated"] = sorted(ref) == sorted(sd) and all(torch.equal(ref[k], sd[k]) for k in ref)
+    return out
+
+
+class LitMoE(LightningModule):
+    """Embedding, one top-2 MoE block of 4 stacked experts (declared for expert parallelism), head."""
+
+    def __init__(self) -> None:
+        from helpers.models import GroupedMoE
+
+        super().__init__()
+        self.model = nn.ModuleDict({"embed": nn.Embedding(64, 16), "moe": GroupedMoE(16, 4), "head": nn.Linear(16, 64)})
+        mf.parallelize_experts(self.model["moe"].experts)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        m = self.model
+        logits = m["head"](m["moe"](m["embed"](batch)))[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, 64), batch[:, 1:].reshape(-1))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0)),
+                                           batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _expert_scenario(rank: int, world: int, root: str) -> dict:
+    """HSDP with a shard group of one rank and expert parallelism: every dense weight whole on every
+    rank, each expert stack this rank's [E/EP, ...] slice. Before: state_dict() returned the slices."""
+    torch.manual_seed(0)
+    lit = LitMoE()
+    strategy = mf.MatrixFSDPStrategy(shard_size=1, expert_parallel_size=2, log_plan=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cpu_trainer(strategy, world, root, max_steps=1)
+        trainer.fit(lit)
+    experts = lit.model["moe"].experts
+    out: dict[str, Any] = {"local": tuple(experts.w1.shape), "every_rank": _error(lit.state_dict),
+                           "inner": _error(lit.model.state_dict), "experts_module": _error(experts.state_dict)}
+    # the way the message names: one file, every stack whole (by hand: the slices gathered in EP rank order)
+    whole = {}
+    for name in ("w1", "w2", "w3"):
+        parts = [torch.empty_like(getattr(experts, name)) for _ in range(world)]
+        torch.distributed.all_gather(parts, getattr(experts, name).detach().contiguous())
+        whole[f"model.moe.experts.{name}"] = torch.cat(parts)
+    trainer.strategy.config = dataclasses.replace(trainer.strategy.config, save_distributed_checkpoint=False)
+    trainer.save_checkpoint(os.path.join(root, "one.ckpt"))
+    if rank == 0:
+        saved = torch.load(os.path.join(root, "one.ckpt"), weights_only=False)["state_dict"]
+        out["file"] = {k: tuple(saved[k].shape) for k in whole}
+        out["file_differs"] = sorted(k for k, t in whole.items() if not torch.equal(saved[k], t))
     return out
 
 
@@ -295,6 +347,7 @@ def _retained_scenario(rank: int, world: int) -> dict:
 
 def _worker(rank: int, world: int, root: str) -> dict:
     return {"state_dict": _state_dict_scenario(rank, world, os.path.join(root, "sd")),
+            "experts": _expert_scenario(rank, world, os.path.join(root, "ep")),
             "retained": _retained_scenario(rank, world),
             "manual": _manual_scenario(rank, world, os.path.join(root, "manual"))}
 
@@ -318,6 +371,7 @@ def test_state_dict_after_fit_is_whole_or_refused(results):
     r0, r1 = (r["state_dict"] for r in results)
     for r in (r0, r1):
         _is_refusal(r["every_rank"])
+        _is_refusal(r["inner"])  # the inner model too: the same rule on every submodule
         assert r["local_owned"] and r["local_empty"], "each rank owns part of the model"
         assert r["replicated"], "one rank per shard group: state_dict() is whole, as before"
     _is_refusal(r0["rank0_alone"])  # rank 0 alone: an error, no hang (the launch went on)
@@ -334,6 +388,28 @@ def test_state_dict_after_fit_is_whole_or_refused(results):
     for r in (r0, r1):
         empty = {k for k, shape in r["named_parameters"].items() if shape[0] == 0}
         assert empty == set(r["local_empty"]), (empty, r["local_empty"])
+
+
+def test_state_dict_of_expert_slices_is_refused(results):
+    """HSDP with one rank per shard group and EP=2: every dense weight is whole everywhere, so the old
+    guard passed, and state_dict() held each stack as this rank's (2, 32, 16) of (4, 32, 16)."""
+    for rank, r in enumerate(results):
+        ep = r["experts"]
+        assert ep["local"] == (2, 32, 16), ep["local"]
+        for call in ("every_rank", "inner", "experts_module"):
+            assert ep[call] is not None, f"rank {rank}: {call} state_dict() returned half the experts silently"
+            kind, msg = ep[call]
+            assert kind == "PartialStateDictError", ep[call]
+            assert "expert-parallel slice" in msg and "(2, 32, 16)" in msg and "(4, 32, 16)" in msg, msg
+            assert f"experts {2 * rank}-{2 * rank + 1} of 4" in msg, msg
+            for word in ("save_distributed_checkpoint=False", "save_sharded(model, path, full=True)",
+                         "python -m lightning_matrixfsdp.consolidate", "local_state_dict"):
+                assert word in msg, (word, msg)
+            assert "with lightning_matrixfsdp.full_model" not in msg, "full_model does not gather EP experts"
+        assert "'model.moe.experts'" in ep["experts_module"][1]  # a submodule's refusal names its path
+    assert results[0]["experts"]["file"] == {f"model.moe.experts.{n}": s for n, s in
+                                             (("w1", (4, 32, 16)), ("w2", (4, 16, 32)), ("w3", (4, 32, 16)))}
+    assert results[0]["experts"]["file_differs"] == []  # the alternative it names gives every expert whole
 
 
 def test_two_backwards_through_one_forward_reduce_each(results):

@@ -51,6 +51,7 @@ from lightning_matrixfsdp.checkpoint.sidecar import roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, check_resumable, match_model
 from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
+from lightning_matrixfsdp.runtime.checkpoint_view import note_loaded
 
 __all__ = ["check_resumable", "load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
 
@@ -331,6 +332,7 @@ class _DirectoryLoad:
         with torch.no_grad():
             for local, flat in self.targets:
                 local.copy_(buffers[flat])
+        _note_loaded(self.module, match)
         for i in self.apply:
             state = {key: nest((tail, buffers[flat]) for tail, flat, _ in items)
                      for key, items in self.wanted.get(i, {}).items()}
@@ -345,6 +347,12 @@ class _DirectoryLoad:
             read = {c: self.buffers.get(f) for c, (f, _) in self.ck.model.items()}
             meta = {**meta, "state_dict": state_view(read, self.match.from_ck, self.index)}
         return meta
+
+
+def _note_loaded(module: nn.Module, match: Any) -> None:
+    """The parameters this load wrote hold values now (``load_pretrained`` may leave them out later)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    note_loaded(module, [id(params[k]) for k in match.to_ck if k in params])
 
 
 def _torch_load(path: Path, weights_only: Optional[bool]) -> Any:
@@ -433,6 +441,7 @@ def _load_file(module: nn.Module, index: KeyIndex, path: Path, optimizers: Seque
             e = index.entries[key]
             if e.local is not None:
                 e.local.copy_(index.narrow(key, sd[c]))  # a TP rank: its fragment of the whole tensor
+    _note_loaded(module, match)
     for o, groups, state in restore:
         agree(apply_optimizer, index, o, groups, state)
     return rest

@@ -9,8 +9,11 @@ straight into the resident tensors (``readinto``, no memory map, no second copy 
 dtypes agree). A checkpoint of this library (directory or consolidated file) goes through
 ``load_weights``, which reads the owned tensors only as well.
 
-With tensor parallelism an owner of a TP-split parameter reads the whole tensor (one at a
-time, into a temporary CPU tensor) and keeps its fragment's slice.
+A part of a tensor along its first dimension (an expert-parallel rank's experts, a planner's
+block of a stack, a TP row fragment) is read alone, as the byte range of its rows; a TP
+fragment along another dimension reads the whole tensor (one at a time, into a temporary CPU
+tensor) and keeps its slice. Hugging Face MoE files that keep one matrix per expert are read
+expert by expert into the rows of the stacks (``expert_files.py``).
 
 Every step is agreed across ranks (``agree``): keys, shapes and dtypes are checked against
 the files' headers before any tensor is read, and an error on one rank is raised on all.
@@ -21,7 +24,7 @@ import contextlib
 import json
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
@@ -30,9 +33,10 @@ from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import agree, agreed_path, warn
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointKeyError, CheckpointMismatchError
+from lightning_matrixfsdp.checkpoint.expert_files import check_fused, file_names, find_fused, fused_reads
 from lightning_matrixfsdp.checkpoint.load import load_weights
 from lightning_matrixfsdp.checkpoint.save import PathLike
-from lightning_matrixfsdp.runtime.checkpoint_view import ModelView, model_view_of
+from lightning_matrixfsdp.runtime.checkpoint_view import ModelView, model_view_of, note_loaded
 
 __all__ = ["INDEX_NAME", "SAFETENSORS_NAME", "PretrainedLoad", "load_pretrained", "meta_init", "safetensors_layout"]
 
@@ -181,15 +185,18 @@ def _listing(keys: list[str], limit: int = 12) -> str:
 
 
 def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], prefix: str, strict: bool,
-           where: str) -> tuple[list[tuple[Entry, str, torch.Tensor]], list[str], list[str]]:
+           where: str) -> tuple[list[Read], list[str], list[str], list[int]]:
     """(this rank's reads as (entry, file key, destination, part), missing model keys, unexpected file
-    keys). ``part``: ``(dim, start, length)`` of the file's whole tensor that a TP fragment takes."""
+    keys, the ``ident`` of every parameter the files hold). ``part``: ``(dim, start, length)`` of the
+    file's whole tensor that a TP fragment takes."""
     if not view.roots:
         raise CheckpointMismatchError("load_pretrained needs a module sharded by matrix_shard or the strategy "
                                       "(call it after sharding: in on_fit_start, or after fabric.setup_module)")
     reads: list[Read] = []
     tp_rank = next((r.tp_rank for r in view.roots if r.tp_size > 1), 0)
     missing: list[str] = []
+    blank: list[str] = []  # missing, and uninitialized memory (meta-built, no reset_parameters)
+    loaded: list[int] = []
     used: set[str] = set()
     problems: list[str] = []
 
@@ -203,9 +210,7 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
             problems.append(f"{key!r}: {e.dtype} in {e.file.name}, {dtype} in the model (no cast between "
                             "integer and floating point)")
         elif dst is not None:  # a TP fragment (``shape`` is the global one) takes its slice of the whole
-            at = tp_rank if at is None else at  # an expert slice: its expert-parallel rank's chunk
-            part = (tp.dim, tp.offset(at), tp.sizes[at]) if tp is not None else None
-            reads.append((e, key, dst, part))
+            reads.append((e, key, dst, _part(tp, at, tp_rank)))
 
     seen: set[int] = set()
     for pv in view.params.values():
@@ -216,11 +221,23 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
         if not names:
             continue
         found = [n for n in names if n in layout]
-        if not found:
+        if not found:  # a Hugging Face file's own name for it (Mixtral's block_sparse_moe)
+            found = [a for n in names for a in file_names(n)[1:] if a in layout]
+        fused = None if found else find_fused(names, pv.shape, layout)  # experts held one matrix per expert
+        if fused is not None:
+            used.update(fused.used)
+            problems.extend(check_fused(fused, pv.shape, pv.dtype, layout, _DTYPES))
+            if not problems and pv.local is not None:
+                reads.extend(fused_reads(fused, layout, pv.local, _part(pv.tp, pv.part, tp_rank)))
+        elif found:
+            used.update(found[1:])  # a tie stored twice: the first name in model order wins, as a tie does
+            take(found[0], pv.shape, pv.dtype, pv.local, pv.tp, pv.part)
+        else:
             missing.append(" = ".join(names))  # tied names: any one of them in the file loads it
+            if not pv.initialized:
+                blank.append(missing[-1])
             continue
-        used.update(found[1:])  # a tie stored twice: the first name in model order wins, as a tie does
-        take(found[0], pv.shape, pv.dtype, pv.local, pv.tp, pv.part)
+        loaded.append(pv.ident)
     for key, buf in _persistent_buffers(module).items():
         if key.startswith(prefix):
             name = key[len(prefix):]
@@ -232,22 +249,53 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
     if problems:
         raise CheckpointMismatchError(f"{where} does not fit the model: " + "; ".join(problems[:12])
                                       + (f"; and {len(problems) - 12} more" if len(problems) > 12 else ""))
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from it (in the model, not in the files): {_listing(missing)}")
-        if unexpected:
-            files = sorted({layout[k].file.name for k in unexpected})
-            parts.append(f"unexpected (in {', '.join(files)}, not in the model): {_listing(unexpected)}")
-        hint = f" (prefix={prefix!r} is put in front of every file key)" if prefix else " (a prefix= argument?)"
+    if blank or (strict and (missing or unexpected)):
+        _refuse_keys(where, layout, prefix, missing, unexpected, blank)
+    return reads, missing, unexpected, loaded
+
+
+def _refuse_keys(where: str, layout: Mapping[str, Entry], prefix: str, missing: list[str], unexpected: list[str],
+                 blank: list[str]) -> None:
+    """The key error: what is missing and unexpected, and what to do. ``strict=False`` is offered only
+    where every missing key holds values already; keys left uninitialized are refused even with it."""
+    parts = []
+    if missing:
+        parts.append(f"missing from it (in the model, not in the files): {_listing(missing)}")
+    if unexpected:
+        files = sorted({layout[k].file.name for k in unexpected})
+        parts.append(f"unexpected (in {', '.join(files)}, not in the model): {_listing(unexpected)}")
+    hint = f" (prefix={prefix!r} is put in front of every file key)" if prefix else " (a prefix= argument?)"
+    if not blank:
         raise CheckpointKeyError(f"{where}: " + "; ".join(parts) + hint + "; strict=False loads the rest")
-    return reads, missing, unexpected
+    raise CheckpointKeyError(
+        f"{where}: " + "; ".join(parts) + hint + f". {_listing(blank)} would stay uninitialized memory: the model was "
+        "built on the meta device (meta_init, empty_init=True) and their modules have no reset_parameters to fill "
+        "them (Hugging Face experts, routers and norms), so only the files can; strict=False does not load "
+        "without them. Give files that hold them (a per-expert Mixtral/Qwen MoE file is read as such; check the "
+        "names), or build those modules with real tensors")
+
+
+def _part(tp: Any, at: Optional[int], tp_rank: int) -> Optional[tuple[int, int, int]]:
+    """``(dim, start, length)`` of the whole tensor this rank holds: a TP fragment's (at its TP rank),
+    an expert slice's or a planner block's (at ``at``: its expert-parallel or shard rank); None: all."""
+    if tp is None:
+        return None
+    at = tp_rank if at is None else at
+    return tp.dim, tp.offset(at), tp.sizes[at]
 
 
 def _read_into(entry: Entry, dst: torch.Tensor, f: Any, part: Optional[tuple[int, int, int]] = None) -> int:
     """Read one tensor's bytes into ``dst``: in place when it is a contiguous CPU tensor of the file's
     dtype, else into one temporary CPU tensor that ``copy_`` casts and moves (as ``.to(dtype)``).
-    ``part`` (a TP fragment): the whole tensor is read and ``dst`` takes that slice of it."""
+    ``part`` ``(dim, start, length)``: ``dst`` takes that slice of the file tensor; along the first
+    dimension only its rows are read (the experts of a rank, a row fragment), along another the
+    whole tensor is read and narrowed."""
+    if part is not None and part[0] == 0 and entry.shape:  # leading rows: one contiguous byte range, read alone
+        _, start, length = part  # (an expert-parallel rank's experts, a planner block, a row fragment)
+        row = (entry.end - entry.begin) // entry.shape[0] if entry.shape[0] else 0
+        entry = replace(entry, shape=(length, *entry.shape[1:]), begin=entry.begin + start * row,
+                        end=entry.begin + (start + length) * row)
+        part = None
     src_dtype = _DTYPES[entry.dtype]
     direct = part is None and dst.device.type == "cpu" and dst.dtype == src_dtype and dst.is_contiguous()
     target = dst if direct else torch.empty(entry.shape, dtype=src_dtype)
@@ -294,11 +342,17 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "", stri
 
     Tied parameters load from whichever of their names the files hold (Hugging Face stores a
     tie once). Floating-point tensors are cast to the model's dtype (``Tensor.copy_``, the
-    cast ``from_pretrained`` makes). Keys are matched exactly; missing or unexpected keys
-    raise :class:`CheckpointKeyError` naming them and the file (``strict=False`` warns and
-    leaves missing ones as they are), a shape or dtype that does not fit raises
-    :class:`CheckpointMismatchError` naming the key and the file; both before any tensor
-    is read. A file that fails while being read leaves the model partly loaded."""
+    cast ``from_pretrained`` makes). Keys are matched exactly, except for Hugging Face MoE
+    files that keep one matrix per expert (Mixtral's ``block_sparse_moe.experts.N.w1/w3/w2``,
+    Qwen-MoE's ``experts.N.gate_proj/up_proj/down_proj``): they are joined into the model's
+    ``gate_up_proj``/``down_proj`` stacks as transformers joins them, each rank reading only
+    the experts it holds (``expert_files.py``). Missing or unexpected keys raise
+    :class:`CheckpointKeyError` naming them and the file (``strict=False`` warns and leaves
+    missing ones as they are, unless one of them is uninitialized memory: a parameter of a
+    meta-built module without ``reset_parameters``, which is refused even then), a shape or
+    dtype that does not fit raises :class:`CheckpointMismatchError` naming the key and the
+    file; both before any tensor is read. A file that fails while being read leaves the
+    model partly loaded."""
     path = agreed_path(path, prefix=prefix, strict=bool(strict), verify=bool(verify))
     if agree(_source, path) == "checkpoint":
         if prefix:
@@ -308,11 +362,12 @@ def load_pretrained(module: nn.Module, path: PathLike, *, prefix: str = "", stri
         return PretrainedLoad((str(path),), (), 0, (), ())
     layout = agree(safetensors_layout, path)
     view = model_view_of(module)  # collective under replica_split: every rank, outside agree's step
-    reads, missing, unexpected = agree(_match, module, view, layout, prefix, bool(strict), str(path))
+    reads, missing, unexpected, loaded = agree(_match, module, view, layout, prefix, bool(strict), str(path))
     if missing:
         warn(f"load_pretrained: {len(missing)} model key(s) not in {path} keep their values: {_listing(missing)}")
     if unexpected:
         warn(f"load_pretrained: {len(unexpected)} key(s) of {path} not in the model: {_listing(unexpected)}")
     nbytes = agree(_read, reads)
+    note_loaded(module, loaded)  # they hold values now: a later load may leave them out
     files = tuple(sorted({str(e.file) for e in layout.values()}))
     return PretrainedLoad(files, tuple(r[1] for r in reads), nbytes, tuple(missing), tuple(unexpected))

@@ -15,9 +15,9 @@ checkpoints import the runtime from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -28,7 +28,8 @@ from lightning_matrixfsdp.runtime.state_dict_guard import local_state_dict
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, stack_of, state_of, tag_view, view_key
 from lightning_matrixfsdp.runtime.tp import TPLayout
 
-__all__ = ["ModelView", "ParamView", "RootView", "local_state_dict", "model_view_of", "tag_view", "view_key"]
+__all__ = ["ModelView", "ParamView", "RootView", "local_state_dict", "model_view_of", "note_loaded", "tag_view",
+           "view_key"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class ParamView:
     #: an expert stack the plan split into blocks of experts, one per owner of the shard group (``part``:
     #: this rank's block, ``part_mesh`` the shard group's DeviceMesh, ``part_sources`` its global ranks)
     split_stack: bool = False
+    #: False for a parameter built on the meta device that no ``reset_parameters`` initialized and no
+    #: load has written since: uninitialized memory (a load that leaves it so must say so)
+    initialized: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,4 +156,17 @@ def model_view_of(module: nn.Module) -> ModelView:
             params.update(dict.fromkeys(names, view))
         if st.experts is not None:
             params.update(_expert_views(prefix, st.experts))
+        if st.uninitialized:  # one record per parameter, tied names included
+            blank = {id(v): replace(v, initialized=False) for v in params.values() if v.ident in st.uninitialized}
+            params = {k: blank.get(id(v), v) for k, v in params.items()}
     return ModelView(tuple(roots), MappingProxyType(params))
+
+
+def note_loaded(module: nn.Module, idents: Iterable[int]) -> None:
+    """A load wrote the parameters ``idents`` (``ParamView.ident``) of ``module``'s sharded roots:
+    they hold values now (no longer ``initialized=False``). Local."""
+    done = set(idents)
+    for m in module.modules():
+        st: Optional[MatrixFSDPState] = state_of(m)
+        if st is not None:
+            st.uninitialized -= done

@@ -355,6 +355,9 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
         init_tp_meta(meta_modules, state.params, tp_plan, mesh.tp, device, stats)
     if meta_modules:  # owners initialized their own roles: the replicas of each owner take replica 0's
         agree_replicas([p.resident.data for p in state.params if p.owned], replicate_pg, stats)
+    # what no reset_parameters initialized (Hugging Face experts, routers, norms): loads must fill it
+    state.uninitialized = {id(p) for m in meta_modules if not callable(getattr(m, "reset_parameters", None))
+                           for p in m._parameters.values() if p is not None}
     state.buffers = BufferSync(module, sg, replicate_pg, stats, config.broadcast_buffers)
     if check is not None:
         state.buffer_check = lambda: check(SYNC_BUFFERS, root_index)

@@ -15,7 +15,7 @@ from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
-from lightning_matrixfsdp.runtime.state_dict_guard import refuse_partial_state_dict
+from lightning_matrixfsdp.runtime.state_dict_guard import refuse_partial_part, refuse_partial_state_dict
 from lightning_matrixfsdp.runtime.sync import BufferSync
 from lightning_matrixfsdp.runtime.unit import Unit
 
@@ -49,6 +49,9 @@ class MatrixFSDPState(RefusePickle):
         self.experts: Optional[Any] = None
         #: tokens per expert of every experts module since the last report (``expert_stats.RoutingCounts``)
         self.routing: Optional[Any] = None
+        #: ids of the parameters built on the meta device whose module has no ``reset_parameters``:
+        #: uninitialized memory until a load writes them (``checkpoint_view.note_loaded``)
+        self.uninitialized: set[int] = set()
 
     def _pickle_name(self) -> str:
         return "the runtime state on the root module"
@@ -223,8 +226,11 @@ class MatrixFSDPState(RefusePickle):
             unit.install_hooks()
         if self._root_handles:
             return
-        # a partial state_dict() is refused (state_dict_guard); registered first, before the wait below
+        # a partial state_dict() is refused (state_dict_guard); registered first, before the wait below; on
+        # the submodules holding parameters too (a LightningModule's inner model, save_pretrained)
         self._root_handles = [self.root.register_state_dict_pre_hook(refuse_partial_state_dict)]
+        self._root_handles += [m.register_state_dict_pre_hook(self.refuse_partial_part) for m in self.root.modules()
+                               if m is not self.root and m._parameters]
         if self.replicas is not None:
             self._root_handles += [
                 self.root.register_forward_pre_hook(self.before_root_forward, prepend=True),
@@ -234,6 +240,10 @@ class MatrixFSDPState(RefusePickle):
         if self.buffers is not None:  # registered last with prepend: rank 0's buffers come first
             self._root_handles += self.buffers.install(self.schedule, lambda: self.requires_gradient_sync,
                                                        self.buffer_check)
+
+    def refuse_partial_part(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``state_dict`` pre-hook of the submodules holding parameters (``state_dict_guard``)."""
+        refuse_partial_part(self, module, prefix, keep_vars)
 
     def remove_hooks(self) -> None:
         """Remove every hook this state put on the modules (local): the model is then a plain
