@@ -32,7 +32,8 @@ import torch
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
-from lightning_matrixfsdp.optim.tail import keeps_whole_tp_state
+from lightning_matrixfsdp.optim.routing import full_param_groups
+from lightning_matrixfsdp.optim.tail import is_matrix_role, keeps_whole_tp_state
 from lightning_matrixfsdp.runtime.tp import TPLayout, fragment_dtensor
 
 __all__ = ["StateRule", "apply_optimizer", "check_joinable", "expert_state_layout", "saved_splits", "state_as_saved",
@@ -40,11 +41,28 @@ __all__ = ["StateRule", "apply_optimizer", "check_joinable", "expert_state_layou
 
 
 def whole_state(index: KeyIndex, optimizer: torch.optim.Optimizer, key: str) -> bool:
-    """Whether ``optimizer``'s state of ``key`` is whole state: a matrix role, and an optimizer that
+    """Whether ``optimizer``'s state of ``key`` is whole state: a matrix role that the optimizer
+    steps with its matrix part (its param group decides: an embedding placed as a matrix role may
+    be in the Muon recipe's AdamW group, whose moments are per fragment), and an optimizer that
     keeps a split matrix's state whole on its TP stepper (for a key that is not split: the same).
     Never for an expert stack under expert parallelism: its state is per expert, in chunks."""
     e = index.entries[index.entries[key].primary]
-    return keeps_whole_tp_state(optimizer) and e.role == "matrix" and e.part is None
+    return (keeps_whole_tp_state(optimizer) and e.role == "matrix" and e.part is None
+            and e.primary in _matrix_keys(index, optimizer))
+
+
+def _matrix_keys(index: KeyIndex, optimizer: torch.optim.Optimizer) -> set[str]:
+    """Primary keys of the parameters ``optimizer``'s groups route to its matrix part (every
+    rank's lists, placeholders included), cached on the optimizer for this index and group sizes."""
+    groups = full_param_groups(optimizer)
+    sig = (id(index), tuple(len(ps) for ps in groups))
+    cached = getattr(optimizer, "_mfsdp_matrix_keys", None)
+    if cached is None or cached[0] != sig:
+        keys = {index.key_of[id(p)] for g, ps in zip(optimizer.param_groups, groups) for p in ps
+                if id(p) in index.key_of and is_matrix_role(p, g)}
+        cached = (sig, keys)
+        setattr(optimizer, "_mfsdp_matrix_keys", cached)
+    return cached[1]
 
 
 def expert_state_layout(index: KeyIndex, key: str, shape: Sequence[int], local: bool) -> Optional[TPLayout]:

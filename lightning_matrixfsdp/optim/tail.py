@@ -32,9 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
-
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_matrixfsdp.runtime.placement import RoleKind
 from lightning_matrixfsdp.runtime.tags import role_of, stack_of
