@@ -1,0 +1,136 @@
+"""QK-Clip (``lightning_matrixfsdp.QKClipper``) in one process against the plain reference of
+``tests/helpers/qk_reference.py`` (logits written out with einsum, Kimi K2's rule by hand):
+
+* the measurement leaves outputs and gradients bitwise as they are (eager and sdpa attention,
+  Qwen3's q/k norms, the demos' GPT);
+* each head's largest logit equals the reference's, for Llama (GQA, with a padding mask),
+  Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3's latent attention and the demos' GPT;
+* one step rescales exactly the rows the rule says (biases, GQA's shared keys, Qwen3's norms,
+  MLA's q_C / q_R / k_C, the fused qkv), over two forwards (the step's maximum);
+* bad options and unreadable attention are refused with the cause.
+
+The distributed cases (matrix_fsdp against DDP, tensor parallelism) are in test_qk_clip_dist.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from helpers.qk_reference import SEQ, VOCAB, Capture, build, clip_by_hand, logits_of, step_maxima  # noqa: E402
+
+from lightning_matrixfsdp.qkclip import QKClipError, QKClipper  # noqa: E402
+
+
+def _batch(seed: int, b: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name,kw", [("llama", {"attn_implementation": "eager"}),
+                                     ("llama", {"attn_implementation": "sdpa"}),
+                                     ("qwen3", {}), ("gpt", {})])
+def test_measurement_leaves_outputs_and_gradients_bitwise(name, kw):
+    model = build(name, **kw).train()
+    x = _batch(1)
+
+    def run() -> tuple[torch.Tensor, dict]:
+        model.zero_grad(set_to_none=True)
+        out = logits_of(model, x)
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_out, plain_grads = run()
+    with QKClipper(model, tau=1e9) as clip:
+        out, grads = run()
+        assert torch.isfinite(clip.maxima).all()
+    assert torch.equal(out, plain_out)
+    assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    # removed: nothing is measured any more
+    before = clip.maxima.clone()
+    clip.maxima.fill_(float("-inf"))
+    run()
+    assert torch.isneginf(clip.maxima).all() and torch.isfinite(before).all()
+
+
+@pytest.mark.parametrize("name,kw", [("llama", {"attn_implementation": "sdpa"}), ("llama", {"attn_implementation": "eager"}),
+                                     ("qwen3", {}), ("mixtral", {}), ("qwen3_moe", {}), ("mla", {}), ("gpt", {})])
+def test_head_maxima_equal_the_einsum_reference(name, kw):
+    model = build(name, **kw).train()
+    cap = Capture(model)
+    padded = name == "llama"  # right padding: keys past each row's length are masked
+    valid = torch.ones(2, SEQ, dtype=torch.long)
+    if padded:
+        valid[1, SEQ - 5:] = 0
+    with QKClipper(model, tau=1e9) as clip:
+        logits_of(model, _batch(2), **({"attention_mask": valid} if padded else {}))
+        ref = step_maxima(cap, [valid] if padded else None)
+    cap.remove()
+    want = torch.cat([ref[lay.module] for lay in clip.layouts]).float()
+    assert len(clip.layouts) == len(ref)
+    torch.testing.assert_close(clip.maxima, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name,kw", [("llama", {"attention_bias": True}), ("qwen3", {}), ("mla", {}), ("gpt", {})])
+def test_one_step_rescales_as_the_published_rule(name, kw):
+    model = build(name, **kw).train()
+    cap = Capture(model)
+    clip = QKClipper(model, tau=1.0)
+    for seed in (3, 4):  # two forwards in the step (accumulation): the maximum over both
+        logits_of(model, _batch(seed))
+    ref = step_maxima(cap)
+    cap.remove()
+    every = torch.cat(list(ref.values()))
+    tau = every.median().item()  # about half of the heads exceed it
+    clip.tau = tau
+    expected = copy.deepcopy(model)
+    expected_modules = {id(m): em for m, em in zip(model.modules(), expected.modules())}
+    for m, maxima in ref.items():
+        clip_by_hand(expected_modules[id(m)], maxima, tau)
+    maxima = clip.step()
+    clip.remove()
+    assert (maxima > tau).any() and (maxima <= tau).any()
+    changed = 0
+    for (n, p), (_, e) in zip(model.named_parameters(), expected.named_parameters()):
+        torch.testing.assert_close(p, e, rtol=2e-6, atol=0, msg=lambda m: f"{n}: {m}")
+        changed += not torch.equal(p, build_param(name, kw, n))
+    assert changed >= 2, "nothing was rescaled"
+
+
+_FRESH: dict = {}
+
+
+def build_param(name: str, kw: dict, fqn: str) -> torch.Tensor:
+    key = (name, tuple(sorted(kw.items())))
+    if key not in _FRESH:
+        _FRESH[key] = dict(build(name, **kw).named_parameters())
+    return _FRESH[key][fqn]
+
+
+def test_bad_options_and_models_are_refused():
+    model = build("llama")
+    for tau in (0, -1.0, float("inf"), float("nan"), "100", True):
+        with pytest.raises(QKClipError, match="tau must be a positive finite number"):
+            QKClipper(model, tau=tau)
+    with pytest.raises(QKClipError, match="found no attention layer it knows"):
+        QKClipper(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with QKClipper(model, tau=1.0):
+        with pytest.raises(QKClipError, match="already watched"):
+            QKClipper(model, tau=1.0)
+
+
+def test_an_unreadable_mask_and_an_unseen_attention_are_refused():
+    from lightning_matrixfsdp.qkclip.seams import _WATCHED, hf_logit_mask
+
+    model = build("llama").train()
+    attn = model.model.layers[0].self_attn
+    q = k = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(QKClipError, match="cannot read the mask of attention implementation 'flex_attention'"):
+        hf_logit_mask("flex_attention", attn, q, k, object(), {})
+    with QKClipper(model, tau=1.0) as clip:
+        _WATCHED.pop(attn)  # as if the layer's attention bypassed transformers' AttentionInterface
+        logits_of(model, _batch(5))
+        with pytest.raises(QKClipError, match="saw the training forward of model.layers.0.self_attn"):
+            clip.step()
