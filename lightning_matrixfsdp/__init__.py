@@ -38,11 +38,13 @@ from lightning_matrixfsdp.adapters import (
     MatrixFSDPFabricStrategy,
     MatrixFSDPStrategy,
     PretrainedWeights,
+    QKClip,
     load_from_checkpoint,
     register,
     register_fabric,
 )
 from lightning_matrixfsdp.adapters.from_checkpoint import install_directory_loading
+from lightning_matrixfsdp.qkclip import QKClipError, QKClipper
 
 __version__ = "0.1.0"
 
@@ -51,7 +53,7 @@ register_fabric()  # and Fabric(strategy="matrix_fsdp")
 install_directory_loading()  # and MyModule.load_from_checkpoint(a checkpoint directory)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
+           "CheckpointNotResumableError", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "QKClip", "QKClipError", "QKClipper", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
            "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_plan", "grad_norm",
