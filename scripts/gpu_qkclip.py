@@ -1,0 +1,142 @@
+"""What QK-Clip costs per training step on one GPU (issue 36, section 3): a Llama-style model
+trained with ``lightning_matrixfsdp.Muon`` in bf16-mixed precision, with and without
+``QKClipper``.
+
+    python scripts/gpu_qkclip.py [--out DIR] [--layers 16 --hidden 2048 --heads 16 --kv-heads 8
+        --mlp 5632 --vocab 32000 --seq 2048 --batch 4] [--reps 10] [--tau 100]
+        [--block-elements 67108864 ...] [--attn sdpa]
+
+One process, one device. Measured (median of ``--reps`` after warm-up, CUDA events around each
+piece, the device synchronized after each):
+
+- ``step_ms``: forward + backward + ``optimizer.step()`` without QK-Clip, and with it (the
+  measurement in every forward, ``QKClipper.step()`` after the optimizer), per
+  ``--block-elements`` value (logits per measurement block: memory against kernel launches);
+- ``forward_backward_ms``: forward + backward alone, off and measured (the measurement's share);
+- ``clip_step_ms``: ``QKClipper.step()`` alone (the factors and the in-place rescale of every
+  q/k weight; nothing is reduced in one process);
+- ``peak_memory_gib``: the step's peak allocated memory, off and on;
+- ``bitwise_logits``: the forward's logits with the measurement attached equal those without
+  (``torch.equal``; the baseline compared with itself first, to show the forward is deterministic).
+
+On a CPU the times are the process's CPU time (all threads), not the wall clock.
+
+On a CPU pass tiny sizes to check the script (e.g. ``--layers 2 --hidden 256 --heads 4 --kv-heads 2
+--mlp 512 --vocab 512 --seq 256 --batch 2``); its figures then describe the CPU. Writes
+``OUT/gpu_qkclip.json`` (``OUT``: ``--out``, else ``$OUT``, else ``.``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning_matrixfsdp as mf  # noqa: E402
+from lightning_matrixfsdp.bench.timing import median_ms as gpu_median_ms  # noqa: E402
+
+
+def median_ms(fn, device: torch.device, reps: int) -> float:
+    """CUDA events on a GPU; on a CPU the process's CPU time (all threads), which a busy machine
+    disturbs less than the wall clock."""
+    if device.type == "cuda":
+        return gpu_median_ms(fn, device, reps)
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.process_time()
+        fn()
+        times.append((time.process_time() - t) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    for name, default in (("layers", 16), ("hidden", 2048), ("heads", 16), ("kv-heads", 8), ("mlp", 5632),
+                          ("vocab", 32000), ("seq", 2048), ("batch", 4), ("reps", 10)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--tau", type=float, default=100.0)
+    ap.add_argument("--block-elements", type=int, nargs="+", default=[1 << 24, 1 << 26, 1 << 28])
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    return ap.parse_args()
+
+
+def _model(a: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.mlp, num_hidden_layers=a.layers,
+                      num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
+                      use_cache=False, attn_implementation=a.attn)
+    return LlamaForCausalLM(cfg).to(device).train()
+
+
+def main() -> None:
+    a = _args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = _model(a, device)
+    opt = mf.Muon(model.parameters(), lr=0.02, adamw_lr=3e-4)
+    x = torch.randint(0, a.vocab, (a.batch, a.seq), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def forward() -> torch.Tensor:
+        with autocast:
+            return model(x, labels=x).loss
+
+    def forward_backward() -> None:
+        forward().backward()
+
+    def step(clip: "mf.QKClipper | None" = None) -> None:
+        forward_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if clip is not None:
+            clip.step()
+
+    def peak(fn) -> float:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+    out: dict = {"config": vars(a), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "step_ms": {}, "forward_backward_ms": {}, "peak_memory_gib": {}}
+    with torch.no_grad(), autocast:  # before any step: the same weights throughout
+        base = model(x).logits
+        out["bitwise_logits"] = {"baseline_deterministic": bool(torch.equal(base, model(x).logits))}
+        with mf.QKClipper(model, tau=a.tau) as clip:
+            out["bitwise_logits"]["measured"] = bool(torch.equal(base, model(x).logits))
+            out["measured_heads"] = int(torch.isfinite(clip.maxima).sum())
+    out["step_ms"]["off"] = median_ms(step, device, a.reps)
+    out["forward_backward_ms"]["off"] = median_ms(forward_backward, device, a.reps)
+    opt.zero_grad(set_to_none=True)
+    out["peak_memory_gib"]["off"] = peak(step)
+    for blocks in a.block_elements:
+        key = f"clip_block_{blocks}"
+        with mf.QKClipper(model, tau=a.tau, block_elements=blocks) as clip:
+            out["step_ms"][key] = median_ms(lambda: step(clip), device, a.reps)
+            out["forward_backward_ms"][key] = median_ms(forward_backward, device, a.reps)
+            opt.zero_grad(set_to_none=True)
+            out["clip_step_ms"] = median_ms(clip.step, device, a.reps)
+            out["peak_memory_gib"][key] = peak(lambda: step(clip))
+            out.setdefault("clipped_heads_last_step", int(clip.clipped_heads()))
+            out.setdefault("largest_logit_last_step", float(clip.last_maxima.max()))
+    off = out["step_ms"]["off"]
+    out["step_overhead_pct"] = {k: 100 * (v / off - 1) for k, v in out["step_ms"].items() if k != "off"}
+    path = Path(a.out) / "gpu_qkclip.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
