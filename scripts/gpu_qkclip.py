@@ -4,25 +4,28 @@ trained with ``lightning_matrixfsdp.Muon`` in bf16-mixed precision, with and wit
 
     python scripts/gpu_qkclip.py [--out DIR] [--layers 16 --hidden 2048 --heads 16 --kv-heads 8
         --mlp 5632 --vocab 32000 --seq 2048 --batch 4] [--reps 10] [--tau 100]
-        [--block-elements 67108864 ...] [--attn sdpa]
+        [--causal-rows 256 512 1024] [--attn sdpa]
 
 One process, one device. Measured (median of ``--reps`` after warm-up, CUDA events around each
 piece, the device synchronized after each):
 
 - ``step_ms``: forward + backward + ``optimizer.step()`` without QK-Clip, and with it (the
-  measurement in every forward, ``QKClipper.step()`` after the optimizer), per
-  ``--block-elements`` value (logits per measurement block: memory against kernel launches);
+  measurement in every forward, ``QKClipper.step()`` after the optimizer), per ``--causal-rows``
+  value (query rows per measurement block under the causal mask: masked work, ``rows / T``,
+  against kernel launches; ``block_elements`` is raised to let such a block through);
 - ``forward_backward_ms``: forward + backward alone, off and measured (the measurement's share);
 - ``clip_step_ms``: ``QKClipper.step()`` alone (the factors and the in-place rescale of every
   q/k weight; nothing is reduced in one process);
 - ``peak_memory_gib``: the step's peak allocated memory, off and on;
+- ``bf16_max_logit_rel_error``: ``head_max_logits`` on random bfloat16 q and k of the model's
+  attention shape (logits up to about 100), against the float64 einsum with the causal mask;
 - ``bitwise_logits``: the forward's logits with the measurement attached equal those without
   (``torch.equal``; the baseline compared with itself first, to show the forward is deterministic).
 
 On a CPU the times are the process's CPU time (all threads), not the wall clock.
 
-On a CPU pass tiny sizes to check the script (e.g. ``--layers 2 --hidden 256 --heads 4 --kv-heads 2
---mlp 512 --vocab 512 --seq 256 --batch 2``); its figures then describe the CPU. Writes
+On a CPU pass small sizes (e.g. ``--layers 4 --hidden 512 --heads 8 --kv-heads 4 --mlp 1376
+--vocab 2048 --seq 512 --batch 2 --causal-rows 128``); its figures then describe the CPU. Writes
 ``OUT/gpu_qkclip.json`` (``OUT``: ``--out``, else ``$OUT``, else ``.``).
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning_matrixfsdp as mf  # noqa: E402
 from lightning_matrixfsdp.bench.timing import median_ms as gpu_median_ms  # noqa: E402
+from lightning_matrixfsdp.qkclip import logits  # noqa: E402
 
 
 def median_ms(fn, device: torch.device, reps: int) -> float:
@@ -63,7 +67,7 @@ def _args() -> argparse.Namespace:
                           ("vocab", 32000), ("seq", 2048), ("batch", 4), ("reps", 10)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--tau", type=float, default=100.0)
-    ap.add_argument("--block-elements", type=int, nargs="+", default=[1 << 24, 1 << 26, 1 << 28])
+    ap.add_argument("--causal-rows", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     return ap.parse_args()
 
@@ -76,6 +80,22 @@ def _model(a: argparse.Namespace, device: torch.device) -> torch.nn.Module:
                       num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
                       use_cache=False, attn_implementation=a.attn)
     return LlamaForCausalLM(cfg).to(device).train()
+
+
+def _accuracy(a: argparse.Namespace, device: torch.device) -> float:
+    """Largest relative error of the bfloat16 measurement against float64 over every head."""
+    g = torch.Generator(device=device).manual_seed(1)
+    d = a.hidden // a.heads
+    q = (torch.randn(a.batch, a.heads, a.seq, d, device=device, generator=g) * 3).bfloat16()
+    k = (torch.randn(a.batch, a.kv_heads, a.seq, d, device=device, generator=g) * 3).bfloat16()
+    got = logits.head_max_logits(q, k, d ** -0.5, logits.LogitMask(causal=True))
+    kr = k.double().repeat_interleave(a.heads // a.kv_heads, dim=1)
+    want = []
+    for h in range(a.heads):  # one head at a time: the float64 logits of one head fit anywhere
+        s = torch.einsum("btd,bsd->bts", q[:, h].double(), kr[:, h]) * d ** -0.5
+        want.append(s.masked_fill(~torch.ones(a.seq, a.seq, dtype=torch.bool, device=device).tril(), float("-inf")).amax())
+    want_t = torch.stack(want)
+    return float(((got.double() - want_t).abs() / want_t.abs()).max())
 
 
 def main() -> None:
@@ -120,8 +140,10 @@ def main() -> None:
     out["forward_backward_ms"]["off"] = median_ms(forward_backward, device, a.reps)
     opt.zero_grad(set_to_none=True)
     out["peak_memory_gib"]["off"] = peak(step)
-    for blocks in a.block_elements:
-        key = f"clip_block_{blocks}"
+    for rows in a.causal_rows:
+        key = f"clip_rows_{rows}"
+        logits.CAUSAL_ROWS[device.type] = rows
+        blocks = max(logits.BLOCK_ELEMENTS, rows * a.batch * a.heads * a.seq)
         with mf.QKClipper(model, tau=a.tau, block_elements=blocks) as clip:
             out["step_ms"][key] = median_ms(lambda: step(clip), device, a.reps)
             out["forward_backward_ms"][key] = median_ms(forward_backward, device, a.reps)
@@ -130,6 +152,7 @@ def main() -> None:
             out["peak_memory_gib"][key] = peak(lambda: step(clip))
             out.setdefault("clipped_heads_last_step", int(clip.clipped_heads()))
             out.setdefault("largest_logit_last_step", float(clip.last_maxima.max()))
+    out["bf16_max_logit_rel_error"] = _accuracy(a, device)
     off = out["step_ms"]["off"]
     out["step_overhead_pct"] = {k: 100 * (v / off - 1) for k, v in out["step_ms"].items() if k != "off"}
     path = Path(a.out) / "gpu_qkclip.json"
