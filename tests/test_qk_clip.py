@@ -134,3 +134,75 @@ def test_an_unreadable_mask_and_an_unseen_attention_are_refused():
         logits_of(model, _batch(5))
         with pytest.raises(QKClipError, match="saw the training forward of model.layers.0.self_attn"):
             clip.step()
+
+
+# ---------------------------------------------------------------------- the measurement kernel alone
+def _ref_max(q, k, scale, allowed):
+    """Every logit in float64 (einsum), ``allowed`` ``[B, T, S]``, max per head."""
+    kr = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = torch.einsum("bhtd,bhsd->bhts", q.double(), kr) * scale
+    return s.masked_fill(~allowed[:, None], float("-inf")).amax(dim=(0, 2, 3)).float()
+
+
+def test_head_max_logits_in_blocks_equals_every_logit_written_out(monkeypatch):
+    from lightning_matrixfsdp.qkclip import logits
+    from lightning_matrixfsdp.qkclip.logits import LogitMask, head_max_logits
+
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, t, d = 2, 4, 2, 11, 8
+    q, k = torch.randn(b, h, t, d, generator=g), torch.randn(b, kv, t, d, generator=g)
+    causal = torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t)
+    pad = torch.ones(b, t, dtype=torch.bool)
+    pad[1, 7:] = False
+    seg = torch.tensor([[0] * 4 + [1] * 5 + [2] * 2])
+    qi, kj = torch.arange(t)[:, None], torch.arange(t)[None]
+    cases = {
+        "causal": (LogitMask(causal=True), causal),
+        "bool mask": (LogitMask((causal & pad[:, None, :])[:, None]), causal & pad[:, None, :]),
+        "float mask": (LogitMask(torch.zeros(b, 1, t, t).masked_fill(~(causal & pad[:, None, :])[:, None], -3e38) > -1e38),
+                       causal & pad[:, None, :]),
+        "window 3": (LogitMask(causal=True, window=3), causal & (qi - kj < 3)),
+        "segments": (LogitMask(causal=True, segments=seg.expand(b, t)), causal & (seg[0][:, None] == seg[0][None])),
+        "no mask": (LogitMask(), torch.ones(b, t, t, dtype=torch.bool)),
+    }
+    for rows in (3, 4, 64):  # uneven blocks, one block
+        monkeypatch.setitem(logits.CAUSAL_ROWS, "cpu", rows)
+        for name, (mask, allowed) in cases.items():
+            got = head_max_logits(q, k, 0.3, mask, block_elements=rows * b * h * t)
+            torch.testing.assert_close(got, _ref_max(q, k, 0.3, allowed), rtol=1e-5, atol=1e-6, msg=f"{name}, {rows} rows")
+    # a cache before the queries (S > T): query i sees keys up to i + S - T
+    kc = torch.randn(b, kv, t + 5, d, generator=g)
+    allowed = torch.ones(t, t + 5, dtype=torch.bool).tril(5).expand(b, t, t + 5)
+    torch.testing.assert_close(head_max_logits(q, kc, 0.3, LogitMask(causal=True), block_elements=64),
+                               _ref_max(q, kc, 0.3, allowed), rtol=1e-5, atol=1e-6)
+
+
+def test_flash_style_arguments_give_the_mask_transformers_applies():
+    from lightning_matrixfsdp.qkclip.seams import hf_logit_mask
+
+    attn = build("llama").model.layers[0].self_attn
+    b, t = 1, 8
+    q = k = torch.zeros(b, 4, t, 8)
+    qi, kj = torch.arange(t)[:, None], torch.arange(t)[None]
+    causal = kj <= qi
+
+    def allowed(mask) -> torch.Tensor:  # what head_max_logits would keep, as [B, T, S]
+        from lightning_matrixfsdp.qkclip.logits import _pair_mask
+
+        out = _pair_mask(mask, 0, t, 0, t, 0, q.device)
+        return out.reshape(-1, t, t).expand(b, t, t) if out is not None else torch.ones(b, t, t, dtype=torch.bool)
+
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    same = (packed == 0).cumsum(-1)
+    same = same[0][:, None] == same[0][None]
+    assert torch.equal(allowed(hf_logit_mask("flash_attention_2", attn, q, k, None, {"position_ids": packed})),
+                       (causal & same).expand(b, t, t))
+    cu = torch.tensor([0, 3, 5, 8], dtype=torch.int32)
+    assert torch.equal(allowed(hf_logit_mask("flash_attention_2", attn, q, k, None, {"cu_seq_lens_k": cu})),
+                       (causal & same).expand(b, t, t))
+    assert torch.equal(allowed(hf_logit_mask("flash_attention_2", attn, q, k, None, {"sliding_window": 3})),
+                       (causal & (qi - kj < 3)).expand(b, t, t))
+    assert torch.equal(allowed(hf_logit_mask("sdpa", attn, q, k, None, {"sliding_window": 3})), causal.expand(b, t, t))
+    pad = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
+    want = causal & pad.bool()[0][None] & pad.bool()[0][:, None]
+    assert torch.equal(allowed(hf_logit_mask("flash_attention_2", attn, q, k, pad, {})), want.expand(b, t, t))
