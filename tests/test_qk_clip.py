@@ -206,3 +206,16 @@ def test_flash_style_arguments_give_the_mask_transformers_applies():
     pad = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
     want = causal & pad.bool()[0][None] & pad.bool()[0][:, None]
     assert torch.equal(allowed(hf_logit_mask("flash_attention_2", attn, q, k, pad, {})), want.expand(b, t, t))
+
+
+def test_fsdp1_flat_parameters_are_refused(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+
+    class Flat(torch.nn.Module):  # stands for an FSDP1 wrapper (no process group needed here)
+        pass
+
+    monkeypatch.setattr(fsdp, "FullyShardedDataParallel", Flat)
+    model = build("llama")
+    model.add_module("wrapper", Flat())
+    with pytest.raises(QKClipError, match="flat parameters of FullyShardedDataParallel"):
+        QKClipper(model, tau=1.0)

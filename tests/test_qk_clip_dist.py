@@ -5,7 +5,7 @@
   clipped at every step) and logs its two metrics;
 * ``matrix_shard`` + ``QKClipper`` equals the plain reference (every rank's batch recomputed on a
   full copy, SGD, the rule by hand with each head's maximum over all ranks' batches) for a Llama,
-  a Qwen3 (q/k norms, owned by one rank) and the demos' GPT;
+  a Qwen3 (q/k norms, owned by one rank) and the demos' GPT, and the Llama under torch's FSDP2;
 * with tensor parallelism (data parallel 2 x TP 2, the attention split by heads) the same.
 
 Skipping the maximum over the ranks, or taking a tensor-parallel rank's heads for the first ones,
@@ -27,7 +27,7 @@ _SHARDED = PoolTask(sharded_vs_reference, timeout=300)
 _TP = PoolTask(tp_vs_reference, timeout=300)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt", "fsdp2"])
 def test_matrix_shard_equals_the_reference_rule_with_the_maximum_over_ranks(name, hf_pool):
     for rank, r in enumerate(_SHARDED.results(hf_pool)):
         res = r[name]

@@ -59,6 +59,15 @@ def _dtensor_span(p: Any) -> tuple[int, int, int]:
     return start, max(0, min(step, whole - start)), whole
 
 
+def _refuse_flat_parameters(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise QKClipError("QK-Clip cannot rescale the flat parameters of FullyShardedDataParallel (FSDP1, Lightning's "
+                          "FSDPStrategy): a head's rows may span ranks' flat shards. Use strategy='matrix_fsdp', DDP, "
+                          "or FSDP2 (fully_shard)")
+
+
 class _Bound:
     """A target with its factor-table entries per whole row, sliced to this rank's rows on use."""
 
@@ -80,6 +89,7 @@ class QKClipper:
     def __init__(self, model: nn.Module, tau: float = 100.0, group: Optional[dist.ProcessGroup] = None,
                  block_elements: int = BLOCK_ELEMENTS) -> None:
         check_options(tau, block_elements)
+        _refuse_flat_parameters(model)
         self.model, self.tau, self.group, self.block_elements = model, float(tau), group, block_elements
         self.layouts: list[AttentionLayout] = find_attention(model, lambda p: self._span(p)[2])
         self.index = FactorIndex([lay.heads for lay in self.layouts])

@@ -4,7 +4,8 @@
   same ``QKClip`` callback fitted under ``strategy="matrix_fsdp"`` and under Lightning's
   ``"ddp"``; returns both runs' whole weights and what the callback logged.
 * ``sharded_vs_reference`` (2 ranks): ``matrix_shard`` + ``QKClipper`` + SGD on a Llama (GQA,
-  biases), a Qwen3 (q/k norms) and the demos' GPT, against the reference: a plain copy on
+  biases), a Qwen3 (q/k norms) and the demos' GPT, and the Llama under torch's FSDP2
+  (``fully_shard``: DTensor row shards), against the reference: a plain copy on
   every rank that computes every rank's batch itself, averages the gradients, steps SGD and
   applies Kimi K2's rule by hand with each head's maximum over *all* ranks' batches.
 * ``tp_vs_reference`` (4 ranks = data parallel 2 x tensor parallel 2): the Llama with its
@@ -57,9 +58,11 @@ class Reference:
 
 def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     import lightning_matrixfsdp as mf
+    from torch.distributed.tensor import DTensor
 
-    with mf.full_model(model, rank=None) as full:
-        return {n: p.detach().clone() for n, p in full.named_parameters()}
+    with mf.full_model(model, rank=None) as full:  # FSDP2's DTensors: gathered here
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in full.named_parameters()}
 
 
 def _max_diff(ours: dict, ref: torch.nn.Module) -> tuple[float, str]:
@@ -99,6 +102,15 @@ def sharded_vs_reference(rank: int, world: int) -> dict:
         reference = Reference(model, TAU[name])
         mf.matrix_shard(model, wrap_policy=check_wrap_policy(LAYER[name]))
         out[name] = _run(model, reference, name, rank, world, steps=2)
+    # the same code under torch's FSDP2 (fully_shard: each rank holds a DTensor row shard)
+    from torch.distributed.fsdp import fully_shard
+
+    model = build("llama", **KW["llama"]).train()
+    reference = Reference(model, TAU["llama"])
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    out["fsdp2"] = _run(model, reference, "llama", rank, world, steps=2)
     return out
 
 
