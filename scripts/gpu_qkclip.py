@@ -6,8 +6,9 @@ trained with ``lightning_matrixfsdp.Muon`` in bf16-mixed precision, with and wit
         --mlp 5632 --vocab 32000 --seq 2048 --batch 4] [--reps 10] [--tau 100]
         [--causal-rows 256 512 1024] [--attn sdpa]
 
-One process, one device. Measured (median of ``--reps`` after warm-up, CUDA events around each
-piece, the device synchronized after each):
+One process, one device. Measured (median of ``--reps`` rounds after a warm-up round, the
+variants interleaved in each round; CUDA events around each piece, the device synchronized after
+each):
 
 - ``step_ms``: forward + backward + ``optimizer.step()`` without QK-Clip, and with it (the
   measurement in every forward, ``QKClipper.step()`` after the optimizer), per ``--causal-rows``
@@ -22,7 +23,7 @@ piece, the device synchronized after each):
 - ``bitwise_logits``: the forward's logits with the measurement attached equal those without
   (``torch.equal``; the baseline compared with itself first, to show the forward is deterministic).
 
-On a CPU the times are the process's CPU time (all threads), not the wall clock.
+On a CPU the times are the process's CPU time on one thread, not the wall clock.
 
 On a CPU pass small sizes (e.g. ``--layers 4 --hidden 512 --heads 8 --kv-heads 4 --mlp 1376
 --vocab 2048 --seq 512 --batch 2 --causal-rows 128``); its figures then describe the CPU. Writes
@@ -42,22 +43,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning_matrixfsdp as mf  # noqa: E402
-from lightning_matrixfsdp.bench.timing import median_ms as gpu_median_ms  # noqa: E402
 from lightning_matrixfsdp.qkclip import logits  # noqa: E402
 
 
-def median_ms(fn, device: torch.device, reps: int) -> float:
-    """CUDA events on a GPU; on a CPU the process's CPU time (all threads), which a busy machine
-    disturbs less than the wall clock."""
+def time_once(fn, device: torch.device) -> float:
+    """Milliseconds of one call: CUDA events on a GPU (the device synchronized after it); on a
+    CPU the process's CPU time (all threads), which a busy machine disturbs less than the wall clock."""
     if device.type == "cuda":
-        return gpu_median_ms(fn, device, reps)
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.process_time()
+        torch.cuda.synchronize(device)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         fn()
-        times.append((time.process_time() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
+        b.record()
+        torch.cuda.synchronize(device)
+        return a.elapsed_time(b)
+    t = time.process_time()
+    fn()
+    return (time.process_time() - t) * 1e3
+
+
+def median(xs: list) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def _args() -> argparse.Namespace:
@@ -101,6 +107,8 @@ def _accuracy(a: argparse.Namespace, device: torch.device) -> float:
 def main() -> None:
     a = _args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # CPU time of one thread: idle OpenMP threads would spin into it
     model = _model(a, device)
     opt = mf.Muon(model.parameters(), lr=0.02, adamw_lr=3e-4)
     x = torch.randint(0, a.vocab, (a.batch, a.seq), device=device)
@@ -136,25 +144,42 @@ def main() -> None:
         with mf.QKClipper(model, tau=a.tau) as clip:
             out["bitwise_logits"]["measured"] = bool(torch.equal(base, model(x).logits))
             out["measured_heads"] = int(torch.isfinite(clip.maxima).sum())
-    out["step_ms"]["off"] = median_ms(step, device, a.reps)
-    out["forward_backward_ms"]["off"] = median_ms(forward_backward, device, a.reps)
-    opt.zero_grad(set_to_none=True)
-    out["peak_memory_gib"]["off"] = peak(step)
-    for rows in a.causal_rows:
-        key = f"clip_rows_{rows}"
+    variants = {"off": None, **{f"clip_rows_{r}": r for r in a.causal_rows}}
+    times: dict = {k: {"step": [], "fb": [], "clip": []} for k in variants}
+
+    def attach(rows: int) -> "mf.QKClipper":
         logits.CAUSAL_ROWS[device.type] = rows
-        blocks = max(logits.BLOCK_ELEMENTS, rows * a.batch * a.heads * a.seq)
-        with mf.QKClipper(model, tau=a.tau, block_elements=blocks) as clip:
-            out["step_ms"][key] = median_ms(lambda: step(clip), device, a.reps)
-            out["forward_backward_ms"][key] = median_ms(forward_backward, device, a.reps)
+        return mf.QKClipper(model, tau=a.tau, block_elements=max(logits.BLOCK_ELEMENTS, rows * a.batch * a.heads * a.seq))
+
+    for rnd in range(a.reps + 1):  # the variants interleaved, round 0 a warm-up: drift hits all alike
+        for key, rows in variants.items():
+            clip = attach(rows) if rows else None
+            t_step = time_once(lambda: step(clip), device)
+            t_fb = time_once(forward_backward, device)
             opt.zero_grad(set_to_none=True)
-            out["clip_step_ms"] = median_ms(clip.step, device, a.reps)
-            out["peak_memory_gib"][key] = peak(lambda: step(clip))
-            out.setdefault("clipped_heads_last_step", int(clip.clipped_heads()))
-            out.setdefault("largest_logit_last_step", float(clip.last_maxima.max()))
+            if clip is not None:
+                times[key]["clip"].append(time_once(clip.step, device))
+                out["clipped_heads_last_step"] = int(clip.clipped_heads())
+                out["largest_logit_last_step"] = float(clip.last_maxima.max())
+                clip.remove()
+            if rnd:
+                times[key]["step"].append(t_step)
+                times[key]["fb"].append(t_fb)
+    for key, rows in variants.items():
+        out["step_ms"][key] = median(times[key]["step"])
+        out["forward_backward_ms"][key] = median(times[key]["fb"])
+        if rows:
+            out.setdefault("clip_step_ms", {})[key] = median(times[key]["clip"])
+            with attach(rows) as clip:
+                out["peak_memory_gib"][key] = peak(lambda: step(clip))
+        else:
+            out["peak_memory_gib"][key] = peak(step)
     out["bf16_max_logit_rel_error"] = _accuracy(a, device)
     off = out["step_ms"]["off"]
     out["step_overhead_pct"] = {k: 100 * (v / off - 1) for k, v in out["step_ms"].items() if k != "off"}
+    fb = out["forward_backward_ms"]["off"]
+    out["forward_backward_overhead_pct"] = {k: 100 * (v / fb - 1) for k, v in out["forward_backward_ms"].items()
+                                            if k != "off"}
     path = Path(a.out) / "gpu_qkclip.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
