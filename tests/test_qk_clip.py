@@ -219,3 +219,10 @@ def test_fsdp1_flat_parameters_are_refused(monkeypatch):
     model.add_module("wrapper", Flat())
     with pytest.raises(QKClipError, match="flat parameters of FullyShardedDataParallel"):
         QKClipper(model, tau=1.0)
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = build("llama")
+    with pytest.raises(QKClipError, match="still on the meta device"):
+        QKClipper(model, tau=1.0)

@@ -6,7 +6,8 @@
 * ``matrix_shard`` + ``QKClipper`` equals the plain reference (every rank's batch recomputed on a
   full copy, SGD, the rule by hand with each head's maximum over all ranks' batches) for a Llama,
   a Qwen3 (q/k norms, owned by one rank) and the demos' GPT, and the Llama under torch's FSDP2;
-* with tensor parallelism (data parallel 2 x TP 2, the attention split by heads) the same.
+* with tensor parallelism (data parallel 2 x TP 2, the attention split by heads) the same, and
+  under HSDP (2 replicas x 2, one replica stepping each role: ``replica_split``).
 
 Skipping the maximum over the ranks, or taking a tensor-parallel rank's heads for the first ones,
 fails the reference tests (checked by hand).
@@ -19,12 +20,12 @@ import pytest
 pytest.importorskip("transformers")
 
 from helpers.dist import PoolTask  # noqa: E402
-from helpers.qk_scenarios import sharded_vs_reference, tp_vs_reference, trainer_pair  # noqa: E402
+from helpers.qk_scenarios import four_ranks, sharded_vs_reference, trainer_pair  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 _SHARDED = PoolTask(sharded_vs_reference, timeout=300)
-_TP = PoolTask(tp_vs_reference, timeout=300)
+_FOUR = PoolTask(four_ranks, timeout=300)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt", "fsdp2"])
@@ -36,11 +37,15 @@ def test_matrix_shard_equals_the_reference_rule_with_the_maximum_over_ranks(name
         assert max(res["diff"]) < 1e-6, (rank, name, res["diff"], res["where"])
 
 
-def test_tensor_parallel_heads_equal_the_reference(hf_pool4):
-    for rank, r in enumerate(_TP.results(hf_pool4)):
+@pytest.mark.parametrize("case", ["tp", "hsdp"])
+def test_tensor_parallel_and_hsdp_equal_the_reference(case, hf_pool4):
+    for rank, every in enumerate(_FOUR.results(hf_pool4)):
+        r = every[case]
         first = r["clipped"][0]
         assert 0 < first["clipped"] < first["heads"], first
         assert max(r["diff"]) < 2e-6, (rank, r["diff"], r["where"])
+        if case == "hsdp":
+            assert r["replica_split"], "HSDP ran without replica_split"
 
 
 def test_trainer_callback_matrix_fsdp_equals_ddp(hf_pool, tmp_path):

@@ -94,6 +94,9 @@ class QKClipper:
         self.layouts: list[AttentionLayout] = find_attention(model, lambda p: self._span(p)[2])
         self.index = FactorIndex([lay.heads for lay in self.layouts])
         device = self.layouts[0].q_source.param.device
+        if device.type == "meta":
+            raise QKClipError("QK-Clip: the model's weights are still on the meta device; attach it after they are "
+                              "materialized (after sharding and loading)")
         self.index.to(device)
         self.maxima = torch.full((self.index.n_heads,), float("-inf"), dtype=torch.float32, device=device)
         self.last_maxima: Optional[torch.Tensor] = None

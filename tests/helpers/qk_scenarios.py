@@ -8,9 +8,10 @@
   (``fully_shard``: DTensor row shards), against the reference: a plain copy on
   every rank that computes every rank's batch itself, averages the gradients, steps SGD and
   applies Kimi K2's rule by hand with each head's maximum over *all* ranks' batches.
-* ``tp_vs_reference`` (4 ranks = data parallel 2 x tensor parallel 2): the Llama with its
+* ``four_ranks``: ``tp_vs_reference`` (data parallel 2 x tensor parallel 2): the Llama with its
   attention split by heads over the TP ranks (q/k/v colwise, o rowwise) under ``matrix_shard``,
-  against the same reference (the unsplit model; TP sums o_proj in another order: a tolerance).
+  against the same reference (the unsplit model; TP sums o_proj in another order: a tolerance);
+  ``hsdp_vs_reference`` (2 replicas x 2, ``replica_split``): the same model and reference.
 """
 from __future__ import annotations
 
@@ -112,6 +113,25 @@ def sharded_vs_reference(rank: int, world: int) -> dict:
     fully_shard(model)
     out["fsdp2"] = _run(model, reference, "llama", rank, world, steps=2)
     return out
+
+
+def four_ranks(rank: int, world: int) -> dict:
+    """The 4-process scenarios in one task: tensor parallelism, then HSDP with ``replica_split``."""
+    return {"tp": tp_vs_reference(rank, world), "hsdp": hsdp_vs_reference(rank, world)}
+
+
+def hsdp_vs_reference(rank: int, world: int) -> dict:
+    """2 replicas x shard groups of 2 (``replica_split`` on by default: one replica steps each
+    role and sends it to the other); the reference computes all four ranks' batches."""
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.options import check_wrap_policy
+
+    model = build("llama", **KW["llama"]).train()
+    reference = Reference(model, TAU["llama"])
+    mf.matrix_shard(model, mesh=mf.hsdp_mesh(2), wrap_policy=check_wrap_policy(LAYER["llama"]))
+    res = _run(model, reference, "llama", rank, world, steps=2)
+    res["replica_split"] = mf.get_plan(model).replica_split
+    return res
 
 
 def tp_vs_reference(rank: int, world: int) -> dict:
