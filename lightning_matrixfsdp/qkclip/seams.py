@@ -113,6 +113,11 @@ def _wrap(implementation: Optional[str], fn: Callable) -> Callable:
 def _install() -> None:
     from transformers.modeling_utils import AttentionInterface
 
+    if not hasattr(AttentionInterface, "get_interface"):
+        import transformers
+
+        raise QKClipError(f"QK-Clip reads Hugging Face attention through AttentionInterface.get_interface, which "
+                          f"transformers {transformers.__version__} lacks; upgrade transformers (5.x has it)")
     if _PATCH["users"] == 0:
         original = AttentionInterface.get_interface
 
