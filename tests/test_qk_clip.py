@@ -226,3 +226,13 @@ def test_a_model_on_the_meta_device_is_refused():
         model = build("llama")
     with pytest.raises(QKClipError, match="still on the meta device"):
         QKClipper(model, tau=1.0)
+
+
+def test_heads_a_rank_cannot_place_are_refused():
+    from lightning_matrixfsdp.qkclip.logits import LogitMask
+
+    model = build("llama").train()
+    with QKClipper(model, tau=1.0) as clip:  # not parallelized: every rank computes all 4 heads
+        q, k = torch.zeros(1, 2, 3, 8), torch.zeros(1, 1, 3, 8)
+        with pytest.raises(QKClipError, match="computed 2 of its 4 query heads"):
+            clip._recorder(0)(q, k, LogitMask(), None)

@@ -123,16 +123,16 @@ class QKClipper:
             return _dtensor_span(p)
         return 0, int(p.shape[0]), int(p.shape[0])
 
-    def _heads_here(self, lay: AttentionLayout) -> tuple[int, int]:
-        """(first head, heads) of the query heads this rank's attention computes when tensor
-        parallelism splits the query projection by heads (all heads otherwise)."""
+    def _heads_here(self, lay: AttentionLayout) -> Optional[tuple[int, int]]:
+        """(first head, heads) of the query heads a rank computes when its tensor-parallel fragment
+        of the query projection holds whole heads; None where it does not (the rows of a fragment
+        or shard that the attention gathers back, like FSDP2's, need not align with heads)."""
         start, rows, whole = self._span(lay.q_source.param)
         rph = lay.rows_per_head
         if rows == whole or lay.seam == "qkv":
             return 0, lay.heads.heads
         if start % rph or rows % rph:
-            raise QKClipError(f"QK-Clip: tensor parallelism splits {lay.q_source.fqn} inside a head "
-                              f"(rows {start}..{start + rows} of {whole}, {rph} per head); split it by whole heads")
+            return None
         return start // rph, rows // rph
 
     def _bind(self, device: torch.device) -> list[_Bound]:
@@ -167,15 +167,20 @@ class QKClipper:
 
     def _recorder(self, i: int) -> Any:
         lay = self.layouts[i]
-        first, count = self._local_heads[i]
+        here = self._local_heads[i]
         base = self.index.head_offsets[i]
 
         def record(q: torch.Tensor, k: torch.Tensor, mask: LogitMask, scale: Optional[float]) -> None:
             h = q.shape[1]
-            lo = 0 if h == lay.heads.heads else first
-            if h not in (lay.heads.heads, count):
-                raise QKClipError(f"QK-Clip: {lay.fqn} computed {h} query heads; expected {lay.heads.heads} "
-                                  f"(or {count} under tensor parallelism). Attach QK-Clip after parallelizing the model")
+            if h == lay.heads.heads:
+                lo = 0
+            elif here is not None and h == here[1]:
+                lo = here[0]
+            else:
+                raise QKClipError(
+                    f"QK-Clip: {lay.fqn} computed {h} of its {lay.heads.heads} query heads, and this rank's rows of "
+                    f"{lay.q_source.fqn} do not say which: split the query projection by whole heads, and attach "
+                    "QK-Clip after parallelizing the model")
             s = lay.scale if scale is None and lay.scale is not None else scale
             s = q.shape[-1] ** -0.5 if s is None else float(s)
             with torch.autocast(q.device.type, enabled=False):
