@@ -6,7 +6,8 @@
 * ``matrix_shard`` + ``QKClipper`` equals the plain reference (every rank's batch recomputed on a
   full copy, SGD, the rule by hand with each head's maximum over all ranks' batches) for a Llama,
   a Qwen3 (q/k norms, owned by one rank) and the demos' GPT, and the Llama under torch's FSDP2;
-* with tensor parallelism (data parallel 2 x TP 2, the attention split by heads) the same, and
+* with tensor parallelism (data parallel 2 x TP 2: the Llama's attention split by heads, the
+  GPT's fused qkv split by rows and gathered) the same, and
   under HSDP (2 replicas x 2, one replica stepping each role: ``replica_split``).
 
 Skipping the maximum over the ranks, or taking a tensor-parallel rank's heads for the first ones,
@@ -37,7 +38,7 @@ def test_matrix_shard_equals_the_reference_rule_with_the_maximum_over_ranks(name
         assert max(res["diff"]) < 1e-6, (rank, name, res["diff"], res["where"])
 
 
-@pytest.mark.parametrize("case", ["tp", "hsdp"])
+@pytest.mark.parametrize("case", ["tp", "tp_gpt", "hsdp"])
 def test_tensor_parallel_and_hsdp_equal_the_reference(case, hf_pool4):
     for rank, every in enumerate(_FOUR.results(hf_pool4)):
         r = every[case]

@@ -11,6 +11,7 @@
 * ``four_ranks``: ``tp_vs_reference`` (data parallel 2 x tensor parallel 2): the Llama with its
   attention split by heads over the TP ranks (q/k/v colwise, o rowwise) under ``matrix_shard``,
   against the same reference (the unsplit model; TP sums o_proj in another order: a tolerance);
+  ``tp_gpt_vs_reference``: the demos' GPT with ``TensorParallelGPT``'s plan, the same way;
   ``hsdp_vs_reference`` (2 replicas x 2, ``replica_split``): the same model and reference.
 """
 from __future__ import annotations
@@ -116,8 +117,29 @@ def sharded_vs_reference(rank: int, world: int) -> dict:
 
 
 def four_ranks(rank: int, world: int) -> dict:
-    """The 4-process scenarios in one task: tensor parallelism, then HSDP with ``replica_split``."""
-    return {"tp": tp_vs_reference(rank, world), "hsdp": hsdp_vs_reference(rank, world)}
+    """The 4-process scenarios in one task: tensor parallelism (a Llama, the demos' GPT), then HSDP
+    with ``replica_split``."""
+    return {"tp": tp_vs_reference(rank, world), "tp_gpt": tp_gpt_vs_reference(rank, world),
+            "hsdp": hsdp_vs_reference(rank, world)}
+
+
+def tp_gpt_vs_reference(rank: int, world: int) -> dict:
+    """The demos' GPT with ``TensorParallelGPT``'s plan (the fused ``qkv`` colwise, its output
+    gathered: every TP rank measures every head, and holds rows of q, k and v of some of them)."""
+    import lightning_matrixfsdp as mf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from lightning_matrixfsdp.runtime.options import check_wrap_policy
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model = build("gpt").train()
+    reference = Reference(model, TAU["gpt"])
+    plan = {"attn.qkv": ColwiseParallel(output_layouts=Replicate()), "attn.proj": RowwiseParallel(input_layouts=Replicate())}
+    for block in model.blocks:
+        parallelize_module(block, mesh["tensor_parallel"], plan)
+    mf.matrix_shard(model, mesh=mesh, wrap_policy=check_wrap_policy(LAYER["gpt"]))
+    return _run(model, reference, "gpt", mesh.get_local_rank("data_parallel"), 2, steps=2)
 
 
 def hsdp_vs_reference(rank: int, world: int) -> dict:
