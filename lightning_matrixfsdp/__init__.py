@@ -40,6 +40,7 @@ from lightning_matrixfsdp.adapters import (
     MatrixFSDPFabricStrategy,
     MatrixFSDPStrategy,
     PretrainedWeights,
+    QKClip,
     load_from_checkpoint,
     register,
     register_fabric,
@@ -47,6 +48,7 @@ from lightning_matrixfsdp.adapters import (
 from lightning_matrixfsdp.adapters.console import show_routing_lines
 from lightning_matrixfsdp.adapters.double_precision import install_double_precision
 from lightning_matrixfsdp.adapters.from_checkpoint import install_directory_loading
+from lightning_matrixfsdp.qkclip import QKClipError, QKClipper
 
 __version__ = "0.1.0"
 
@@ -57,7 +59,7 @@ show_routing_lines()  # each optimizer's one-line account of which tensors it st
 install_double_precision()  # and precision="64-true" with a strategy instance (and under Fabric)
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "CheckpointMismatchError",
-           "CheckpointNotResumableError", "DirectoryCheckpointIO", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "save_sharded",
+           "CheckpointNotResumableError", "DirectoryCheckpointIO", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "QKClip", "QKClipError", "QKClipper", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
            "LoneForwardError", "clip_grad_norm_", "full_model", "parallelize_experts", "get_comm_stats", "get_expert_stats", "get_plan", "grad_norm",

@@ -272,7 +272,7 @@ def test_torch_distributed_calls_only_in_comm_modules():
 #: Lightning's distributions (the unified package and the two standalone ones).
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 #: The layers below the adapters.
-LOWER = ("runtime", "optim", "checkpoint")
+LOWER = ("runtime", "optim", "checkpoint", "qkclip")
 #: The names that hand out the runtime's state object; only ``runtime/`` uses them.
 STATE_NAMES = {"state_of", "find_state", "attach_state", "detach_state", "MatrixFSDPState"}
 
@@ -294,7 +294,7 @@ def _absolute_imports(path: Path) -> list[tuple[str, list[str]]]:
 
 
 def test_lower_layers_import_neither_lightning_nor_the_adapters():
-    """``runtime/``, ``optim/`` and ``checkpoint/`` know no Lightning: everything that imports it is
+    """``runtime/``, ``optim/``, ``checkpoint/`` and ``qkclip/`` know no Lightning: everything that imports it is
     in ``adapters/`` (or the demos), and nothing below imports the adapters."""
     bad = []
     for layer in LOWER:

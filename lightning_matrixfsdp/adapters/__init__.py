@@ -8,7 +8,8 @@ work to. The layers below (``checkpoint/``, ``optim/``, ``runtime/``) import not
 from lightning_matrixfsdp.adapters.fabric import MatrixFSDPFabricStrategy, register_fabric
 from lightning_matrixfsdp.adapters.from_checkpoint import DirectoryCheckpointIO, load_from_checkpoint
 from lightning_matrixfsdp.adapters.pretrained import PretrainedWeights
+from lightning_matrixfsdp.adapters.qk_clip import QKClip
 from lightning_matrixfsdp.adapters.trainer import MatrixFSDPStrategy, register
 
-__all__ = ["DirectoryCheckpointIO", "MatrixFSDPFabricStrategy", "MatrixFSDPStrategy", "PretrainedWeights", "load_from_checkpoint", "register",
+__all__ = ["DirectoryCheckpointIO", "MatrixFSDPFabricStrategy", "MatrixFSDPStrategy", "PretrainedWeights", "QKClip", "load_from_checkpoint", "register",
            "register_fabric"]

@@ -32,6 +32,7 @@ from lightning_matrixfsdp.runtime.queries import (
     is_sharded_root,
     norm_groups,
     release_unfinished,
+    row_span,
     scheduled_forwards,
     set_requires_gradient_sync,
     settle_replicas,
@@ -50,5 +51,5 @@ __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "Mat
            "get_plan", "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "scheduled_forwards",
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards",
            # what the adapters and optimizers ask of and do to a sharded model (queries.py)
-           "NormGroups", "broadcast_buffers", "is_sharded_root", "norm_groups", "release_unfinished",
+           "NormGroups", "broadcast_buffers", "is_sharded_root", "norm_groups", "release_unfinished", "row_span",
            "settle_replicas", "tp_group_of", "wait_replicas"]

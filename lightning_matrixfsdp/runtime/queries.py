@@ -165,6 +165,28 @@ def tp_group_of(params: Iterable[Any]) -> Optional[dist.ProcessGroup]:
     return None
 
 
+def row_span(module: nn.Module, p: Any) -> Optional[tuple[int, int, int]]:
+    """For a parameter of a sharded model inside ``module``: ``(start, rows, whole)``, the rows
+    (dim 0) of the whole tensor that this rank's tensor-parallel fragment covers, and the whole
+    tensor's rows; every row where tensor parallelism does not split dim 0. Whether this rank
+    holds the fragment's data (its owner) is the resident tensor's own size. None where ``p`` is
+    no resident parameter of a sharded model. Local."""
+    for root in sharded_roots(module):
+        st = state_of(root)
+        for sp in st.params:
+            if sp.resident is not p:
+                continue
+            layout = st.tp_plan.layouts.get(sp.shard.fqn) if st.tp_plan is not None else None
+            if layout is None:
+                return 0, int(sp.shard.shape[0]), int(sp.shard.shape[0])
+            whole = int(layout.global_shape[0])
+            if layout.dim == 0 and layout.split:
+                r = st.mesh.tp_rank
+                return layout.offset(r), layout.sizes[r], whole
+            return 0, whole, whole
+    return None
+
+
 def release_unfinished(module: nn.Module) -> None:
     """Release what a forward without backward left materialized in every sharded model inside
     ``module`` (``StochasticWeightAveraging``'s BatchNorm epoch skips backward). Local."""
