@@ -181,7 +181,7 @@ def trainer_pair(rank: int, world: int, root: str) -> dict:
 
     import lightning_matrixfsdp as mf
     from helpers.lit import TokenData, cpu_trainer, full_numpy
-    from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, mark_recipe_tail
+    from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS
 
     class LitLM(LightningModule):
         def __init__(self) -> None:
@@ -196,8 +196,8 @@ def trainer_pair(rank: int, world: int, root: str) -> dict:
 
         def configure_optimizers(self) -> Any:
             a = ADAMW_DEFAULTS
-            mark_recipe_tail(self)  # the DDP run: embeddings and head on AdamW, as matrix_fsdp's default
-            return mf.Muon(self.parameters(), adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
+            # the Muon recipe built from the module: the same roles under DDP and matrix_fsdp
+            return mf.Muon(self, adamw_betas=a["betas"], adamw_eps=a["eps"], **MUON_DEFAULTS)
 
     out: dict[str, Any] = {}
     for key, strategy in (("ddp", "ddp"), ("mf", mf.MatrixFSDPStrategy(log_plan=False))):
