@@ -218,6 +218,7 @@ class MatrixFSDPState(RefusePickle):
         # a partial state_dict() is refused (state_dict_guard); registered first, before the wait below
         self._root_handles = [self.root.register_state_dict_pre_hook(refuse_partial_state_dict)]
         if self.replicas is not None:
+            self.schedule.before_forward = lambda: self.before_root_forward(self.root, ())
             self._root_handles += [
                 self.root.register_forward_pre_hook(self.before_root_forward, prepend=True),
                 # root.state_dict() reads resident tensors: the transfers already started land first
