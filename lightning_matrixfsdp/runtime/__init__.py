@@ -34,6 +34,7 @@ from lightning_matrixfsdp.runtime.queries import (
     scheduled_forwards,
     set_requires_gradient_sync,
     settle_replicas,
+    skip_buffer_broadcast,
     start_replica_sync,
     sync_replicas,
     tp_group_of,
@@ -50,4 +51,4 @@ __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "Mat
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards",
            # what the adapters and optimizers ask of and do to a sharded model (queries.py)
            "NormGroups", "broadcast_buffers", "is_sharded_root", "norm_groups", "release_unfinished",
-           "settle_replicas", "tp_group_of", "wait_replicas"]
+           "settle_replicas", "skip_buffer_broadcast", "tp_group_of", "wait_replicas"]

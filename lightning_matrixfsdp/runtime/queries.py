@@ -160,6 +160,14 @@ def settle_replicas(module: nn.Module) -> None:
         state_of(root).settle_replicas(clear=True)
 
 
+def skip_buffer_broadcast(module: nn.Module) -> None:
+    """The next forward of every sharded model inside ``module`` keeps each rank's buffers, as
+    DDP's after a forward it ran with the gradient sync marked off: Lightning marks every
+    manual-optimization training step so (its backward is the user's). Local."""
+    for root in sharded_roots(module):
+        state_of(root).skip_buffer_broadcast()
+
+
 def broadcast_buffers(module: nn.Module, only_if_due: bool = False) -> None:
     """Every sharded model inside ``module`` takes global rank 0's buffers (collective; nothing
     with ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would."""

@@ -172,6 +172,11 @@ class MatrixFSDPState(RefusePickle):
                 unit.reshard()
 
     # ------------------------------------------------------------------ buffers
+    def skip_buffer_broadcast(self) -> None:
+        """The next forward keeps each rank's buffers (``queries.skip_buffer_broadcast``)."""
+        if self.buffers is not None:
+            self.buffers.due = False
+
     def broadcast_buffers(self, only_if_due: bool = False) -> None:
         """Every rank takes global rank 0's buffers now (collective; nothing with
         ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would
