@@ -165,6 +165,11 @@ class MatrixFSDPState(RefusePickle):
         for unit in self.units:
             unit.end_iteration()
 
+    def follow_requires_grad(self) -> None:
+        """Every unsharded parameter takes its resident's ``requires_grad`` now (local)."""
+        for p in self.params:
+            p.follow_requires_grad()
+
     def release_all(self) -> None:
         """Reshard every unit still materialized (local: no communication)."""
         for unit in self.units:

@@ -19,10 +19,6 @@ the reduction to owners, activation-checkpoint recomputation and the end-of-back
 then treat it like any other call of the unit. Calls nested in it, or made inside the unit's
 own forward, do nothing more. A call outside the training loop's steps first meets the other
 ranks (the lone-forward check), as a forward of the root does.
-
-Each such module call also sets the unsharded parameters it registers to the resident's
-``requires_grad``: ``toggle_optimizer`` freezes the resident parameters (the optimizers' own),
-possibly while the unit is materialized (the root, during the training step).
 """
 
 from __future__ import annotations
@@ -67,15 +63,10 @@ class OutsideCalls:
         """Register the hooks on the inner modules; their handles."""
         self._outside_acting: list[int] = getattr(self, "_outside_acting", [])
         regs = [r for p in self.params for r in p.registrations]
-        own: dict[int, list[Any]] = {}  # id(module) -> the parameters it registers
-        for p in self.params:
-            for sub, _ in p.registrations:
-                own.setdefault(id(sub), []).append(p)
         handles = []
         for sub in outside_modules(self.module, regs):
             handles += [
-                sub.register_forward_pre_hook(self._outside_pre_hook(own.get(id(sub), [])), with_kwargs=True,
-                                              prepend=prepend),
+                sub.register_forward_pre_hook(self._outside_pre_hook, with_kwargs=True, prepend=prepend),
                 sub.register_forward_hook(self._outside_post_hook),
                 sub.register_forward_hook(self._outside_exit_hook, always_call=True),
             ]
@@ -86,28 +77,21 @@ class OutsideCalls:
             return not self.is_materialized or self._reentrant_pending > 0
         return not (self.in_forward and self.is_materialized)
 
-    def _outside_pre_hook(self, registered: list[Any]):
-        def hook(sub: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-            if not self.schedule.in_backward:
-                for p in registered:  # frozen since materialized (toggle_optimizer): as the resident
-                    if p.unsharded.requires_grad != p.resident.requires_grad:
-                        p.unsharded.requires_grad_(p.resident.requires_grad)
-            outermost = not self._outside_acting
-            self._outside_acting.append(_INSIDE)  # first: the exit hook pops it even if this raises
-            if not self._acts_outside():
-                if outermost and self is self.schedule.root and not self.schedule.in_backward:
-                    self._outside_acting[-1] = _WATCHED
-                return None
-            root = self.schedule.root
-            if root is None or not root.in_forward:  # outside every forward of the model: as the root's
-                if root is not self:  # (the root's own check runs in its forward hook)
-                    self.schedule.check_peers()  # outside the loop's steps: are the other ranks here too?
-                if self.schedule.before_forward is not None:
-                    self.schedule.before_forward()
-            self._outside_acting[-1] = _ACTED
-            return self._pre_forward_hook(sub, args, kwargs)
-
-        return hook
+    def _outside_pre_hook(self, sub: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        outermost = not self._outside_acting
+        self._outside_acting.append(_INSIDE)  # first: the exit hook pops it even if this raises
+        if not self._acts_outside():
+            if outermost and self is self.schedule.root and not self.schedule.in_backward:
+                self._outside_acting[-1] = _WATCHED
+            return None
+        root = self.schedule.root
+        if root is None or not root.in_forward:  # outside every forward of the model: as the root's
+            if root is not self:  # (the root's own check runs in its forward hook)
+                self.schedule.check_peers()  # outside the loop's steps: are the other ranks here too?
+            if self.schedule.before_forward is not None:
+                self.schedule.before_forward()
+        self._outside_acting[-1] = _ACTED
+        return self._pre_forward_hook(sub, args, kwargs)
 
     def _outside_post_hook(self, sub: nn.Module, args: tuple, output: Any) -> Any:
         kind = self._outside_acting[-1] if self._outside_acting else _INSIDE
