@@ -153,7 +153,12 @@ def _step(model: nn.Module, case: str, rank: int, reduce=lambda: None, probe=lam
         model.forward = body
         model(idx)
         return [x.grad]
-    if case == "block_submodule":
+    if case == "after_a_raise":  # a call that raised leaves nothing behind (the model trains on as DDP)
+        try:
+            fc(torch.zeros(2, 7))
+        except RuntimeError:
+            pass
+    if case in ("block_submodule", "after_a_raise"):
         outs = [fc(x)]
     elif case == "checkpointed":
         outs = [checkpoint(fc, x, use_reentrant=False)]
@@ -187,7 +192,7 @@ def _step(model: nn.Module, case: str, rank: int, reduce=lambda: None, probe=lam
 
 
 RUNTIME_CASES = ["block_submodule", "checkpointed", "checkpointed_reentrant", "no_grad", "head_after_root",
-                 "second_backward", "backward_in_root_forward"]
+                 "second_backward", "backward_in_root_forward", "after_a_raise"]
 
 
 def _runtime_scenario(rank: int, world: int) -> dict:
