@@ -46,6 +46,9 @@ def _divergence_worker(rank: int, world: int, case: str, env: dict) -> str:
             if case == "unit_called_directly" and rank == 1:
                 with torch.no_grad():
                     model.blocks[0](torch.zeros(2, 16, 32))
+            if case == "submodule_called_directly" and rank == 1:
+                with torch.no_grad():
+                    model.blocks[0].fc(torch.zeros(2, 32))
             batch = batch_for(step, rank)
             lm_loss(model(batch), batch).backward()
     except mf.RankDivergenceError as e:
@@ -71,23 +74,12 @@ def test_unit_called_directly_on_one_rank_names_it(dist_pools):
     assert "rank 1 is about to materialize unit 'blocks.0'" in msg, msg
 
 
-def _submodule_worker(rank: int, world: int) -> str:
-    torch.manual_seed(0)
-    model = TinyLM()
-    mf.matrix_shard(model)
-    try:
-        if rank == 1:  # a submodule of unit blocks.0, outside the unit's forward
-            with torch.no_grad():
-                model.blocks[0].fc(torch.zeros(2, 32))
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
-
-
-def test_submodule_called_outside_its_unit_names_it_on_that_rank(dist_pools):
-    msgs = dist_pools(2).run(_submodule_worker, timeout=120)
-    assert msgs[0] == "no error", msgs
-    assert "'blocks.0.fc.weight' ran on rank 1 while its unit 'blocks.0' was not materialized" in msgs[1], msgs
+def test_submodule_called_on_one_rank_names_both_units(dist_pools):
+    """A unit's submodule called by itself runs as a call of its unit (test_outside_calls.py): on
+    one rank only, every rank names what each was about to materialize."""
+    msg = _same_error_everywhere(dist_pools, "submodule_called_directly")
+    assert "rank 0 is about to materialize unit '<root>'" in msg, msg
+    assert "rank 1 is about to materialize unit 'blocks.0'" in msg, msg
 
 
 def test_expert_used_on_some_ranks_names_its_parameters_and_the_option(dist_pools):

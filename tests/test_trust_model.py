@@ -316,8 +316,9 @@ def _manual_scenario(rank: int, world: int, root: str) -> dict:
     out = {}
     for v in VARIANTS:
         out[v, "ddp"] = _fit(v, "ddp_find_unused_parameters_true", world, os.path.join(root, v, "ddp"))
-        out[v, "mfsdp"] = _fit(v, mf.MatrixFSDPStrategy(wrap_policy={nn.Sequential}), world,
-                               os.path.join(root, v, "mfsdp"))
+        # the default units: the root holds both networks, called from training_step outside any
+        # unit's forward and after manual_backward (test_outside_calls.py); wrap_policy units: test_manual_and_finetuning
+        out[v, "mfsdp"] = _fit(v, "matrix_fsdp", world, os.path.join(root, v, "mfsdp"))
     return out
 
 

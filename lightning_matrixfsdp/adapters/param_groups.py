@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.optim.routing import full_param_groups, route_optimizer
+from lightning_matrixfsdp.runtime import follow_requires_grad
 
 __all__ = ["full_finetuning_state", "install_toggles", "restore_finetuning_groups", "uninstall_toggles"]
 
@@ -52,6 +53,7 @@ def toggle_optimizer(module: LightningModule, optimizer: Any) -> None:
         for p in params:
             p.requires_grad = state[p]
     module._param_requires_grad_state = state
+    follow_requires_grad(module)  # a unit materialized now (the root, in the training step) too
 
 
 def untoggle_optimizer(module: LightningModule, optimizer: Any) -> None:
@@ -66,6 +68,7 @@ def untoggle_optimizer(module: LightningModule, optimizer: Any) -> None:
                     if p in state:
                         p.requires_grad = state[p]
     module._param_requires_grad_state = {}
+    follow_requires_grad(module)
 
 
 def install_toggles(module: LightningModule) -> None:

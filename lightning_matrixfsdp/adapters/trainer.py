@@ -52,7 +52,8 @@ from lightning_matrixfsdp.checkpoint import (
 )
 from lightning_matrixfsdp.checkpoint.agree import agree
 from lightning_matrixfsdp.optim.routing import route_optimizer
-from lightning_matrixfsdp.runtime import broadcast_buffers, release_unfinished, settle_replicas, watch_lone_forwards
+from lightning_matrixfsdp.runtime import (
+    broadcast_buffers, release_unfinished, settle_replicas, skip_buffer_broadcast, watch_lone_forwards)
 from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 
@@ -273,7 +274,12 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             module, self.world_size, lambda: module.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         release_unfinished(module)  # the previous step's forward may have had no backward
         with self.precision_plugin.train_step_context():
-            return call_as_forward(module, "training_step", *args, **kwargs)
+            out = call_as_forward(module, "training_step", *args, **kwargs)
+        if not module.automatic_optimization:
+            # As Lightning's DDP, which marks a manual step's forward as run without gradient
+            # sync (the backward is the user's): the next forward keeps each rank's buffers.
+            skip_buffer_broadcast(module)
+        return out
 
     def _joined_step(self, name: str, loop: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module

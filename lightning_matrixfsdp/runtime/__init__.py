@@ -25,6 +25,7 @@ from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, 
 from lightning_matrixfsdp.runtime.queries import (
     NormGroups,
     broadcast_buffers,
+    follow_requires_grad,
     get_comm_stats,
     get_expert_stats,
     get_plan,
@@ -36,6 +37,7 @@ from lightning_matrixfsdp.runtime.queries import (
     scheduled_forwards,
     set_requires_gradient_sync,
     settle_replicas,
+    skip_buffer_broadcast,
     start_replica_sync,
     sync_replicas,
     tp_group_of,
@@ -51,5 +53,5 @@ __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "Mat
            "get_plan", "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "scheduled_forwards",
            "set_requires_gradient_sync", "start_replica_sync", "sync_replicas", "watch_lone_forwards",
            # what the adapters and optimizers ask of and do to a sharded model (queries.py)
-           "NormGroups", "broadcast_buffers", "is_sharded_root", "norm_groups", "release_unfinished", "row_span",
-           "settle_replicas", "tp_group_of", "wait_replicas"]
+           "NormGroups", "broadcast_buffers", "follow_requires_grad", "is_sharded_root", "norm_groups",
+           "release_unfinished", "row_span", "settle_replicas", "skip_buffer_broadcast", "tp_group_of", "wait_replicas"]

@@ -171,9 +171,13 @@ class ShardedParam:
             self.data.untyped_storage().resize_(0)
         self.materialized = False
 
-    def to_unsharded(self) -> None:
+    def follow_requires_grad(self) -> None:
+        """The unsharded parameter takes the resident's ``requires_grad`` (frozen-ness is the resident's)."""
         if self.unsharded.requires_grad != self.resident.requires_grad:
             self.unsharded.requires_grad_(self.resident.requires_grad)
+
+    def to_unsharded(self) -> None:
+        self.follow_requires_grad()
         for module, name in self.registrations:
             module._parameters[name] = self.unsharded
 

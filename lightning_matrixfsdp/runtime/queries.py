@@ -210,6 +210,23 @@ def settle_replicas(module: nn.Module) -> None:
         state_of(root).settle_replicas(clear=True)
 
 
+def follow_requires_grad(module: nn.Module) -> None:
+    """After ``requires_grad`` of resident parameters changed (``toggle_optimizer``): the unsharded
+    parameters of every sharded model inside ``module`` follow now, also in a unit that is
+    materialized (the root, during a training step), so that a frozen parameter gets no gradient
+    in the backward that follows, as under DDP. Local."""
+    for root in sharded_roots(module):
+        state_of(root).follow_requires_grad()
+
+
+def skip_buffer_broadcast(module: nn.Module) -> None:
+    """The next forward of every sharded model inside ``module`` keeps each rank's buffers, as
+    DDP's after a forward it ran with the gradient sync marked off: Lightning marks every
+    manual-optimization training step so (its backward is the user's). Local."""
+    for root in sharded_roots(module):
+        state_of(root).skip_buffer_broadcast()
+
+
 def broadcast_buffers(module: nn.Module, only_if_due: bool = False) -> None:
     """Every sharded model inside ``module`` takes global rank 0's buffers (collective; nothing
     with ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would."""

@@ -42,6 +42,9 @@ class Schedule(Generic[U]):
         #: inside ``full_model`` on another rank: the global rank that holds the whole model,
         #: and forwards here are refused (this rank holds placeholders); None otherwise
         self.full_on: Optional[int] = None
+        #: the root's forward pre-work (``replica_split``: start the weight transfers nobody started),
+        #: also run before a call of a unit's inner module outside every forward; None: nothing
+        self.before_forward: Optional[Callable[[], None]] = None
 
     # ------------------------------------------------------------------ forwards every rank runs
     @contextmanager

@@ -176,6 +176,11 @@ class MatrixFSDPState(RefusePickle):
         for unit in self.units:
             unit.end_iteration()
 
+    def follow_requires_grad(self) -> None:
+        """Every unsharded parameter takes its resident's ``requires_grad`` now (local)."""
+        for p in self.params:
+            p.follow_requires_grad()
+
     def release_all(self) -> None:
         """Reshard every unit still materialized (local: no communication)."""
         for unit in self.units:
@@ -183,6 +188,11 @@ class MatrixFSDPState(RefusePickle):
                 unit.reshard()
 
     # ------------------------------------------------------------------ buffers
+    def skip_buffer_broadcast(self) -> None:
+        """The next forward keeps each rank's buffers (``queries.skip_buffer_broadcast``)."""
+        if self.buffers is not None:
+            self.buffers.due = False
+
     def broadcast_buffers(self, only_if_due: bool = False) -> None:
         """Every rank takes global rank 0's buffers now (collective; nothing with
         ``broadcast_buffers=False``). ``only_if_due``: only where DDP's next forward would
@@ -232,6 +242,7 @@ class MatrixFSDPState(RefusePickle):
         self._root_handles += [m.register_state_dict_pre_hook(self.refuse_partial_part) for m in self.root.modules()
                                if m is not self.root and m._parameters]
         if self.replicas is not None:
+            self.schedule.before_forward = lambda: self.before_root_forward(self.root, ())
             self._root_handles += [
                 self.root.register_forward_pre_hook(self.before_root_forward, prepend=True),
                 # root.state_dict() reads resident tensors: the transfers already started land first

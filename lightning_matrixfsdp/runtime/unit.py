@@ -40,6 +40,7 @@ from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
 from lightning_matrixfsdp.runtime.unit_autograd import PostBackward, tensors_in, tree_map_tensors
 from lightning_matrixfsdp.runtime.unit_grads import start_reduction
+from lightning_matrixfsdp.runtime.unit_outside import OutsideCalls
 
 
 class TrainingState(Enum):
@@ -50,7 +51,7 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()  # reduced: nothing reduces it again before the next iteration
 
 
-class Unit(RefusePickle):
+class Unit(OutsideCalls, RefusePickle):
     """A wrapped module whose parameters are materialized and reduced together."""
 
     def __init__(
@@ -107,18 +108,8 @@ class Unit(RefusePickle):
             # after the one above on every return, and alone when the forward raised
             module.register_forward_hook(self._forward_exit_hook, always_call=True),
         ]
-        # A submodule that holds this unit's parameters and runs while the unit is not
-        # materialized was called outside the unit's forward: on a non-owner its weights are
-        # empty placeholders and torch would fail with a bare shape error (and the owner would
-        # go on alone). Say so, on the rank where it happens.
-        inner: dict[int, tuple[nn.Module, str]] = {}
-        for p in self.params:
-            for sub, name in p.registrations:
-                if sub is not module:
-                    inner.setdefault(id(sub), (sub, p.shard.fqn))
-        for sub, fqn in inner.values():
-            self._module_handles.append(sub.register_forward_pre_hook(self._outside_call_hook(fqn),
-                                                                      prepend=not first))
+        # its inner modules called outside its forward run as calls of the unit (unit_outside.py)
+        self._module_handles += self._outside_hooks(prepend=not first)
 
     def remove_hooks(self) -> None:
         """Remove the unit's module hooks (local; ``install_hooks`` puts them back)."""
@@ -162,25 +153,6 @@ class Unit(RefusePickle):
         if not self._ready or self.training_state is TrainingState.POST_BACKWARD:
             return []
         return [self.params[i].shard.fqn for i in self.trainable if i not in self._ready]
-
-    def _outside_call_hook(self, fqn: str) -> Callable[..., None]:
-        unit_ref = weakref.ref(self)  # hooks must not keep the model alive (see _grad_ready_hook)
-
-        def hook(sub: nn.Module, args: Any) -> None:
-            unit = unit_ref()
-            if unit is None or unit.is_materialized:
-                return
-            unit._refuse_if_full_elsewhere()
-            where = unit.fqn or "<root>"
-            raise RuntimeError(
-                f"{type(sub).__name__} holding {fqn!r} ran on rank {unit.collective.sg.rank} while its unit "
-                f"{where!r} was not materialized: it was called outside the unit's forward (directly, or after "
-                f"the unit's forward returned). Ranks that do not own a parameter hold an empty placeholder "
-                f"between forwards. Call the unit {where!r} itself, or choose units with wrap_policy so that "
-                "the call happens inside one. (On some ranks only, e.g. under trainer.is_global_zero? Enter "
-                "lightning_matrixfsdp.full_model(model, rank=0) on every rank and run it on rank 0 inside.)")
-
-        return hook
 
     # ------------------------------------------------------------------ materialize / reshard
     def start_unshard(self) -> None:
@@ -366,6 +338,9 @@ class Unit(RefusePickle):
                         f"a gradient of {unit.params[index].shard.fqn!r} arrived after its unit reduced "
                         "(is the parameter used outside its unit's forward?); zero_missing_grads reduces "
                         "a unit as soon as the gradients of its inputs are done and cannot take later ones")
+                # A backward inside the unit's forward (manual_backward in a training step, the
+                # root's forward) reached no hooked output: the end-of-backward flush is queued here.
+                unit.schedule.begin_backward()
                 unit._ready.add(index)
                 if unit._forward_calls == 0:
                     unit._late = True
