@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.experts import ExpertStackError, check_expert_stacks
 from lightning_matrixfsdp.runtime.mesh import parallel_sizes
 from lightning_matrixfsdp.runtime.options import (
-    MatrixShardError,
     check_backend,
     check_bool,
     check_bool_or_auto,
