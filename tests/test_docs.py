@@ -2,7 +2,8 @@
 
 - README.md starts with exactly the two set-up commands, and .ci/run runs the second.
 - Every option table marked ``<!-- signature: module.Name -->`` in docs/user-guide.md
-  lists exactly the parameters of that callable, with the defaults the code has.
+  lists exactly the parameters of that callable, with the defaults the code has; the
+  strategy options table says what each does in ``MatrixFSDPConfig``'s words (``doc=``).
 - Every file that a command in README.md or docs/*.md runs or reads exists, every
   ``python -m`` module is importable, and every relative link resolves.
 - The Python snippets compile; the README's YAML config parses into the documented
@@ -150,6 +151,34 @@ def test_documented_options_exist_with_their_defaults() -> None:
             want, have = _parse_default(cell), params[name].default
             assert want == have and type(want) is type(have), (
                 f"{dotted}({name}=...): documented default {cell} but the code has {have!r}")
+
+
+def _described(dotted: str) -> dict[str, str]:
+    """``{option: its "what it does" cell}`` of the marked table of ``dotted``."""
+    table = re.search(rf"<!-- signature: {re.escape(dotted)} -->\n((?:\|.*\n)+)", GUIDE.read_text())
+    assert table, f"docs/user-guide.md has no signature table for {dotted}"
+    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in table.group(1).splitlines()[2:]]
+    return {row[0].strip("`"): row[2] for row in rows}
+
+
+def test_option_tables_say_what_the_config_says() -> None:
+    """The strategy options table says what each option does in the words of ``MatrixFSDPConfig``
+    (each field's ``doc``, which the strategies' docstrings and ``--help`` show too); the
+    ``matrix_shard`` table, for its one option the strategies do not take (``ns_steps``)."""
+    from dataclasses import fields
+
+    from lightning_matrixfsdp.runtime.config import ADAPTER, CONFIG_DOC, SHARD, MatrixFSDPConfig
+
+    docs = {f.name: f.metadata["doc"] for f in fields(MatrixFSDPConfig)}
+    table = _described("lightning_matrixfsdp.MatrixFSDPStrategy")
+    want = {**{n: docs[n] for n in MatrixFSDPConfig.names(ADAPTER)}, "config": CONFIG_DOC}
+    wrong = [f"{n}:\n  table:  {table.get(n)}\n  config: {d}" for n, d in want.items() if table.get(n) != d]
+    shard_only = set(MatrixFSDPConfig.names(SHARD)) - set(MatrixFSDPConfig.names(ADAPTER))
+    shard_table = _described("lightning_matrixfsdp.matrix_shard")
+    wrong += [f"{n} (matrix_shard):\n  table:  {shard_table.get(n)}\n  config: {docs[n]}" for n in sorted(shard_only)
+              if shard_table.get(n) != docs[n]]
+    assert not wrong, ("docs/user-guide.md's option tables and MatrixFSDPConfig's doc= differ (change both):\n"
+                       + "\n".join(wrong))
 
 
 # ---------------------------------------------------------------------- commands, paths and links

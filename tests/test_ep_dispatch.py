@@ -190,7 +190,7 @@ def _order(group, ranks: list[int], me: int) -> dict:
 
 def _refusals(world_group, me: int) -> dict:
     from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward
-    from lightning_matrixfsdp.runtime.options import MatrixShardError
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
     def attempt(fn) -> str:
         try:
@@ -324,7 +324,7 @@ def test_refusals_raise_on_every_rank(launch):
 
 def test_hf_experts_refuses_mismatched_counts():
     from lightning_matrixfsdp.runtime.expert_dispatch import hf_experts_forward
-    from lightning_matrixfsdp.runtime.options import MatrixShardError
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
     gate_up, down = _experts(torch.float32)
     with pytest.raises(MatrixShardError, match="one count per local expert"):

@@ -74,7 +74,7 @@ def _layout(rank: int, world: int) -> None:
 
 def test_hsdp_mesh_refuses_a_bad_timeout_before_any_collective():
     """No process group here: the option check comes first and names the option."""
-    from lightning_matrixfsdp.runtime.options import MatrixShardError
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
     for bad in (30, timedelta(seconds=0), "30s"):
         with pytest.raises(MatrixShardError, match="timeout"):

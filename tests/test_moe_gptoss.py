@@ -24,7 +24,7 @@ from helpers.dist import OneLaunch
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks
-from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.tags import tag_stack
 
 E, H, I = 3, 8, 5  # experts, hidden size, intermediate size (H != I: the orientation matters)

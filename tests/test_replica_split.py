@@ -97,7 +97,7 @@ def test_plan_records_steppers_in_dict_digest_and_text():
 
 def test_option_is_checked():
     from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
-    from lightning_matrixfsdp.runtime.options import MatrixShardError
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
     assert MatrixFSDPConfig(replica_split=True).replica_split is True
     with pytest.raises(MatrixShardError, match="replica_split='yes'"):
@@ -477,7 +477,7 @@ def test_scaling_split_rows_match_the_model(tmp_path, monkeypatch):
 
 def test_strategy_option_is_checked():
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime.options import MatrixShardError
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
     with pytest.raises(MatrixShardError, match="replica_split=1"):
         mf.MatrixFSDPStrategy(replica_split=1)

@@ -14,7 +14,9 @@ on 4) on 2 and 4 processes, one task each on the session's warm pools, several s
   momentum (compared through consolidated files);
 * SOAP's per-expert state of split stacks resumes bitwise, split and into whole stacks;
 * gradient accumulation without sync (as ``accumulate_grad_batches`` and a manual loop's
-  ``toggle_model(sync_grad=False)``) equals DDP bit for bit.
+  ``toggle_model(sync_grad=False)``) equals DDP bit for bit;
+* (2 processes) the directory written in the background (``async_save``'s writer) resumes bitwise,
+  as the synchronous one; a Fabric loop splits the stacks and equals DDP bit for bit.
 
 Pure (no launch): the plan's digest, its JSON round trip, the printout, and custom plans whose
 blocks are not torch.chunk's refused.
@@ -157,6 +159,7 @@ def _checkpoint_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     into whole stacks), the reverse, the 4-process directory on 2 processes, SOAP's state."""
     import lightning_matrixfsdp as mf
     from helpers.equiv import EXACT, compare, full_params
+    from lightning_matrixfsdp.checkpoint.async_save import AsyncCheckpointer
 
     out: dict[str, Any] = {}
     model, opt = _fresh()
@@ -166,9 +169,12 @@ def _checkpoint_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
     mf.save_sharded(model, f"{root}/w{world}_file.ckpt", [opt], full=True)
     if world == 4:
         return out
+    saver = AsyncCheckpointer()  # async_save's writer: the same state, written in the background
+    saver.save_sharded(model, f"{root}/w2_async", [opt])
+    saver.close()
     _step(model, opt, 2, rank)
     want = full_params(model)
-    for source, split in ((f"{root}/w2_dir", True), (f"{root}/w2_file.ckpt", False)):
+    for source, split in ((f"{root}/w2_dir", True), (f"{root}/w2_file.ckpt", False), (f"{root}/w2_async", True)):
         other, other_opt = _fresh(split)  # resume, and the same checkpoint where the stacks stay whole
         mf.load_sharded(other, source, [other_opt])
         assert bool(mf.get_plan(other).split_stacks) == split
@@ -203,7 +209,39 @@ def _checkpoint_scenario(rank: int, world: int, root: str) -> dict[str, Any]:
         _step(other, other_opt, 2, rank)
         compare(full_params(other), full_params(soap), EXACT, f"SOAP resumed (split={split})", 2)
     out["soap"] = "resumed"
+    out["async"] = "resumed"  # reached only if the background-written directory resumed bitwise above
     return out
+
+
+def _fabric_scenario(rank: int, world: int) -> str:
+    """``MatrixFSDPFabricStrategy``: ``setup_module`` splits the stacks as ``matrix_shard`` does and a
+    Fabric loop equals DDP with the per-expert Muon bit for bit. Returns the first mismatch ("" if none)."""
+    from lightning.fabric import Fabric
+
+    import lightning_matrixfsdp as mf
+    from helpers.equiv import EXACT, compare, full_params, make_sharded_optimizer
+    from helpers.oracle import allreduce_mean_grads
+
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=mf.MatrixFSDPFabricStrategy(log_plan=False))
+    fabric.launch()
+    model = build()
+    oracle = copy.deepcopy(model)
+    model = fabric.setup_module(model)
+    (opt,) = make_sharded_optimizer(model, "ours")
+    opt, ref = fabric.setup_optimizers(opt), per_expert_muon(oracle)
+    try:
+        assert mf.get_plan(model).split_stacks, "Fabric did not split the stacks"
+        for step in range(2):
+            fabric.backward(_loss(model, step, rank))
+            _loss(oracle, step, rank).backward()
+            allreduce_mean_grads(oracle)
+            opt.step()
+            opt.zero_grad()
+            ref.step()
+            compare(full_params(model.module), dict(oracle.named_parameters()), EXACT, "param", step)
+    except AssertionError as e:
+        return str(e)[:2000]
+    return ""
 
 
 def _same_checkpoint(a: dict, b: dict) -> list[str]:
@@ -251,7 +289,8 @@ def _accumulation_scenario(rank: int, world: int) -> str:
 
 def worker(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"train": _train_scenario(rank, world), "checkpoint": _checkpoint_scenario(rank, world, root),
-            "accumulate": _accumulation_scenario(rank, world)}
+            "accumulate": _accumulation_scenario(rank, world),
+            "fabric": _fabric_scenario(rank, world) if world == 2 else ""}
 
 
 ROOT = tempfile.mkdtemp(prefix="stack_split_")
@@ -295,6 +334,17 @@ def test_split_stacks_resume_and_load_across_plans(dist_pools) -> None:
 def test_split_stacks_soap_state_resumes_split_and_whole(dist_pools) -> None:
     for r in _results(2, dist_pools):
         assert r["checkpoint"]["soap"] == "resumed", r["checkpoint"]
+
+
+def test_split_stacks_resume_from_an_async_save(dist_pools) -> None:
+    """The directory ``AsyncCheckpointer`` (``async_save=True``) writes in the background resumes split
+    stacks bit for bit, as the synchronous save's does."""
+    for r in _results(2, dist_pools):
+        assert r["checkpoint"]["async"] == "resumed", r["checkpoint"]
+
+
+def test_split_stacks_through_fabric_equal_ddp_with_per_expert_muon(dist_pools) -> None:
+    assert [r["fabric"] for r in _results(2, dist_pools)] == ["", ""]
 
 
 # ---------------------------------------------------------------------- pure: the plan

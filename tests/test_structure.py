@@ -330,3 +330,36 @@ def test_package_root_holds_only_the_code_maps_root_files():
     assert listed, "the code map has no table for the package root"
     assert present == listed, (f"package root: not in the code map's root table {sorted(present - listed)}; "
                                f"in the table but absent {sorted(listed - present)}")
+
+
+# ---------------------------------------------------------------- errors: importable without the machinery
+#: Files that still import ``MatrixShardError`` from ``runtime.options`` (its old home, which
+#: re-exports it): owned by another session while this check landed. Once a file here is
+#: changed the test below asks for its removal, so the list only shrinks.
+OPTIONS_ERROR_IMPORTERS: set[str] = set()
+
+
+def test_error_modules_import_nothing():
+    """Every ``errors.py`` (``runtime/``, ``checkpoint/``) imports nothing but ``__future__``:
+    raising or catching an error of the package never loads the planner, the option checks or
+    torch.distributed."""
+    bad = [f"{f.relative_to(PKG)}: {src or '.'}" for f in sorted(PKG.rglob("errors.py"))
+           for src, _ in _absolute_imports(f) if src != "__future__"]
+    assert not bad, "an errors module imports something:\n" + "\n".join(bad)
+
+
+def test_matrix_shard_error_is_imported_from_errors():
+    """``MatrixShardError`` lives in ``runtime/errors.py``; ``runtime/options.py`` only re-exports it
+    for old imports. No module of the package or its tests imports it from there."""
+    found = set()
+    for f in sorted([*PKG.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]):
+        if "MatrixShardError" not in f.read_text():  # parse only the files that name it
+            continue
+        for src, names in _absolute_imports(f):
+            if src == "lightning_matrixfsdp.runtime.options" and "MatrixShardError" in names:
+                found.add(str(f.relative_to(ROOT)))
+    assert found <= OPTIONS_ERROR_IMPORTERS, (
+        f"import MatrixShardError from lightning_matrixfsdp.runtime.errors, not runtime.options: "
+        f"{sorted(found - OPTIONS_ERROR_IMPORTERS)}")
+    fixed = OPTIONS_ERROR_IMPORTERS - found
+    assert not fixed, f"no longer imports it from runtime.options: drop from OPTIONS_ERROR_IMPORTERS: {sorted(fixed)}"

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_matrixfsdp.adapters.shared import (
     SETUP_ORDER,
     MatrixFSDPAdapter,
+    adapter_docstring,
     adapter_signature,
     build_replacement,
     check_optimizers_follow,
@@ -91,16 +92,18 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     """Owner-sharded ZeRO-3 with exact matrix optimizers, for Fabric.
 
     Takes the options of :class:`~lightning_matrixfsdp.MatrixFSDPStrategy` (listed once in
-    docs/user-guide.md, "Strategy options"), with two Fabric meanings:
-
-    * ``optimizer``: ``setup_optimizers`` (or ``setup``) returns the factory's optimizer
-      over the given optimizer's parameters instead of the given one.
-    * ``accumulation_no_sync`` (default ``True`` here): ``fabric.no_backward_sync`` defers
-      the reduction to the last micro-batch, as FSDP does (every rank then holds its full
-      local gradients until then); ``False`` makes it a no-op, so each micro-batch reduces
-      to the owners and the memory stays sharded.
+    ``MatrixFSDPConfig``), with two Fabric meanings, said in the Args below: ``optimizer``
+    and ``accumulation_no_sync`` (default ``True`` here).
     """
 
+    __doc__ = adapter_docstring(
+        __doc__,
+        optimizer="Under Fabric, setup_optimizers (or setup) returns the factory's optimizer over the given "
+                  "optimizer's parameters instead of the given one",
+        accumulation_no_sync="Under Fabric (default True): fabric.no_backward_sync defers the reduction to the "
+                             "last micro-batch, as FSDP does (every rank then holds its full local gradients "
+                             "until then); False makes it a no-op, so each micro-batch reduces to the owners and "
+                             "the memory stays sharded")
     strategy_name = "matrix_fsdp"
     options_signature = adapter_signature(accumulation_no_sync=True)
     default_accumulation_no_sync = True

@@ -36,7 +36,8 @@ from lightning_matrixfsdp.optim.norms import clip_grad_norm_
 from lightning_matrixfsdp.optim.routing import route_optimizer
 from lightning_matrixfsdp.runtime import (
     get_plan, matrix_shard, norm_groups, set_requires_gradient_sync, start_replica_sync, wait_replicas)
-from lightning_matrixfsdp.runtime.config import ADAPTER, MatrixFSDPConfig, bind_options, options_signature
+from lightning_matrixfsdp.runtime.config import (
+    ADAPTER, MatrixFSDPConfig, bind_options, options_docstring, options_signature)
 from lightning_matrixfsdp.runtime.copies import copies_of
 from lightning_matrixfsdp.runtime.mesh import MeshInfo, parallel_sizes
 from lightning_matrixfsdp.runtime.mesh_comm import mesh_info
@@ -45,8 +46,8 @@ from lightning_matrixfsdp.runtime.tags import sharded_roots
 from lightning_matrixfsdp.runtime.waits import stop_waiter
 
 __all__ = [
-    "MatrixFSDPAdapter", "SETUP_ORDER", "adapter_signature", "apply_activation_checkpointing", "build_replacement",
-    "check_optimizers_follow", "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "mesh_sizes",
+    "MatrixFSDPAdapter", "SETUP_ORDER", "adapter_docstring", "adapter_signature", "apply_activation_checkpointing",
+    "build_replacement", "check_optimizers_follow", "check_precision", "clip_gradients_norm", "clip_group", "is_sharded", "mesh_sizes",
     "replacement_note", "replicas_after_step", "route_optimizers", "set_gradient_sync", "shard_module",
 ]
 
@@ -200,6 +201,13 @@ def adapter_signature(**defaults: Any) -> inspect.Signature:
     own ``defaults`` where they differ from the config's), ``config``."""
     me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return options_signature(ADAPTER, first=[me], defaults=defaults)
+
+
+def adapter_docstring(doc: Optional[str], **notes: str) -> str:
+    """A strategy's docstring: the text written for it, then the ``Args:`` of its options,
+    generated from the config's descriptions (``notes``: a sentence added to an option's
+    text, what it means for this strategy). LightningCLI's ``--help`` shows them."""
+    return inspect.cleandoc(doc or "") + "\n\n" + options_docstring(ADAPTER, notes)
 
 
 def mesh_sizes(data_parallel: Any, tensor_parallel: Any, world: int, per_node: int) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from lightning_matrixfsdp.adapters.param_groups import (
 from lightning_matrixfsdp.adapters.replacement import replace_optimizer
 from lightning_matrixfsdp.adapters.shared import (
     MatrixFSDPAdapter,
+    adapter_docstring,
     adapter_signature,
     is_sharded,
     replicas_after_step,
@@ -62,10 +63,11 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     """Owner-sharded ZeRO-3 with exact matrix optimizers (Muon, Shampoo, SOAP).
 
     The options (keywords, or one ``MatrixFSDPConfig`` as ``config=``) are listed once, with
-    their defaults and what each does, in docs/user-guide.md, "Strategy options"; the
-    checks of their values are ``MatrixFSDPConfig``'s.
+    their defaults and what each does, in ``MatrixFSDPConfig`` (docs/user-guide.md, "Strategy
+    options", shows the same list); the checks of their values are the config's too.
     """
 
+    __doc__ = adapter_docstring(__doc__)  # the options' Args: (LightningCLI's --help reads them)
     strategy_name = "matrix_fsdp"
     options_signature = adapter_signature(accumulation_no_sync=False)
     default_accumulation_no_sync = False

@@ -12,6 +12,7 @@ are importable from here too.
 from lightning_matrixfsdp.runtime.errors import (
     CollectiveInterrupted,
     LoneForwardError,
+    MatrixShardError,
     RankDivergenceError,
     UnevenInputsError,
 )
@@ -20,7 +21,6 @@ from lightning_matrixfsdp.runtime.full import full_model
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.mesh_comm import hsdp_mesh
-from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, UnitLayout
 from lightning_matrixfsdp.runtime.queries import (
     NormGroups,

@@ -49,7 +49,7 @@ from lightning_matrixfsdp.runtime.experts import (
     declared_stacks,
     expert_biases,
 )
-from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.tags import recipe_of, tag_stack
 
 __all__ = ["RoleChoice", "UndeclaredStackWarning", "classify", "describe_roles", "recipe_roles", "recipe_tail",

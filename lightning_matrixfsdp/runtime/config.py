@@ -8,13 +8,18 @@ and normalized when built (``__post_init__``, with ``options.py``'s checks, whos
 name the option and the value): nothing below the place an option enters checks it again.
 
 Which entry point reads a field is its ``where`` metadata: ``SHARD`` (``matrix_shard``),
-``ADAPTER`` (the strategies only: optimizer, checkpoints, process group) or both.
+``ADAPTER`` (the strategies only: optimizer, checkpoints, process group) or both. What it
+does is its ``doc`` metadata, written once: the strategies' docstrings get their ``Args:``
+from it (``options_docstring``; so LightningCLI's ``--help`` and ``--print_config`` comments
+show it), and docs/user-guide.md's options table repeats it word for word (tests/test_docs.py).
 """
 
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 import inspect
 import operator
+import re
+import textwrap
 from typing import Any, Callable, Iterable, Mapping, Optional, Union, get_type_hints
 
 import torch
@@ -22,10 +27,10 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.experts import ExpertStackError, check_expert_stacks
 from lightning_matrixfsdp.runtime.mesh import parallel_sizes
 from lightning_matrixfsdp.runtime.options import (
-    MatrixShardError,
     check_backend,
     check_bool,
     check_bool_or_auto,
@@ -40,14 +45,17 @@ from lightning_matrixfsdp.runtime.options import (
     check_wrap_policy,
 )
 
-__all__ = ["ADAPTER", "SHARD", "MatrixFSDPConfig", "bind_options", "options_signature"]
+__all__ = ["ADAPTER", "CONFIG_DOC", "SHARD", "MatrixFSDPConfig", "bind_options", "option_docs", "options_docstring",
+           "options_signature", "plain_text"]
 
 SHARD, ADAPTER = "shard", "adapter"
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
 
-def _opt(default: Any, check: Callable[[Any, str], Any], *where: str) -> Any:
-    return field(default=default, metadata={"check": check, "where": where or (SHARD, ADAPTER)})
+def _opt(default: Any, check: Callable[[Any, str], Any], *where: str, doc: str) -> Any:
+    """A field: its default, its check, the entry points that read it, and what it does (``doc``,
+    Markdown: the row of docs/user-guide.md's options table, the strategies' ``Args:``)."""
+    return field(default=default, metadata={"check": check, "where": where or (SHARD, ADAPTER), "doc": doc})
 
 
 def _named(check: Callable[[Any], Any]) -> Callable[[Any, str], Any]:
@@ -93,8 +101,8 @@ def _adapter_default_bool(value: Any, name: str) -> Optional[bool]:
 
 @dataclass(frozen=True, kw_only=True)
 class MatrixFSDPConfig:
-    """Every option of ``matrix_shard`` and the strategies (docs/user-guide.md, "Strategy options",
-    says what each does: the one list of them).
+    """Every option of ``matrix_shard`` and the strategies, the one list of them: each field's
+    ``doc`` says what it does (docs/user-guide.md, "Strategy options", shows the same words).
 
     Checked and normalized at construction (dtype names to dtypes, policy classes and import
     paths to a frozenset of classes); a wrong value raises ``MatrixShardError`` naming the
@@ -104,44 +112,83 @@ class MatrixFSDPConfig:
     """
 
     # Order: the strategies' positional order (their keyword signatures are generated from it).
-    wrap_policy: Any = _opt(None, _policy_set(check_wrap_policy))
-    planner: str = _opt("role_greedy", _named(check_planner))
-    collective: str = _opt("auto", _named(check_collective))
-    matrix_filter: Optional[Callable[[str, nn.Parameter], bool]] = _opt(None, _named(check_matrix_filter))
-    param_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype)
-    reduce_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype)
-    activation_checkpointing_policy: Any = _opt(None, _policy_set(check_checkpointing_policy), ADAPTER)
-    optimizer: Optional[OptimizerFactory] = _opt(None, _named(check_optimizer_factory), ADAPTER)
-    reshard_after_forward: bool = _opt(True, check_bool)
-    accumulation_no_sync: Optional[bool] = _opt(None, _adapter_default_bool, ADAPTER)
-    shard_size: Optional[int] = _opt(None, lambda v, n: check_positive_int(v, n, optional=True))
-    prefetch: bool = _opt(True, check_bool)
-    zero_missing_grads: bool = _opt(False, check_bool)
-    save_distributed_checkpoint: bool = _opt(True, check_bool, ADAPTER)
-    process_group_backend: Optional[str] = _opt(None, _named(check_backend), ADAPTER)
-    timeout: Optional[timedelta] = _opt(default_pg_timeout, _named(check_timeout), ADAPTER)
-    #: 1: no tensor parallelism (the default, unlike Lightning's "auto": a model without a
-    #: parallelize plan would be replicated over the TP ranks); "auto": the processes of a node
-    tensor_parallel_size: Union[int, str] = _opt(1, _parallel_size, ADAPTER)
-    #: "auto": the world divided by the tensor-parallel size
-    data_parallel_size: Union[int, str] = _opt("auto", _parallel_size, ADAPTER)
-    log_plan: bool = _opt(True, check_bool, ADAPTER)
-    verify_checkpoints: bool = _opt(True, check_bool, ADAPTER)
-    reset_changed_roles: bool = _opt(False, check_bool, ADAPTER)
-    replica_split: Union[bool, str] = _opt("auto", check_bool_or_auto)
-    flatten_conv: bool = _opt(False, check_bool)
-    broadcast_buffers: bool = _opt(True, check_bool)
-    ns_steps: int = _opt(5, check_positive_int, SHARD)
-    async_save: bool = _opt(False, check_bool, ADAPTER)
-    #: the user's expert stacks, beside the automatic ones (runtime/experts.py: patterns, a
-    #: dict {pattern: blocks}, or a callable (fqn, param) -> ExpertStack | bool | None)
-    expert_stacks: Any = _opt(None, _expert_stacks)
-    #: expert parallelism: each declared expert stack split over groups of this many data-parallel
-    #: ranks, every rank keeping its ``E / EP`` experts (docs/moe.md); 1: off
-    expert_parallel_size: int = _opt(1, check_positive_int)
-    #: the planner may split an expert stack into contiguous blocks of experts on different owners
-    #: when the stack whole would unbalance its unit (runtime/stack_split.py; docs/moe.md)
-    split_stacks: bool = _opt(True, check_bool)
+    wrap_policy: Any = _opt(None, _policy_set(check_wrap_policy), doc="which modules become units")
+    planner: str = _opt("role_greedy", _named(check_planner), doc="how owners are chosen")
+    collective: str = _opt("auto", _named(check_collective), doc=(
+        'how data moves between owners and the other ranks: `"auto"` picks `"p2p"` when the shard group lies '
+        'inside one node, `"broadcast"` when it spans nodes'))
+    matrix_filter: Optional[Callable[[str, nn.Parameter], bool]] = _opt(None, _named(check_matrix_filter), doc=(
+        "which 2D parameters are placed as matrices rather than in the AdamW tail; `None`: every 2D parameter "
+        "(which update each gets is the optimizer's choice: `Muon(model)` applies the Muon recipe under every "
+        "strategy, [moe.md](moe.md#the-muon-recipe-build-the-optimizer-from-the-module))"))
+    param_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype, doc=(
+        "dtype of the materialized parameters used in forward/backward"))
+    reduce_dtype: Union[str, torch.dtype, None] = _opt(None, check_dtype, doc=(
+        "dtype in which gradients are summed onto their owners"))
+    activation_checkpointing_policy: Any = _opt(None, _policy_set(check_checkpointing_policy), ADAPTER, doc=(
+        "modules whose forward is recomputed in backward"))
+    optimizer: Optional[OptimizerFactory] = _opt(None, _named(check_optimizer_factory), ADAPTER, doc=(
+        "a factory `params -> Optimizer` that replaces the module's optimizer"))
+    reshard_after_forward: bool = _opt(True, check_bool, doc="free each unit's full parameters after its forward")
+    accumulation_no_sync: Optional[bool] = _opt(None, _adapter_default_bool, ADAPTER, doc=(
+        "skip the gradient reduction on non-final micro-batches"))
+    shard_size: Optional[int] = _opt(None, lambda v, n: check_positive_int(v, n, optional=True), doc=(
+        "HSDP: shard over groups of this many ranks, replicate across groups"))
+    prefetch: bool = _opt(True, check_bool, doc=(
+        "materialize the next unit while the current one computes; `False` lowers peak memory by one unit"))
+    zero_missing_grads: bool = _opt(False, check_bool, doc=(
+        "for models whose ranks leave *different* parameters without a gradient in a step (mixture-of-experts "
+        "routing); see [Limitations](#limitations)"))
+    save_distributed_checkpoint: bool = _opt(True, check_bool, ADAPTER, doc=(
+        "checkpoint as a directory of per-rank files (`True`) or one file (`False`)"))
+    process_group_backend: Optional[str] = _opt(None, _named(check_backend), ADAPTER, doc="`torch.distributed` backend")
+    timeout: Optional[timedelta] = _opt(default_pg_timeout, _named(check_timeout), ADAPTER, doc=(
+        "timeout of collective operations"))
+    #: 1 by default, unlike Lightning's "auto": a model without a parallelize plan would be
+    #: replicated over the TP ranks
+    tensor_parallel_size: Union[int, str] = _opt(1, _parallel_size, ADAPTER, doc=(
+        'ranks `parallelize_module` splits a matrix over (a positive int, or `"auto"`: the processes of a node); '
+        "see [tensor-parallel.md](tensor-parallel.md)"))
+    data_parallel_size: Union[int, str] = _opt("auto", _parallel_size, ADAPTER, doc=(
+        'the rest of the world (`"auto"`: world / `tensor_parallel_size`)'))
+    log_plan: bool = _opt(True, check_bool, ADAPTER, doc="print the owner plan on rank 0 at setup")
+    verify_checkpoints: bool = _opt(True, check_bool, ADAPTER, doc=(
+        "record checksums of checkpoint files on save and verify them on load "
+        "([checkpointing.md](checkpointing.md#damaged-files-checksums))"))
+    reset_changed_roles: bool = _opt(False, check_bool, ADAPTER, doc=(
+        "on load, restart the optimizer state of parameters whose role changed since the save instead of raising "
+        "([checkpointing.md](checkpointing.md#role-changes-another-matrix_filter))"))
+    replica_split: Union[bool, str] = _opt("auto", check_bool_or_auto, doc=(
+        '`"auto"`: on under HSDP (more than one replica), off otherwise; `True`/`False` force it. HSDP: step each '
+        "role on one replica only and send the updated weights to the others after the step; see "
+        "[multi-node.md](multi-node.md#replica_split-one-replica-steps-each-role)"))
+    flatten_conv: bool = _opt(False, check_bool, doc=(
+        "parameters of more than two dimensions (convolution kernels) become matrix roles too; `Muon` trains each "
+        "as its `(shape[0], -1)` matrix; see [Convolutional "
+        "networks](#convolutional-networks-and-other-small-models)"))
+    broadcast_buffers: bool = _opt(True, check_bool, doc=(
+        "as DDP's option of that name: rank 0's buffers (BatchNorm statistics) on every rank before each training "
+        "forward; `False` keeps each rank's own"))
+    ns_steps: int = _opt(5, check_positive_int, SHARD, doc=(
+        "Newton-Schulz iterations assumed by the planner's cost model when it estimates optimizer work per "
+        "matrix. It does not configure the optimizer; set it to your optimizer's `ns_steps`"))
+    async_save: bool = _opt(False, check_bool, ADAPTER, doc=(
+        "save checkpoint directories in the background: a save stalls training only for the copy of this rank's "
+        "share to reused host buffers ([checkpointing.md](checkpointing.md#asynchronous-saves))"))
+    expert_stacks: Any = _opt(None, _expert_stacks, doc=(
+        "your own mixture-of-experts parameters `[E, m, n]` that are stacks of E matrices (fqn glob patterns, a "
+        'dict `{pattern: blocks}` for fused projections, `{pattern: {"blocks": ..., "transposed": bool, '
+        '"interleaved": bool}}` for experts stored `[E, in, out]` or with interleaved gate/up, or a callable); '
+        "Hugging Face experts modules (GPT-OSS included) and `GroupedExperts` are declared automatically; each "
+        "stack is stepped as E independent matrices ([moe.md](moe.md#expert-stacks))"))
+    expert_parallel_size: int = _opt(1, check_positive_int, doc=(
+        "expert parallelism: each rank keeps `E/EP` experts of every experts module (Hugging Face's, or declared "
+        "with `parallelize_experts`) for good, and the tokens travel to them; attention, routers and dense "
+        "matrices stay owner-sharded; must divide the world and each `E` ([moe.md](moe.md#expert-parallelism))"))
+    split_stacks: bool = _opt(True, check_bool, doc=(
+        "the planner may split an expert stack into contiguous blocks of experts, one per owner, when the stack "
+        "whole would be more than an even share of its unit ([moe.md](moe.md#split-expert-stacks)); `False` keeps "
+        "every stack whole on one owner"))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -188,6 +235,45 @@ def options_signature(where: str, *, first: Iterable[inspect.Parameter] = (), ke
     params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
                                     annotation=Optional[MatrixFSDPConfig]))
     return inspect.Signature(params)
+
+
+#: What the ``config`` parameter of the strategies is (Markdown, as the options' ``doc``).
+CONFIG_DOC = ("all of the above as one `MatrixFSDPConfig` instead of keywords (not both); see "
+              "[One options object](#one-options-object-matrixfsdpconfig)")
+
+
+def option_docs() -> dict[str, str]:
+    """``{option: what it does}`` (Markdown), every field of the config in field order."""
+    return {f.name: f.metadata["doc"] for f in fields(MatrixFSDPConfig)}
+
+
+def _link(match: "re.Match[str]") -> str:
+    text, target = match.group(1), match.group(2)
+    page, _, anchor = target.partition("#")
+    where = f"docs/{page or 'user-guide.md'}" + (f"#{anchor}" if anchor else "")
+    return where if text == page else f"{text} ({where})"
+
+
+def plain_text(markdown: str) -> str:
+    """A description as ``--help`` shows it: links as the page they lead to (``docs/...``), no
+    backticks or emphasis."""
+    text = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", _link, markdown)
+    text = re.sub(r"(?<![\w*])\*(\w[^*`]*?)\*(?![\w*])", r"\1", text)  # *emphasis*
+    return text.replace("`", "")
+
+
+def options_docstring(where: str, notes: Optional[Mapping[str, str]] = None) -> str:
+    """The Google-style ``Args:`` section of an entry point that takes the options ``where``, in
+    its signature's order, then ``config``; ``notes`` adds a sentence to an option's text (what it
+    means for that entry point). jsonargparse reads it for LightningCLI's ``--help`` and the
+    comments of ``--print_config``."""
+    docs = {**option_docs(), "config": CONFIG_DOC}
+    lines = ["Args:"]
+    for name in (*MatrixFSDPConfig.names(where), "config"):
+        text = plain_text(docs[name]) + (f". {notes[name]}" if notes and name in notes else "")
+        lines += textwrap.wrap(f"{name}: {text}", 100, initial_indent="    ", subsequent_indent="        ",
+                               break_on_hyphens=False, break_long_words=False)
+    return "\n".join(lines)
 
 
 def bind_options(signature: inspect.Signature, who: str, args: tuple, kwargs: dict[str, Any]) -> MatrixFSDPConfig:

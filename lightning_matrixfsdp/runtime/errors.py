@@ -1,10 +1,17 @@
-"""Errors the runtime raises while training, so that users can catch them by class.
+"""The runtime's error classes, so that users can catch them by class.
 
-(``MatrixShardError``, for a model or option ``matrix_shard`` cannot take, lives with
-the option checks in ``options.py``.)
+``MatrixShardError``: a model or option that ``matrix_shard`` or a strategy cannot take,
+raised when the option or model is given. The others: what goes wrong while training.
+
+This module imports nothing, of the package or beyond: raising an error must not pull in
+the planner or the option checks (``tests/test_structure.py`` guards it).
 """
 
 from __future__ import annotations
+
+
+class MatrixShardError(ValueError):
+    """A model or option that matrix_shard (or the strategy) cannot handle."""
 
 
 class RankDivergenceError(RuntimeError):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
 from lightning_matrixfsdp.runtime.ep_comm import (EP_COMBINE, EP_DISPATCH, all_to_all_tokens, exchange_counts,
                                                   expert_group)
-from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
 __all__ = ["LocalExperts", "dtype_code", "dtype_of_code", "expert_parallel_forward", "grouped_mm_available",
            "hf_experts", "hf_experts_forward"]

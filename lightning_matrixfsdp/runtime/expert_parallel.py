@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.comm import CommStats
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.expert_comm import (
     ExpertGroups,
     expert_groups,
@@ -46,7 +47,6 @@ from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward
 from lightning_matrixfsdp.runtime.expert_seams import ExpertSeam, find_seams, install_forward
 from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
-from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.placement import ParamSpec, RoleKind
 from lightning_matrixfsdp.runtime.roles import role_cost
 from lightning_matrixfsdp.runtime.small_comm import gather_objects

@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.gptoss_seam import GPTOSS, install_gptoss_forward, is_gptoss_experts
-from lightning_matrixfsdp.runtime.options import MatrixShardError
 
 __all__ = ["ExpertSeam", "parallelize_experts", "find_seams", "install_forward", "joinable_seams",
            "set_exchange_announce", "exchange_without_tokens"]

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.expert_dispatch import grouped_mm_available
-from lightning_matrixfsdp.runtime.options import MatrixShardError
 
 __all__ = ["GPTOSS", "GroupedMatmul", "gptoss_experts_forward", "gptoss_gate", "install_gptoss_forward",
            "is_gptoss_experts", "per_expert_mm"]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.comm import ShardGroup, comm_device
-from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
 __all__ = ["MeshInfo", "parallel_sizes"]
 

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.comm import comm_device
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
-from lightning_matrixfsdp.runtime.options import MatrixShardError, check_timeout
+from lightning_matrixfsdp.runtime.options import check_timeout
 
 __all__ = ["build_hsdp_mesh", "hsdp_mesh", "is_tp_mesh", "mesh_info", "shard_and_replicate_groups", "shard_mesh"]
 

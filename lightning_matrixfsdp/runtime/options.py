@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES
+from lightning_matrixfsdp.runtime.errors import MatrixShardError  # re-exported: its old home
 from lightning_matrixfsdp.runtime.planner import PLANNERS
 
 __all__ = [
@@ -47,10 +48,6 @@ __all__ = [
     "check_timeout",
     "check_wrap_policy",
 ]
-
-
-class MatrixShardError(ValueError):
-    """A model or option that matrix_shard (or the strategy) cannot handle."""
 
 
 #: Names accepted for ``param_dtype`` / ``reduce_dtype`` (YAML and CLI configs).

@@ -26,12 +26,13 @@ from lightning_matrixfsdp.runtime.consensus import (
     validate_schedule,
 )
 from lightning_matrixfsdp.runtime.copies import track_copies
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.expert_parallel import prepare_experts
 from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts, watch_routing
 from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
 from lightning_matrixfsdp.runtime.mesh import MeshInfo
 from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info, shard_mesh
-from lightning_matrixfsdp.runtime.options import MatrixShardError, check_device, check_mesh
+from lightning_matrixfsdp.runtime.options import check_device, check_mesh
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import MatrixShard, ParamSpec, Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
-from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
 __all__ = ["AUTO", "Choice", "RankPlace", "TopologyError", "choose", "choose_collective", "choose_replica_split",
            "node_ids"]

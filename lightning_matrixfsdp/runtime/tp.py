@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_matrixfsdp.runtime.options import MatrixShardError
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
 __all__ = ["TPLayout", "as_dtensor", "chunk_sizes", "fragment_dtensor", "read_layout"]
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.comm import CommStats
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.expert_comm import rank0_slices
-from lightning_matrixfsdp.runtime.options import MatrixShardError
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, tag_expert_slice
 from lightning_matrixfsdp.runtime.tp_init_comm import scatter_initialized
