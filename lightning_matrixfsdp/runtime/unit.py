@@ -336,7 +336,8 @@ class Unit(OutsideCalls, RefusePickle):
                         and unit.schedule.in_backward):
                     raise RuntimeError(
                         f"a gradient of {unit.params[index].shard.fqn!r} arrived after its unit reduced "
-                        "(is the parameter used outside its unit's forward?); zero_missing_grads reduces "
+                        "(is the parameter read directly by code outside its unit, e.g. another module's forward "
+                        "using this weight, rather than through a call of its own module?); zero_missing_grads reduces "
                         "a unit as soon as the gradients of its inputs are done and cannot take later ones")
                 # A backward inside the unit's forward (manual_backward in a training step, the
                 # root's forward) reached no hooked output: the end-of-backward flush is queued here.
