@@ -38,8 +38,9 @@ def both(hf_pool):
         if name not in _cache:
             kind, model, bare, options = CASES[name]
             both_kw = {k: v for k, v in options.items() if k == "gradient_clip_val"}  # Trainer options
-            _cache[name] = tuple(hf_pool.run(run, kind, strategy, model, bare, options if strategy != "ddp" else both_kw,
-                                             timeout=300) for strategy in ("ddp", "matrix_fsdp"))
+            _cache[name] = tuple(hf_pool.run(run, kind, strategy, model, bare,
+                                             options if strategy != "ddp" else both_kw, timeout=300)
+                                 for strategy in ("ddp", "matrix_fsdp"))
         for strategy, res in zip(("ddp", "matrix_fsdp"), _cache[name]):
             for r in res:
                 assert "error" not in r, f"{name} under {strategy}:\n{r['error']}"
