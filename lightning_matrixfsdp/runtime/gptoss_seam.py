@@ -5,8 +5,8 @@ routing_weights [T, k])`` (not ``top_k_index``/``top_k_weights``), stores its ex
 with biases (``gate_up_proj [E, H, 2I]`` and ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``
 and ``down_proj_bias [E, H]``: every parameter stacked over its experts) and runs a clamped
 SwiGLU (its ``alpha`` and ``limit``) on gate and up interleaved. ``expert_seams.find_seams``
-recognizes it here (:func:`is_gptoss_experts`) as the seam kind :data:`GPTOSS`, and under
-``expert_parallel_size > 1`` :func:`install_gptoss_forward` replaces its forward by one that
+recognizes it by its family here (:class:`GptOssSeam`, the seam kind :data:`GPTOSS`), and under
+``expert_parallel_size > 1`` its installed forward (``seam_family.install``) is one that
 sends each token to its expert's rank (``expert_dispatch.expert_parallel_forward``) and there runs
 the module's own per-expert computation (its eager loop: the same clamp, activation and biases)
 on this rank's experts, each row once with weight 1; the router's weights are applied when the
@@ -18,6 +18,7 @@ per projection rather than a Python loop over the experts. Nothing here communic
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -26,8 +27,9 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.expert_dispatch import grouped_mm_available
+from lightning_matrixfsdp.runtime.seam_family import InstalledSeam, SeamFamily, eager_local, install, own_forward
 
-__all__ = ["GPTOSS", "GroupedMatmul", "gptoss_experts_forward", "gptoss_gate", "install_gptoss_forward",
+__all__ = ["GPTOSS", "GPTOSS_SEAM", "GptOssSeam", "GroupedMatmul", "gptoss_experts_forward", "gptoss_gate", "install_gptoss_forward",
            "is_gptoss_experts", "per_expert_mm"]
 
 GPTOSS = "gptoss"
@@ -97,33 +99,45 @@ def _grouped_ready(module: nn.Module) -> bool:
             and all(isinstance(getattr(module, a, None), (int, float)) for a in ("alpha", "limit")))
 
 
-def install_gptoss_forward(module: nn.Module, num_experts: int, dispatch: Callable[..., torch.Tensor],
-                           group: Any) -> Callable[[torch.Tensor, Any], torch.Tensor]:
-    """Replace ``module``'s forward (an instance attribute) by the expert-parallel one and return the
-    local computation (what the uneven-evaluation join runs with no token of this rank's own):
-    ``dispatch`` (``expert_parallel_forward``) moves the rows to their experts' ranks and calls
-    back the module's own eager loop on this rank's ``E/EP`` experts (local indices, weight 1), or
-    :func:`gptoss_experts_forward` with ``F.grouped_mm`` where ``grouped_mm_available`` holds."""
-    own = type(module).forward
-    own = getattr(own, "__wrapped__", own)  # transformers' implementation switch: its eager loop
-    grouped = _grouped_ready(module)
+class GptOssSeam(SeamFamily):
+    """Hugging Face's GPT-OSS experts: ``forward(hidden_states, router_indices, routing_weights)``
+    and at least one stacked 3-D parameter. On the local experts: the module's own eager loop (local
+    indices, weight 1), or :func:`gptoss_experts_forward` with ``F.grouped_mm`` where
+    ``grouped_mm_available`` holds (Hugging Face's ``GptOssExperts`` only)."""
 
-    def local(x: torch.Tensor, counts: Any) -> torch.Tensor:
-        if grouped:
-            params = [getattr(module, n) for n in _PARAMS]
-            if grouped_mm_available(x, *params):
-                return gptoss_experts_forward(x, [int(c) for c in counts], *params, float(module.alpha),
-                                              float(module.limit))
-        c = torch.as_tensor(counts, dtype=torch.int64, device=x.device)
-        ids = torch.repeat_interleave(torch.arange(c.numel(), device=x.device), c)
-        return own(module, x, ids[:, None], torch.ones(ids.shape[0], 1, dtype=x.dtype, device=x.device))
+    name = GPTOSS
 
-    def forward(hidden_states: torch.Tensor, router_indices: Optional[torch.Tensor] = None,
+    def matches(self, module: nn.Module, args: tuple[str, ...]) -> bool:
+        return is_gptoss_experts(module, args)
+
+    def local(self, module: nn.Module, fused: Optional[Callable[..., torch.Tensor]]) -> Callable[..., torch.Tensor]:
+        return functools.partial(_local, own_forward(module), module, _grouped_ready(module))
+
+    def forward(self, seam: InstalledSeam, hidden_states: torch.Tensor,  # type: ignore[override]
+                router_indices: Optional[torch.Tensor] = None,
                 routing_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         if router_indices is None or routing_weights is None:
-            raise MatrixShardError(f"{type(module).__name__} under expert parallelism needs router_indices and "
+            raise MatrixShardError(f"{type(seam.module).__name__} under expert parallelism needs router_indices and "
                                    "routing_weights (the router's top-k choices) to send each token to its expert")
-        return dispatch(hidden_states, router_indices, routing_weights, num_experts, local, group)
+        return seam.dispatch(hidden_states, router_indices, routing_weights)
 
-    module.forward = forward  # type: ignore[method-assign]
-    return local
+
+def _local(own: Callable[..., torch.Tensor], module: nn.Module, grouped: bool, x: torch.Tensor,
+           counts: Any) -> torch.Tensor:
+    if grouped:
+        params = [getattr(module, n) for n in _PARAMS]
+        if grouped_mm_available(x, *params):
+            return gptoss_experts_forward(x, [int(c) for c in counts], *params, float(module.alpha),
+                                          float(module.limit))
+    return eager_local(own, module, x, counts)
+
+
+#: the family's entry in ``expert_seams.FAMILIES``
+GPTOSS_SEAM = GptOssSeam()
+
+
+def install_gptoss_forward(module: nn.Module, num_experts: int, dispatch: Callable[..., torch.Tensor],
+                           group: Any) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """Install :data:`GPTOSS_SEAM` on ``module`` (``seam_family.install``) and return its local
+    computation (what the uneven-evaluation join runs with no token of this rank's own)."""
+    return install(GPTOSS_SEAM, module, num_experts, dispatch, group).local
