@@ -204,9 +204,10 @@ def recipe_roles(module: nn.Module, expert_stacks: Any = None,
 
 
 def tag_expert_stacks(module: nn.Module, expert_stacks: Any = None) -> dict[str, ExpertStack]:
-    """Tag the expert stacks of an unsharded model (plain DDP, one device), so this library's
-    Muon, Shampoo and SOAP step each expert as its own matrix there too (``matrix_shard`` tags
-    them itself). ``expert_stacks``: the option's forms. Returns fqn -> stack."""
+    """Tag the layout of the expert stacks of an unsharded model (plain DDP, one device): how this
+    library's optimizers cut each into its experts where a param group routes it to the matrix
+    part (``Muon(model)`` / ``optim.groups.param_groups`` tag and route them; ``matrix_shard``
+    tags them itself). ``expert_stacks``: the option's forms. Returns fqn -> stack."""
     try:
         stacks = declared_stacks(module, check_expert_stacks(expert_stacks))
     except ExpertStackError as err:
