@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from helpers.dist import under_both
 from helpers.walk_scenarios import PRECISIONS, WalkModule, run_scenario
 
 _cache: dict[str, tuple[dict, dict]] = {}
@@ -26,14 +27,8 @@ def walk_root(tmp_path_factory):
 def scenario(dist_pools, walk_root):
     """``scenario(name) -> (ddp, matrix_fsdp)``: each strategy's result, run once per module."""
     def get(name: str) -> tuple[dict, dict]:
-        if name not in _cache:
-            pool = dist_pools(2)
-            _cache[name] = tuple(pool.run(run_scenario, name, strategy, str(walk_root / name), timeout=300)
-                                 for strategy in ("ddp", "matrix_fsdp"))
-        for strategy, res in zip(("ddp", "matrix_fsdp"), _cache[name]):
-            for r in res:
-                assert "error" not in r, f"{name} under {strategy}:\n{r['error']}"
-        return _cache[name]
+        return under_both(_cache, name, lambda strategy: dist_pools(2).run(
+            run_scenario, name, strategy, str(walk_root / name), timeout=300))
     return get
 
 

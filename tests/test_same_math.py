@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.dist import under_both
 from helpers.same_math_scenarios import run
 
 CASES = {  # name -> (kind, model, bare, matrix_fsdp options)
@@ -35,16 +36,10 @@ _cache: dict[str, tuple[list, list]] = {}
 @pytest.fixture
 def both(hf_pool):
     def get(name: str) -> tuple[list, list]:
-        if name not in _cache:
-            kind, model, bare, options = CASES[name]
-            both_kw = {k: v for k, v in options.items() if k == "gradient_clip_val"}  # Trainer options
-            _cache[name] = tuple(hf_pool.run(run, kind, strategy, model, bare,
-                                             options if strategy != "ddp" else both_kw, timeout=300)
-                                 for strategy in ("ddp", "matrix_fsdp"))
-        for strategy, res in zip(("ddp", "matrix_fsdp"), _cache[name]):
-            for r in res:
-                assert "error" not in r, f"{name} under {strategy}:\n{r['error']}"
-        return _cache[name]
+        kind, model, bare, options = CASES[name]
+        both_kw = {k: v for k, v in options.items() if k == "gradient_clip_val"}  # Trainer options
+        return under_both(_cache, name, lambda strategy: hf_pool.run(
+            run, kind, strategy, model, bare, options if strategy != "ddp" else both_kw, timeout=300))
     return get
 
 

@@ -218,3 +218,17 @@ class DistPool:
             if p.is_alive():
                 p.kill()
         self.procs = []
+
+
+STRATEGIES = ("ddp", "matrix_fsdp")
+
+
+def under_both(cache: dict, name: str, run_one: Callable[[str], list[Any]]) -> tuple[list, list]:
+    """``run_one(strategy)`` for DDP and for matrix_fsdp, once per ``name`` (kept in ``cache``);
+    a scenario that came back as ``{"error": text}`` on any rank fails the calling test with it."""
+    if name not in cache:
+        cache[name] = tuple(run_one(strategy) for strategy in STRATEGIES)
+    for strategy, res in zip(STRATEGIES, cache[name]):
+        for r in res:
+            assert "error" not in r, f"{name} under {strategy}:\n{r['error']}"
+    return cache[name]
