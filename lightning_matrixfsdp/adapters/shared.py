@@ -38,12 +38,12 @@ from lightning_matrixfsdp.runtime import (
     get_plan, matrix_shard, norm_groups, set_requires_gradient_sync, start_replica_sync, wait_replicas)
 from lightning_matrixfsdp.runtime.config import (
     ADAPTER, MatrixFSDPConfig, bind_options, options_docstring, options_signature)
-from lightning_matrixfsdp.runtime.copies import copies_of
-from lightning_matrixfsdp.runtime.mesh import MeshInfo, parallel_sizes
-from lightning_matrixfsdp.runtime.mesh_comm import mesh_info
-from lightning_matrixfsdp.runtime.small_comm import any_rank
+from lightning_matrixfsdp.runtime.views.copies import copies_of
+from lightning_matrixfsdp.runtime.mesh.info import MeshInfo, parallel_sizes
+from lightning_matrixfsdp.runtime.mesh.comm import mesh_info
+from lightning_matrixfsdp.runtime.comm.small import any_rank
 from lightning_matrixfsdp.runtime.tags import sharded_roots
-from lightning_matrixfsdp.runtime.waits import stop_waiter
+from lightning_matrixfsdp.runtime.comm.waits import stop_waiter
 
 __all__ = [
     "MatrixFSDPAdapter", "SETUP_ORDER", "adapter_docstring", "adapter_signature", "apply_activation_checkpointing",

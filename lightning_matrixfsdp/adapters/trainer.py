@@ -55,7 +55,7 @@ from lightning_matrixfsdp.checkpoint.agree import agree
 from lightning_matrixfsdp.optim.routing import route_optimizer
 from lightning_matrixfsdp.runtime import (
     broadcast_buffers, release_unfinished, settle_replicas, skip_buffer_broadcast, watch_lone_forwards)
-from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
+from lightning_matrixfsdp.runtime.views.copies import shard_copies, track_copies
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 
 

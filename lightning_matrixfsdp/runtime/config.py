@@ -28,8 +28,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
-from lightning_matrixfsdp.runtime.experts import ExpertStackError, check_expert_stacks
-from lightning_matrixfsdp.runtime.mesh import parallel_sizes
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStackError, check_expert_stacks
+from lightning_matrixfsdp.runtime.mesh.info import parallel_sizes
 from lightning_matrixfsdp.runtime.options import (
     check_backend,
     check_bool,
@@ -87,7 +87,7 @@ def _parallel_size(value: Any, name: str) -> Union[int, str]:
 
 
 def _expert_stacks(value: Any, name: str) -> Any:
-    """``expert_stacks``: patterns frozen into a sorted tuple of (pattern, blocks) (runtime/experts.py)."""
+    """``expert_stacks``: patterns frozen into a sorted tuple of (pattern, blocks) (runtime/experts/stacks.py)."""
     try:
         return check_expert_stacks(value, name)
     except ExpertStackError as err:

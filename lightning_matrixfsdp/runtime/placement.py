@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Optional, Sequence
 
-from lightning_matrixfsdp.runtime.experts import ExpertStack
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack
 from lightning_matrixfsdp.runtime.plan_text import plan_text
 
 

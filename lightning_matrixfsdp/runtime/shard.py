@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.checks import check_model
 from lightning_matrixfsdp.runtime.classify import RoleChoice, classify, describe_roles, recipe_roles
-from lightning_matrixfsdp.runtime.collectives import make_collective
-from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
+from lightning_matrixfsdp.runtime.comm.collectives import make_collective
+from lightning_matrixfsdp.runtime.comm.core import CommStats, ShardGroup
 from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig, bind_options, options_signature
 from lightning_matrixfsdp.runtime.consensus import (
     SYNC_BUFFERS,
@@ -25,28 +25,28 @@ from lightning_matrixfsdp.runtime.consensus import (
     sequence_check_wanted,
     validate_schedule,
 )
-from lightning_matrixfsdp.runtime.copies import track_copies
+from lightning_matrixfsdp.runtime.views.copies import track_copies
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
-from lightning_matrixfsdp.runtime.expert_parallel import prepare_experts
-from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts, watch_routing
-from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
-from lightning_matrixfsdp.runtime.mesh import MeshInfo
-from lightning_matrixfsdp.runtime.mesh_comm import is_tp_mesh, mesh_info, shard_mesh
+from lightning_matrixfsdp.runtime.experts.parallel import prepare_experts
+from lightning_matrixfsdp.runtime.experts.stats import RoutingCounts, watch_routing
+from lightning_matrixfsdp.runtime.comm.grads import GradientReducer
+from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
+from lightning_matrixfsdp.runtime.mesh.comm import is_tp_mesh, mesh_info, shard_mesh
 from lightning_matrixfsdp.runtime.options import check_device, check_mesh
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import MatrixShard, ParamSpec, Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 from lightning_matrixfsdp.runtime.prune_guard import install_prune_guard
-from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
-from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
+from lightning_matrixfsdp.runtime.replicas.comm import ReplicaExchange
+from lightning_matrixfsdp.runtime.replicas.sync import ReplicaSync
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
 from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_recipe, tag_role, tag_tp, tag_tp_shape
-from lightning_matrixfsdp.runtime.topology_comm import resolve
-from lightning_matrixfsdp.runtime.tp import local_data, read_layout
-from lightning_matrixfsdp.runtime.tp_init import awaits_init, init_tp_meta, replays_whole
-from lightning_matrixfsdp.runtime.tp_comm import TPFragment
-from lightning_matrixfsdp.runtime.tp_plan import TPPlan, assign_tp_steppers, localize
+from lightning_matrixfsdp.runtime.mesh.topology_comm import resolve
+from lightning_matrixfsdp.runtime.tp.layout import local_data, read_layout
+from lightning_matrixfsdp.runtime.meta_init import awaits_init, init_tp_meta, replays_whole
+from lightning_matrixfsdp.runtime.tp.step_comm import TPFragment
+from lightning_matrixfsdp.runtime.tp.plan import TPPlan, assign_tp_steppers, localize
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
@@ -120,7 +120,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     same parameters unused, or their communication disagrees.
 
     ``collective="auto"`` and ``replica_split="auto"`` (the defaults) are chosen here from the
-    topology (``runtime/topology.py``): p2p inside one node, broadcast across nodes; the split
+    topology (``runtime/mesh/topology.py``): p2p inside one node, broadcast across nodes; the split
     on under HSDP. The choice and its reason are printed with the plan and logged.
 
     ``replica_split=True`` (HSDP only; without replicas it changes nothing): each role's
@@ -166,7 +166,7 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     if experts is None:
         watch_routing(module, routing)
 
-    # "auto" options resolved once, alike on every rank, before any other collective (runtime/topology.py)
+    # "auto" options resolved once, alike on every rank, before any other collective (runtime/mesh/topology.py)
     choice = resolve(config.collective, config.replica_split, mesh)
     config = config.updated(collective=choice.collective, replica_split=choice.replica_split)
     collected = collect(module, config)  # 1. specs
@@ -246,7 +246,7 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
             first_fqn.setdefault(id(p), fqn)
             if (mod, pname) not in [(m, n) for m, n in regs.get(id(p), [])]:
                 regs.setdefault(id(p), []).append((mod, pname))
-    # expert-parallel slices are local: no unit materializes or reduces them (expert_parallel.py)
+    # expert-parallel slices are local: no unit materializes or reduces them (experts/parallel.py)
     param_objs: dict[int, nn.Parameter] = {id(p): p for p in module.parameters() if expert_slice_of(p) is None}
     roles = classify(module, config)  # every parameter's placement role, and why (runtime/classify.py)
     recipe = recipe_roles(module, config.expert_stacks, roles)  # and its update under the Muon recipe
@@ -293,7 +293,7 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
                   device: torch.device, tp_plan: Optional[TPPlan] = None,
                   stats: Optional[CommStats] = None) -> MatrixFSDPState:
     """Agree on plan and options, take rank 0's values, and build the parameters, units and hooks.
-    With tensor parallelism (``tp_plan``) the TP group agrees on the global plan and TP layouts
+    With tensor parallelism (``tp/plan``) the TP group agrees on the global plan and TP layouts
     first, and this rank's data-parallel group then runs the plan at its fragments' shapes."""
     sg, replicate_pg = mesh.shard, mesh.replicate_group
     agreed = agreed_options(config, mesh, plan, module)

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from lightning_matrixfsdp.runtime.placement import Plan, UnitLayout
-from lightning_matrixfsdp.runtime.replica_comm import CHUNK_BYTES, chain_end
-from lightning_matrixfsdp.runtime.replicas import assign_steppers
+from lightning_matrixfsdp.runtime.replicas.comm import CHUNK_BYTES, chain_end
+from lightning_matrixfsdp.runtime.replicas.assign import assign_steppers
 
 from .cluster import Cluster
 from .shape import ModelShape, unit_specs
@@ -84,7 +84,7 @@ def pipeline(compute: list[float], mat: list[float], red: list[float], ready: li
 def split_exchange(plan: Plan, shape: ModelShape, c: Cluster, replicas: int
                     ) -> tuple[list[list[float]], list[list[float]]]:
     """Seconds per unit and per GPU (replica k, shard rank r) of ``replica_split``'s exchange
-    (runtime/replica_comm.py): the backward's reduction chain and the broadcast of the updated
+    (runtime/replicas/comm.py): the backward's reduction chain and the broadcast of the updated
     weights after the step. The chain runs in replica order ``0 -> ... -> m`` (``chain_end``), in
     chunks of ``CHUNK_BYTES``: a GPU sends every role once except where it steps the role and the
     chain ends there, receives it on replicas ``1 .. m``, and the stepper receives one more copy (the

@@ -30,8 +30,8 @@ from typing import Any
 
 from lightning_matrixfsdp.runtime.placement import Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import newton_schulz_flops
-from lightning_matrixfsdp.runtime.replicas import assign_steppers
-from lightning_matrixfsdp.runtime.topology import choose
+from lightning_matrixfsdp.runtime.replicas.assign import assign_steppers
+from lightning_matrixfsdp.runtime.mesh.topology import choose
 
 from ..baselines import assign_owners
 from .cluster import GIB, Cluster
