@@ -346,7 +346,7 @@ def test_gptoss_seam_runs_the_grouped_forward_where_grouped_mm_serves(monkeypatc
     pytest.importorskip("transformers")
     import torch.nn.functional as F
 
-    from lightning_matrixfsdp.runtime import gptoss_seam
+    from lightning_matrixfsdp.runtime.experts import gptoss as gptoss_seam
 
     module = _experts_module(torch.float64, seed=3)
     x = torch.randn(sum(GROUPED_COUNTS), 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
