@@ -14,7 +14,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_matrixfsdp.adapters.shared import check_precision, clip_group
-from lightning_matrixfsdp.optim.norms import clip_grad_norm_
+from lightning_matrixfsdp.adapters.pipeline import pipeline_of
+from lightning_matrixfsdp.optim.norms import clip_grad_norm_, clip_grad_norm_pipeline_
 from lightning_matrixfsdp.optim.routing import full_params
 
 __all__ = ["GlobalNormClip", "install_clip_group", "with_global_norm_clip"]
@@ -26,7 +27,13 @@ class GlobalNormClip:
     _mfsdp_clip_group: Any = None
     _mfsdp_clip_stats: Any = None  # the sharded model's CommStats: the all-reduce counts as "clip"
 
+    _mfsdp_clip_pp: Any = None  # pipeline parallelism: the pipeline group (the norm is summed over it too)
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        if self._mfsdp_clip_pp is not None:  # each stage's owners, then over the stages
+            clip_grad_norm_pipeline_(full_params(optimizer), float(clip_val), group=self._mfsdp_clip_group,
+                                     pp_group=self._mfsdp_clip_pp, stats=self._mfsdp_clip_stats)
+            return
         # every rank's full list (DDP's order): the clip combines the norms exactly as torch does;
         # with tensor parallelism it finds the TP group from the list's TP fragments
         clip_grad_norm_(full_params(optimizer), float(clip_val), group=self._mfsdp_clip_group,
@@ -46,6 +53,8 @@ def with_global_norm_clip(plugin: Any, who: str) -> Any:
 def install_clip_group(plugin: Optional[Any], module: nn.Module) -> None:
     """Point the plugin's clip at the group and traffic stats of the sharded model in ``module``."""
     if isinstance(plugin, GlobalNormClip):
-        group, stats = clip_group(module)
+        session = pipeline_of(module)  # pipeline parallelism: a stage's groups, and the pipeline group
+        group, stats = clip_group(session.run.stages[0] if session is not None else module)
         if stats is not None:  # a sharded model is there
             plugin._mfsdp_clip_group, plugin._mfsdp_clip_stats = group, stats
+        plugin._mfsdp_clip_pp = session.run.pp_group if session is not None else None

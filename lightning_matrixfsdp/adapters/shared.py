@@ -44,6 +44,8 @@ from lightning_matrixfsdp.runtime.mesh.comm import mesh_info
 from lightning_matrixfsdp.runtime.comm.small import any_rank
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 from lightning_matrixfsdp.runtime.comm.waits import stop_waiter
+from lightning_matrixfsdp.runtime.pipeline import PipelineMesh, pipeline_mesh
+from lightning_matrixfsdp.adapters.pipeline import check_pipeline_world
 
 __all__ = [
     "MatrixFSDPAdapter", "SETUP_ORDER", "adapter_docstring", "adapter_signature", "apply_activation_checkpointing",
@@ -226,6 +228,8 @@ class MatrixFSDPAdapter:
     config: MatrixFSDPConfig
     #: the groups of the sharded models (``setup_environment`` builds it)
     shard_mesh: Optional[MeshInfo] = None
+    #: the pipeline's mesh under ``pipeline_parallel_size > 1`` (``setup_environment`` builds it)
+    pipeline_mesh: Optional[PipelineMesh] = None
     #: ``precision="64-true"`` trains in float64 (Lightning refuses it for ``ModelParallelStrategy``:
     #: ``double_precision.py`` lets the connectors accept it for these strategies)
     serves_double_precision: ClassVar[bool] = True
@@ -261,7 +265,8 @@ class MatrixFSDPAdapter:
         read the same batches (every rank its own without TP)."""
         tp = self.shard_mesh.tp_size if self.shard_mesh is not None else 1
         world = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
-        return {"num_replicas": world // tp, "rank": self.global_rank // tp}  # type: ignore[attr-defined]
+        places = world // (tp * self.config.pipeline_parallel_size)  # the stages of one place read one batch
+        return {"num_replicas": places, "rank": self.global_rank // tp % places}  # type: ignore[attr-defined]
 
     def check_world(self) -> tuple[int, int]:
         """(data-parallel size, tensor-parallel size) of this run's world (devices x nodes), every
@@ -270,10 +275,12 @@ class MatrixFSDPAdapter:
         refused in ``Trainer(...)`` / ``Fabric(...)``, before any process starts; and again on every
         rank before the process group, so a strategy that got through raises the same error on each."""
         nodes, per_node = self.num_nodes, self.num_processes  # type: ignore[attr-defined]
-        return parallel_sizes(nodes * per_node, per_node, data_parallel=self.config.data_parallel_size,
-                              tensor_parallel=self.config.tensor_parallel_size, shard_size=self.config.shard_size,
-                              expert_parallel=self.config.expert_parallel_size,
-                              where=f"devices={per_node} x num_nodes={nodes}")
+        where = f"devices={per_node} x num_nodes={nodes}"
+        sizes = parallel_sizes(nodes * per_node, per_node, data_parallel=self.config.data_parallel_size,
+                               tensor_parallel=self.config.tensor_parallel_size, shard_size=self.config.shard_size,
+                               expert_parallel=self.config.expert_parallel_size, where=where)
+        check_pipeline_world(self.config, nodes * per_node, sizes[1], where)  # pipeline_parallel_size
+        return sizes
 
     @override
     def _configure_launcher(self) -> None:
@@ -291,6 +298,9 @@ class MatrixFSDPAdapter:
         super().setup_environment()  # type: ignore[misc]
         self.shard_mesh = mesh_info(self.device_mesh, self.config.shard_size, self.root_device,  # type: ignore[attr-defined]
                                    self.config.timeout)
+        if self.config.pipeline_parallel_size > 1:  # the (pp, dp) mesh, pipeline axis outermost
+            self.pipeline_mesh = pipeline_mesh(self.config.pipeline_parallel_size, self.config.shard_size,
+                                               self.root_device.type)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ sharding
     def shard(self, module: nn.Module) -> None:

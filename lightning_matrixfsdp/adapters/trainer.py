@@ -29,6 +29,7 @@ from lightning_matrixfsdp.adapters.compat import (
     convert_sync_batchnorm, defer_links, refuse_async_checkpoint_io, refuse_pruning)
 from lightning_matrixfsdp.adapters.param_groups import (
     full_finetuning_state, install_toggles, restore_finetuning_groups, uninstall_toggles)
+from lightning_matrixfsdp.adapters.pipeline import check_pipelined_trainer, pipeline_of, setup_pipeline
 from lightning_matrixfsdp.adapters.replacement import replace_optimizer
 from lightning_matrixfsdp.adapters.shared import (
     MatrixFSDPAdapter,
@@ -139,7 +140,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        sharded = self._is_sharded(module)  # refuses FSDP1 / DTensor models before anything changes
+        sharded = self._is_sharded(module) or pipeline_of(module) is not None  # refuses FSDP1 / DTensor models
         refuse_pruning(trainer.callbacks)
         if self.async_saver is not None:
             defer_links(trainer.callbacks, self.async_saver, self.is_global_zero)
@@ -149,7 +150,12 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             broadcast_buffers(module)
         else:
             self.model = self.precision_plugin.convert_module(self.model)
-            self.shard(module)
+            if self.pipeline_mesh is not None:  # pipeline_parallel_size > 1: this rank's stages only
+                check_pipelined_trainer(module, trainer)
+                setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device,
+                               lambda: trainer.accumulate_grad_batches)
+            else:
+                self.shard(module)
         self.model_to_device()  # buffers and anything outside the shard
         watch_lone_forwards(module)  # a forward outside the steps (a hook's) must be joined by every rank
         shard_copies(module)
@@ -208,6 +214,20 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         if module is not None:  # every rank: the experts' counts are summed over the world at a log step
             self._telemetry.log(module.trainer, self._sharded_roots(), self.is_global_zero)
         return out
+
+    @override
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Under pipeline parallelism the schedule ran the backward inside ``forward_loss``: only
+        the hooks around it run here (``on_before_backward``, ``on_after_backward``)."""
+        session = pipeline_of(self.lightning_module)
+        if session is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        session.take_backward()
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextmanager
     @override

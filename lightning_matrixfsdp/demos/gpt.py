@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torchmetrics.text import Perplexity
+from torchmetrics import MeanMetric
 
+from lightning_matrixfsdp.adapters.pipeline import forward_loss
 from lightning_matrixfsdp.demos.schedule import WarmupCosine  # noqa: F401  (its import path before schedule.py)
 from lightning_matrixfsdp.demos.schedule import fit_schedules_to_trainer, warmup_cosine
 
@@ -121,8 +122,7 @@ class GPT(LightningModule):
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))
-        self.train_ppl = Perplexity()
-        self.val_ppl = Perplexity()
+        self.val_nll = MeanMetric()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -142,24 +142,26 @@ class GPT(LightningModule):
             x = block(x)
         return self.head(self.ln_f(x))
 
-    def _loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        return loss, logits.detach().float(), y
+    def loss_fn(self, logits: Tensor, y: Tensor) -> Tensor:
+        """The mean next-token cross-entropy of ``logits`` (float32) against ``y``."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss, logits, y = self._loss(batch)
-        self.train_ppl(logits, y)
+        # forward_loss: self.loss_fn(self(x), y), or the pipeline's schedule (docs/pipeline-parallel.md)
+        loss = forward_loss(self, *batch)
         self.log("train_loss", loss, prog_bar=True)
-        self.log("train_ppl", self.train_ppl, prog_bar=True)
+        self.log("train_ppl", loss.detach().exp(), prog_bar=True)  # the batch's perplexity: exp of its mean loss
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss, logits, y = self._loss(batch)
-        self.val_ppl.update(logits, y)
+        loss = forward_loss(self, *batch)
+        self.val_nll.update(loss.detach(), weight=batch[1].numel())
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val_ppl", self.val_ppl, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        # perplexity over every validation token: exp of their mean loss (summed over the ranks)
+        self.log("val_ppl", self.val_nll.compute().exp(), prog_bar=True)
+        self.val_nll.reset()
 
     def _optimizer(self) -> torch.optim.Optimizer:
         hp = self.hparams

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_matrixfsdp.adapters.pipeline import forward_loss
 from lightning_matrixfsdp.checkpoint.pretrained import load_pretrained, meta_init
 from lightning_matrixfsdp.demos.data import VOCAB_SIZE
 from lightning_matrixfsdp.demos.schedule import fit_schedules_to_trainer, warmup_cosine
@@ -104,11 +105,17 @@ class HFCausalLM(LightningModule):
         """Token ids ``(B, T)`` -> next-token logits ``(B, T, vocab)``."""
         return self.model(input_ids=idx, use_cache=False).logits
 
+    def loss_fn(self, logits: Tensor, y: Tensor) -> Tensor:
+        """The mean next-token cross-entropy of ``logits`` (float32) against ``y``."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
     def _loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """(the loss to train, the router losses it includes by name, unscaled)."""
         x, y = batch  # y is x shifted by one token already: no shift here
+        if not getattr(self.model.config, "output_router_logits", False):
+            return forward_loss(self, x, y), {}  # self.loss_fn(self(x), y), or the pipeline's schedule
         out = self.model(input_ids=x, use_cache=False)
-        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
+        loss = self.loss_fn(out.logits, y)
         terms = router_losses(self.model, out)
         for value, coef in terms.values():  # Hugging Face's order: cross-entropy, then the router terms
             loss = loss + coef * value.to(loss.device)
@@ -122,10 +129,7 @@ class HFCausalLM(LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), prog_bar=True,
-                 sync_dist=True)
+        self.log("val_loss", forward_loss(self, *batch), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams

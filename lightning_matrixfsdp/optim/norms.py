@@ -21,7 +21,7 @@ from lightning_matrixfsdp.runtime.comm.small import all_reduce_norm
 from lightning_matrixfsdp.runtime import norm_groups, tp_group_of
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, shard_of, tp_shape_of
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["clip_grad_norm_", "clip_grad_norm_pipeline_", "grad_norm"]
 
 
 def _owned_grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -148,6 +148,25 @@ def _clip_expert_parallel(params: list[torch.Tensor], max_norm: float, norm_type
     # in the gradients' dtype, as torch returns it (float64 gradients keep a float64 coefficient)
     total = _total_norm(combined, norm_type, grads[0].dtype if grads else torch.float32)
     return _scale_by(grads, total, max_norm, norm_type, error_if_nonfinite)
+
+
+@torch.no_grad()
+def clip_grad_norm_pipeline_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
+                             group: Optional[dist.ProcessGroup], pp_group: Optional[dist.ProcessGroup],
+                             error_if_nonfinite: bool = False, stats: Optional[CommStats] = None) -> torch.Tensor:
+    """Pipeline parallelism: clip by the global norm over every stage, each parameter counted once.
+    Each rank adds the pieces of the gradients it owns in its stages; they are summed over the
+    stage's norm ``group`` (its shard group), then over ``pp_group`` (one rank of each stage; every
+    parameter lives in one stage). The same norm as torch's over the unsplit model's gradients up
+    to float32 rounding (the order of the sums differs); every rank scales what it holds."""
+    grads = _owned_grads(list(params))
+    device = grads[0].device if grads else comm_device(group)
+    local, maximum = _partial_norm(grads, float(norm_type), device)
+    combined = local.to(comm_device(group)) if _alone(group) else all_reduce_norm(local, maximum=maximum,
+                                                                                  group=group, stats=stats)
+    combined = all_reduce_norm(combined, maximum=maximum, group=pp_group, stats=stats)
+    total = _total_norm(combined, float(norm_type), grads[0].dtype if grads else torch.float32)
+    return _scale_by(grads, total, float(max_norm), float(norm_type), error_if_nonfinite)
 
 
 def _scale_by(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float, norm_type: float,

@@ -99,6 +99,26 @@ def _adapter_default_bool(value: Any, name: str) -> Optional[bool]:
     return None if value is None else check_bool(value, name)
 
 
+def check_pipeline_schedule(value: Any) -> str:
+    """``pipeline_schedule``: one of torch's schedules by name (runtime/pipeline/comm.py's ``SCHEDULES``)."""
+    from lightning_matrixfsdp.runtime.pipeline.comm import SCHEDULES
+
+    if not isinstance(value, str) or value not in SCHEDULES:
+        raise MatrixShardError(f"pipeline_schedule={value!r} is not accepted; choose one of {', '.join(SCHEDULES)}")
+    return value
+
+
+def check_pipeline_split(value: Any) -> Optional[tuple[str, ...]]:
+    """``pipeline_split``: None, or module names (a list or tuple of non-empty strings, frozen as a tuple)."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
+            not all(isinstance(v, str) and v for v in value) or not value:
+        raise MatrixShardError(f"pipeline_split={value!r} is not accepted; pass None or a list of module names, "
+                               'the first block of each stage after the first (e.g. ["blocks.2"])')
+    return tuple(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MatrixFSDPConfig:
     """Every option of ``matrix_shard`` and the strategies, the one list of them: each field's
@@ -189,6 +209,22 @@ class MatrixFSDPConfig:
         "the planner may split an expert stack into contiguous blocks of experts, one per owner, when the stack "
         "whole would be more than an even share of its unit ([moe.md](moe.md#split-expert-stacks)); `False` keeps "
         "every stack whole on one owner"))
+    # ---- pipeline parallelism (issue 38; docs/pipeline-parallel.md): the strategies only
+    pipeline_parallel_size: int = _opt(1, check_positive_int, ADAPTER, doc=(
+        "pipeline parallelism: the model is split into this many stages, one per group of `world / PP` ranks "
+        "(the pipeline axis outermost), each stage owner-sharded over its own ranks; the LightningModule's steps "
+        "call `lightning_matrixfsdp.forward_loss` ([pipeline-parallel.md](pipeline-parallel.md"
+        "#pipeline-parallelism-in-lightning-the-contract))"))
+    pipeline_microbatches: Optional[int] = _opt(None, lambda v, n: check_positive_int(v, n, optional=True), ADAPTER,
+                                                doc=("micro-batches each batch is cut into under pipeline "
+                                                     "parallelism (`None`: `2 * pipeline_parallel_size`); must "
+                                                     "divide the batch size"))
+    pipeline_schedule: str = _opt("1F1B", _named(check_pipeline_schedule), ADAPTER, doc=(
+        "torch's pipeline schedule by name: `\"GPipe\"`, `\"1F1B\"`, `\"Interleaved1F1B\"`, `\"LoopedBFS\"` "
+        "(the last two: two stages per rank)"))
+    pipeline_split: Optional[list[str]] = _opt(None, _named(check_pipeline_split), ADAPTER, doc=(
+        "the first block of each stage after the first (module names inside the pipelined model, e.g. "
+        "`[\"blocks.2\"]`); `None`: stages balanced by parameter count"))
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -206,6 +242,14 @@ class MatrixFSDPConfig:
         if ep > 1 and tp != "auto" and tp > 1:
             raise MatrixShardError(f"expert_parallel_size={ep} with tensor parallelism (tensor_parallel_size={tp}) "
                                    "is not supported yet; use one of them")
+        pp = self.pipeline_parallel_size
+        if pp > 1 and ((tp != "auto" and tp > 1) or ep > 1):  # pipeline parallelism: one block of checks
+            other = f"tensor_parallel_size={tp}" if tp != "auto" and tp > 1 else f"expert_parallel_size={ep}"
+            raise MatrixShardError(f"pipeline_parallel_size={pp} with {other} is not supported yet; use one of them")
+        if pp > 1 and dp != "auto":
+            raise MatrixShardError(f"pipeline_parallel_size={pp} with data_parallel_size={dp}: under pipeline "
+                                   "parallelism each stage's data-parallel size is world / pipeline_parallel_size; "
+                                   'leave data_parallel_size="auto"')
         if dp != "auto":  # shard_size and expert_parallel_size split the data-parallel ranks
             parallel_sizes(dp, 1, data_parallel=dp, shard_size=self.shard_size, expert_parallel=ep,
                            where=f"data_parallel_size={dp}")

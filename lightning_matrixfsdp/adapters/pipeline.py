@@ -1,0 +1,195 @@
+"""Pipeline parallelism in Lightning (issue 38): the contract and what the strategies do under it.
+
+The contract (docs/pipeline-parallel.md, "Pipeline parallelism in Lightning: the contract"):
+the LightningModule defines ``loss_fn(outputs, targets)`` (a method, or a loss module as an
+attribute) and its steps call ``forward_loss(self, inputs, targets)``. Without pipeline
+parallelism (any strategy, DDP included) that is exactly ``self.loss_fn(self(inputs), targets)``.
+Under ``pipeline_parallel_size > 1`` the strategy has attached a :class:`PipelineSession` to the
+module: in training ``forward_loss`` runs the schedule (forward and backward of every
+micro-batch) and returns the batch's mean loss, detached, the same on every rank of the pipeline
+group; the strategy's ``backward`` then runs none of its own. In evaluation it runs the forward
+only. The session also guards the pipelined model's whole forward, which no rank can run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
+from lightning_matrixfsdp.runtime.pipeline import FAMILIES, PipelineMesh, PipelineRun, build_pipeline, family_of
+from lightning_matrixfsdp.runtime.tags import is_owned
+
+__all__ = ["PipelineSession", "check_pipeline_world", "check_pipelined_trainer", "find_pipelined", "forward_loss", "microbatches_of",
+           "pipeline_of", "setup_pipeline"]
+
+_ATTR = "_mfsdp_pipeline"
+CONTRACT = ("define loss_fn(self, outputs, targets) on the LightningModule and compute the loss in training_step / "
+            "validation_step as `loss = lightning_matrixfsdp.forward_loss(self, inputs, targets)` "
+            "(docs/pipeline-parallel.md, 'Pipeline parallelism in Lightning: the contract')")
+
+
+def _loss_fn(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    fn = getattr(module, "loss_fn", None)
+    if not callable(fn):
+        raise AttributeError(f"forward_loss needs {type(module).__name__}.loss_fn(outputs, targets) (a method, or a "
+                             "loss module such as nn.CrossEntropyLoss() as an attribute): the loss of the model's "
+                             "outputs, which pipeline parallelism computes on the last stage")
+    return fn
+
+
+def forward_loss(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of ``module`` on ``(inputs, targets)``, the same code under every strategy.
+
+    Without pipeline parallelism: exactly ``module.loss_fn(module(inputs), targets)``. Under
+    ``MatrixFSDPStrategy(pipeline_parallel_size=PP > 1)`` (or the Fabric strategy), in training
+    (``module.training`` and gradients enabled): runs the pipeline schedule, the forward and
+    backward of every micro-batch, and returns the batch's mean loss (the mean of the
+    micro-batches' ``loss_fn``), detached, on every rank; the strategy's backward of that loss
+    then does nothing (the gradients are there already). In evaluation: the forward only, the
+    same mean loss. Call it once per training step."""
+    session = pipeline_of(module)
+    if session is None:
+        return _loss_fn(module)(module(inputs), targets)
+    return session.loss(inputs, targets)
+
+
+def pipeline_of(module: Optional[nn.Module]) -> Optional["PipelineSession"]:
+    """The pipeline session the strategy attached to ``module`` (None: no pipeline parallelism)."""
+    return None if module is None else module.__dict__.get(_ATTR)
+
+
+def microbatches_of(config: MatrixFSDPConfig) -> int:
+    """``pipeline_microbatches``, or its default: twice the pipeline size (a bubble of about
+    (PP - 1) / (3 PP - 1) of a 1F1B step, and batches that need only be a multiple of 2 PP)."""
+    return config.pipeline_microbatches or 2 * config.pipeline_parallel_size
+
+
+def check_pipeline_world(config: MatrixFSDPConfig, world: int, tp: int, where: str) -> Optional[int]:
+    """Each stage's data-parallel size for ``world`` processes (None without pipeline parallelism);
+    refuses a pipeline size that does not divide the world, a ``shard_size`` that does not divide
+    a stage's ranks, and tensor parallelism ("auto" resolved) beside it. Pure."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return None
+    if tp > 1:
+        raise MatrixShardError(f"pipeline_parallel_size={pp} with tensor_parallel_size={tp} ({where}) is not "
+                               "supported yet; use one of them")
+    if world % pp:
+        raise MatrixShardError(f"pipeline_parallel_size={pp} must divide the world size {world} ({where}); use a "
+                               f"divisor of {world}, or a world whose size is a multiple of {pp}")
+    dp = world // pp
+    if config.shard_size is not None and dp % config.shard_size:
+        raise MatrixShardError(f"shard_size={config.shard_size} must divide each pipeline stage's data-parallel size "
+                               f"{dp} (world {world} / pipeline_parallel_size {pp}, {where})")
+    return dp
+
+
+def check_pipelined_trainer(module: Any, trainer: Any) -> None:
+    """What the Trainer cannot do under pipeline parallelism, refused before the split (on every
+    rank alike: each reads the same module and Trainer): manual optimization, predicting."""
+    if not module.automatic_optimization:
+        raise MatrixShardError("manual optimization (automatic_optimization = False) is not supported under "
+                               "pipeline parallelism: the backward runs inside the pipeline schedule, not in "
+                               f"manual_backward; use automatic optimization and {CONTRACT}, or set "
+                               "pipeline_parallel_size=1")
+    if trainer.state.fn == "predict":
+        raise MatrixShardError("trainer.predict is not supported under pipeline parallelism yet (the outputs "
+                               "live on the last stage's ranks); predict with pipeline_parallel_size=1")
+
+
+def find_pipelined(module: nn.Module) -> tuple[str, nn.Module]:
+    """(name, module): the first module inside ``module`` (itself included) that a pipeline family
+    recognizes (the demos' GPT, Hugging Face decoder causal LMs); refuses when there is none."""
+    for name, sub in module.named_modules():
+        if any(f.matches(sub) for f in FAMILIES):
+            family_of(sub)  # refuses one its family cannot pipeline, saying why
+            return name, sub
+    known = ", ".join(f.name for f in FAMILIES)
+    raise MatrixShardError(f"pipeline_parallel_size > 1 but {type(module).__name__} holds no model that pipeline "
+                           f"parallelism knows how to split (known: {known}); hold such a model as a submodule "
+                           "(e.g. self.model = LlamaForCausalLM(config)), or set pipeline_parallel_size=1")
+
+
+class PipelineSession:
+    """The pipelined run of one LightningModule and the state of its current step."""
+
+    def __init__(self, run: PipelineRun, name: str, accumulation: Callable[[], int],
+                 training: Callable[[], bool]) -> None:
+        self.run, self.name, self.accumulation, self.training = run, name, accumulation, training
+        #: the loss of the step whose backward the schedule already ran (the strategy's backward takes it)
+        self.pending: Optional[torch.Tensor] = None
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.training():
+            if self.pending is not None:
+                raise MatrixShardError("forward_loss ran twice in one training step under pipeline parallelism; "
+                                       "each call runs a whole schedule with its backward: call it once and "
+                                       "return its loss")
+            # Lightning divides the step's loss by accumulate_grad_batches before its backward: the
+            # micro-batches' losses are divided by it too (the schedule's backward is the only one)
+            self.run.loss_divisor = self.run.microbatches * self.accumulation()
+            self.pending = self.run.step(inputs, targets)
+            return self.pending
+        return self.run.evaluate(inputs, targets)
+
+    def take_backward(self, loss: Optional[torch.Tensor] = None) -> None:
+        """The strategy's backward: the schedule ran it; refuses a loss that did not come from
+        ``forward_loss`` in this step (``loss``: checked to be that very tensor, under Fabric)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise MatrixShardError("under pipeline parallelism the backward runs inside forward_loss; this step's "
+                                   f"loss did not come from it: {CONTRACT}")
+        if loss is not None and loss is not pending:
+            raise MatrixShardError("under pipeline parallelism pass the loss exactly as forward_loss returned it to "
+                                   "backward (its backward ran inside forward_loss; a scaled copy would not scale "
+                                   "the gradients)")
+
+
+def _guard(name: str) -> Callable[..., Any]:
+    def refuse(module: nn.Module, args: Any) -> None:
+        where = f"the pipelined model ({name or 'the LightningModule itself'}, {type(module).__name__})"
+        raise MatrixShardError(f"under pipeline parallelism no rank holds the whole model, so {where} cannot run "
+                               f"its forward (self(...) in a step, or a hook); {CONTRACT}. Predicting, and "
+                               "reading intermediate activations, need pipeline_parallel_size=1")
+    return refuse
+
+
+def setup_pipeline(module: nn.Module, config: MatrixFSDPConfig, mesh: PipelineMesh, device: torch.device,
+                   accumulation: Callable[[], int]) -> PipelineSession:
+    """Split the pipelined model inside ``module`` into stages, owner-shard this rank's over its
+    stage's ranks (``build_pipeline``), free the parameters of the other stages (empty and not
+    owned: an optimizer built from the module drops them) and attach the session."""
+    _loss_fn(module)  # refused before anything changes
+    name, sub = find_pipelined(module)
+    outside = [n for n, p in module.named_parameters() if not _inside(n, name)]
+    if outside:
+        raise MatrixShardError(f"parameter {outside[0]!r} lies outside the pipelined model {name or '(the module)'!r}; "
+                               "under pipeline parallelism every parameter must belong to a stage")
+    prefix = f"{name}." if name else ""
+    split = [s[len(prefix):] if prefix and s.startswith(prefix) else s for s in config.pipeline_split or ()]
+    shard = {n: getattr(config, n) for n in MatrixFSDPConfig.names(SHARD) if n not in ("shard_size", "wrap_policy")}
+    if config.wrap_policy is not None:
+        shard["wrap_policy"] = config.wrap_policy
+    from lightning_matrixfsdp.adapters.shared import apply_activation_checkpointing
+
+    apply_activation_checkpointing(sub, config.activation_checkpointing_policy)
+    run = build_pipeline(sub, mesh, loss_fn=lambda o, t: _loss_fn(module)(o, t), schedule=config.pipeline_schedule,
+                         microbatches=microbatches_of(config), split=split or None, device=device, **shard)
+    mine = {id(p) for p in run.parameters()}
+    for p in module.parameters():
+        if id(p) not in mine:  # another stage's: no memory here, and not this rank's to step
+            p.data = torch.empty(0, dtype=p.dtype, device=device)
+            setattr(p, "_mfsdp_owned", False)
+    assert all(not is_owned(p) or id(p) in mine for p in module.parameters())
+    sub.register_forward_pre_hook(_guard(name))
+    session = PipelineSession(run, name, accumulation, lambda: module.training)
+    module.__dict__[_ATTR] = session
+    return session
+
+
+def _inside(param: str, name: str) -> bool:
+    return not name or param.startswith(name + ".")
