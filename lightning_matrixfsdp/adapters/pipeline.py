@@ -122,6 +122,8 @@ class PipelineSession:
         self.run, self.name, self.accumulation, self.training = run, name, accumulation, training
         #: the loss of the step whose backward the schedule already ran (the strategy's backward takes it)
         self.pending: Optional[torch.Tensor] = None
+        #: the gradients the schedule produced in this step, (parameter, gradient), added in ``take_backward``
+        self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.training():
@@ -132,7 +134,18 @@ class PipelineSession:
             # Lightning divides the step's loss by accumulate_grad_batches before its backward: the
             # micro-batches' losses are divided by it too (the schedule's backward is the only one)
             self.run.loss_divisor = self.run.microbatches * self.accumulation()
-            self.pending = self.run.step(inputs, targets)
+            # Lightning zeroes the gradients between training_step and backward (the first batch of an
+            # accumulation window): the schedule's gradients wait aside and join .grad in backward
+            params = list(self.run.parameters())
+            before = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                self.pending = self.run.step(inputs, targets)
+                self._grads = [(p, p.grad) for p in params if p.grad is not None]
+            finally:
+                for p, g in zip(params, before):
+                    p.grad = g
             return self.pending
         return self.run.evaluate(inputs, targets)
 
@@ -147,6 +160,10 @@ class PipelineSession:
             raise MatrixShardError("under pipeline parallelism pass the loss exactly as forward_loss returned it to "
                                    "backward (its backward ran inside forward_loss; a scaled copy would not scale "
                                    "the gradients)")
+        grads, self._grads = self._grads, []
+        with torch.no_grad():
+            for p, g in grads:  # as backward() adds into .grad
+                p.grad = g if p.grad is None else p.grad.add_(g)
 
 
 def _guard(name: str) -> Callable[..., Any]:
