@@ -109,7 +109,7 @@ def run_case(rank: int, world: int, case: dict) -> dict:
 
 
 def _run_case(rank: int, world: int, case: dict) -> dict:
-    from lightning_matrixfsdp.runtime import get_comm_stats, sync_replicas
+    from lightning_matrixfsdp.runtime import MatrixShardError, get_comm_stats, sync_replicas
     from lightning_matrixfsdp.runtime.pipeline import build_pipeline, pipeline_mesh
 
     pp, steps = case["pp"], case.get("steps", 2)
@@ -161,6 +161,11 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
                     out["differs"].append(f"step {step}: {name} by {d:.3e}")
     out["step_bytes"] = sum(sum(get_comm_stats(s)["optimizer_step"].values()) for s in run.stages)
     x, y = batch(99, place)
+    try:  # 6 rows for 4 micro-batches: refused on every rank, before any communication
+        run.step(x[:6], y[:6])
+        out["uneven"] = None
+    except MatrixShardError as err:
+        out["uneven"] = str(err)
     out["eval"] = run.evaluate(x, y).item()
     with torch.no_grad():
         out["oracle_eval"] = torch.stack([lm_loss(logits_of(oracle(a)), b)
