@@ -24,6 +24,7 @@ CASES = {
     "gpt-pp4-gpipe": (4, {"model": "demo_gpt", "pp": 4, "schedule": "GPipe"}),
     "gpt-pp2xhsdp-1f1b": (4, {"model": "demo_gpt", "pp": 2, "schedule": "1F1B", "shard_size": 1}),
     "gpt-declared-split": (2, {"model": "demo_gpt", "pp": 2, "schedule": "1F1B", "split": ["blocks.1"]}),
+    "gpt-pp2xdp2-accumulate": (4, {"model": "demo_gpt", "pp": 2, "schedule": "1F1B", "accumulate": 2}),
     "llama-pp2-1f1b": (2, {"model": "hf_llama", "pp": 2, "schedule": "1F1B"}),
     "llama-pp2-interleaved": (2, {"model": "hf_llama", "pp": 2, "schedule": "Interleaved1F1B"}),
     "llama-pp2xdp2-gpipe": (4, {"model": "hf_llama", "pp": 2, "schedule": "GPipe"}),

@@ -68,10 +68,11 @@ def batch(step: int, place: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :-1], x[:, 1:]
 
 
-def oracle_step(model: nn.Module, places: int, step: int) -> list[torch.Tensor]:
-    """One step's gradients on the unsplit ``model`` (left in ``.grad``); returns each place's mean loss."""
+def oracle_step(model: nn.Module, places: int, step: int, accumulation: int = 1) -> list[torch.Tensor]:
+    """One batch's gradients on the unsplit ``model``, added to its ``.grad`` (each micro-batch's loss
+    divided by ``MICRO * accumulation``); returns each place's mean loss."""
     params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
+    total = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     losses = [[] for _ in range(places)]
     for m in range(MICRO):
         per_place = []
@@ -80,7 +81,7 @@ def oracle_step(model: nn.Module, places: int, step: int) -> list[torch.Tensor]:
             for p in params:
                 p.grad = None
             loss = lm_loss(logits_of(model(x)), y)
-            (loss / MICRO).backward()
+            (loss / (MICRO * accumulation)).backward()
             losses[place].append(loss.detach())
             per_place.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
         for i in range(len(params)):
@@ -131,12 +132,14 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     out: dict = {"losses": [], "oracle_losses": [], "worst": 0.0, "differs": [], "stages": list(run.stage_indices),
                  "routed_is_mine": routed == mine, "plan": run.plan.describe()}
     o_params = dict(oracle.named_parameters())
+    acc = case.get("accumulate", 1)
     for step in range(steps):
-        x, y = batch(step, place)
-        loss = run.step(x, y)
-        o_losses = oracle_step(oracle, places, step)
-        out["losses"].append(loss.item())
-        out["oracle_losses"].append(o_losses[place].item())
+        for k in range(acc):  # accumulate_grad_batches: a window of batches, one optimizer step
+            x, y = batch(step * acc + k, place)
+            loss = run.step(x, y, accumulation=acc)
+            o_losses = oracle_step(oracle, places, step * acc + k, acc)
+            out["losses"].append(loss.item())
+            out["oracle_losses"].append(o_losses[place].item())
         for name, p in run.named_parameters():  # gradients on the owners, before any step
             # an owner has the gradient (under HSDP's replica_split only on the replica that steps it)
             if p._mfsdp_owned and p.grad is not None and not torch.equal(p.grad, o_params[name].grad):
