@@ -54,8 +54,27 @@ def hf_qwen3_moe(layers: int = 2) -> nn.Module:
         decoder_sparse_step=1, max_position_embeddings=SEQ, use_cache=False, tie_word_embeddings=False))
 
 
+def hf_mixtral(layers: int = 2) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+        use_cache=False, tie_word_embeddings=False))
+
+
+def litgpt_gpt(layers: int = 4) -> nn.Module:
+    from litgpt import GPT, Config
+
+    return GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=layers, n_head=2, n_embd=16,
+                      bias=False, rotary_percentage=1.0, parallel_residual=False))
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {"demo_gpt": demo_gpt, "hf_llama": hf_llama,
-                                               "hf_qwen3_moe": hf_qwen3_moe}
+                                               "hf_qwen3_moe": hf_qwen3_moe, "hf_mixtral": hf_mixtral,
+                                               "litgpt": litgpt_gpt}
+#: the MoE models: the oracle steps each expert of a stack as its own matrix
+MOE = ("hf_qwen3_moe", "hf_mixtral")
 
 
 def logits_of(out: Any) -> torch.Tensor:
@@ -123,7 +142,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
                          split=case.get("split"), stages_per_rank=case.get("stages_per_rank"))
     if case.get("break") == "unscaled" and run.holds_last:
         run.loss_divisor = 1  # the last stage skips the 1/M scaling of its micro-batches' losses
-    o_opts = oracle_optimizers(oracle) if case["model"] != "hf_qwen3_moe" else [PerExpertMuon(oracle, expert_rows)]
+    o_opts = oracle_optimizers(oracle) if case["model"] not in MOE else [PerExpertMuon(oracle, expert_rows)]
     stepped = model if case.get("break") == "foreign" else run.module  # "foreign": the whole model's parameters
     s_opts = make_sharded_optimizer(stepped, "ours")
     mine = {id(p) for p in run.parameters() if p._mfsdp_owned and p.numel()}
