@@ -105,16 +105,18 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, f: float = 1.0, 
 def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
     """Chunk activations rank ``rank`` holds at its peak (forward done, weight gradient not yet):
     GPipe all ``m``; 1F1B ``min(m, PP - rank)`` (its warm-up forwards plus one); Interleaved1F1B
-    ``(v-1) PP + 2 (PP-1-rank) + 1`` (torch's warm-up); InterleavedZeroBubble ``v PP`` on every
-    rank; never more than the ``m v`` there are."""
+    ``(v-1) R + 2 (PP-1-rank) + 1`` (torch's warm-up, ``R`` micro-batches per round: ``PP`` when
+    ``PP`` divides ``m``); InterleavedZeroBubble ``(v-1) R + PP`` on every rank; never more than ``m v``.
+    (Each checked against torch's own action order, tests/test_predict_pp.py.)"""
+    per_round = m // max(1, m // pp)  # torch runs the micro-batches in rounds of about PP
     if schedule == "GPipe":
         n = m
     elif schedule == "1F1B":
         n = pp - rank
     elif schedule == "Interleaved1F1B":
-        n = (v - 1) * pp + 2 * (pp - 1 - rank) + 1
+        n = (v - 1) * per_round + 2 * (pp - 1 - rank) + 1
     else:
-        n = v * pp
+        n = (v - 1) * per_round + pp
     return min(n, m * v)
 
 
@@ -202,11 +204,13 @@ def p2p_seconds(shape: ModelShape, c: Cluster, pp: int, placement: str, crosses:
 
 
 # ---------------------------------------------------------------- one chunk, one rank
+@functools.lru_cache(maxsize=512)  # shared by the schedules, weights policies and micro-batch counts of a sweep
 def _chunk(shape: ModelShape, c: Cluster, view: Cluster, lo: int, hi: int, first: bool, last: bool, inner: str,
            planner: str) -> dict[str, Any]:
     """One chunk on one micro-batch: pure compute ``f``, ``b`` (input gradient), ``w`` (weight
     gradient), the passes with the stage's collectives (``F1``: forward with the materialization,
-    ``B1``: backward with the reduction), the owners' step work and the resident bytes."""
+    ``B1``: backward with the reduction), the owners' step work and the resident bytes (cached:
+    read it, never change it)."""
     chosen, _ = auto_mode(inner, view)
     span = view.gpus_per_node if inner == "matrix_fsdp_hsdp_auto" else view.world
     replicas = view.world // span
