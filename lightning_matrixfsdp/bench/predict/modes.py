@@ -90,7 +90,7 @@ def _spans(mode: str, c: Cluster, shard_size: int | None) -> tuple[int, int]:
     return w, c.world // w
 
 
-def _owner_work(plan: Plan, units: tuple[UnitSpec, ...], shape: ModelShape, replicas: int,
+def owner_work(plan: Plan, units: tuple[UnitSpec, ...], shape: ModelShape, replicas: int,
                 split: bool) -> list[tuple[float, int, int, int, int]]:
     """Per (replica, shard rank) stepping the optimizer: (NS FLOPs, matrix elements, AdamW
     elements, parameter bytes held, optimizer-state bytes held)."""
@@ -190,7 +190,7 @@ def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -
             opt += sum(newton_schulz_flops(s, shape.ns_steps) for s in mats) / ns_stock
             temp = 3 * max(s[0] * s[1] for s in mats) * ELEM
         return opt, static, temp
-    work = _owner_work(plan, unit_specs(shape), shape, replicas, mode == "matrix_fsdp_hsdp_split")
+    work = owner_work(plan, unit_specs(shape), shape, replicas, mode == "matrix_fsdp_hsdp_split")
     ns_ours = c.matmul_tflops * 1e12 * c.ns_eff_ours
     opt = max(f / ns_ours + elementwise(c, mat, adam) for f, mat, adam, _, _ in work)
     return opt, max(held + state for _, _, _, held, state in work), 0.0

@@ -31,7 +31,7 @@ from lightning_matrixfsdp.runtime.placement import Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 
 from .cluster import GIB, Cluster
-from .modes import _owner_work, auto_mode, elementwise, passes, predict_mode
+from .modes import auto_mode, elementwise, owner_work, passes, predict_mode
 from .shape import ELEM, ModelShape, PredictError, block_flops, unit_specs
 
 __all__ = ["PLACEMENTS", "PP_SCHEDULES", "WEIGHTS", "activation_bytes_per_microbatch", "bubble", "bubble_fraction",
@@ -225,7 +225,7 @@ def _chunk(shape: ModelShape, c: Cluster, view: Cluster, lo: int, hi: int, first
     mats = sum(p.numel for p in unit_specs(shape)[-1].params if p.is_matrix)
     w = ((hi - lo) * 2 * tokens * mats + (head if has_head else 0.0)) / rate  # weight gradients: one matmul each
     fwd, bwd = passes(chosen, plan, shape, view, cf, cb, replicas, units)
-    work = _owner_work(plan, units, shape, replicas, chosen == "matrix_fsdp_hsdp_split")
+    work = owner_work(plan, units, shape, replicas, chosen == "matrix_fsdp_hsdp_split")
     return {"f": sum(cf), "b": sum(cb) - w, "w": w, "F1": fwd, "B1": bwd, "work": work, "span": span,
             "replicas": replicas, "chosen": chosen, "plan": plan, "blocks": hi - lo, "head": has_head,
             "unit_bytes": [sum(p.nbytes for p in u.params) for u in units]}
