@@ -44,7 +44,7 @@ from lightning_matrixfsdp.runtime.experts.stats import RoutingCounts
 from lightning_matrixfsdp.runtime.mesh.comm import dims_of, expert_groups
 from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
-from lightning_matrixfsdp.runtime.placement import ParamSpec, RoleKind
+from lightning_matrixfsdp.runtime.placement import ParamSpec, PlanNote, RoleKind
 from lightning_matrixfsdp.runtime.roles import role_cost
 from lightning_matrixfsdp.runtime.comm.small import gather_objects
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, stack_of, tag_expert_slice, tag_stack
@@ -138,12 +138,11 @@ class ExpertParallel:
             self._handles.append(q.register_hook(self._take(q)))
         return q
 
-    def plan_options(self, is_matrix: dict[str, bool], ns_steps: int) -> dict[str, Any]:
-        """What the plan printout shows of the local experts (``Plan.options``, not in the digest): the
-        parameter bytes, resident bytes (gradients and optimizer state by the planner's cost model) and
-        optimizer FLOPs each rank adds for its experts (the same on every rank), the stacks it steps,
-        and which experts each rank holds. ``is_matrix``: each stack's role (GPT-OSS's expert biases
-        are AdamW tail)."""
+    def note(self, is_matrix: dict[str, bool], ns_steps: int) -> PlanNote:
+        """What the plan shows of the local experts (``Plan.notes``, not in the digest): the parameter
+        bytes, resident bytes (gradients and optimizer state by the planner's cost model) and optimizer
+        FLOPs each rank adds for its experts (the same on every rank), the stacks it steps, and which
+        experts each rank holds. ``is_matrix``: each stack's role (GPT-OSS's expert biases are AdamW tail)."""
         param_bytes = resident = flops = matrices = 0
         for fqn, p in self.params.items():
             kind = RoleKind.MATRIX if is_matrix.get(fqn, False) else RoleKind.TAIL
@@ -152,8 +151,8 @@ class ExpertParallel:
             nbytes, nflops = role_cost(kind, [spec], ns_steps)
             param_bytes, resident, flops = param_bytes + spec.nbytes, resident + nbytes, flops + nflops
             matrices += kind is RoleKind.MATRIX
-        return {"expert_param_bytes": param_bytes, "expert_resident_bytes": resident, "expert_flops": flops,
-                "expert_matrices": matrices, "expert_parallel": self.describe(param_bytes, resident)}
+        return PlanNote("expert_parallel", (self.describe(param_bytes, resident),), param_bytes, resident, flops,
+                        matrices)
 
     def describe(self, param_bytes: int, resident: int) -> str:
         """The plan printout's lines: the groups, then which experts each rank holds."""
