@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_matrixfsdp.bench.moe_model import MOE_PRESETS  # noqa: E402
 from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms, ns_matmuls  # noqa: E402
 from lightning_matrixfsdp.optim import iteration, muon, symmetric  # noqa: E402
-from lightning_matrixfsdp.runtime.experts import ExpertStack  # noqa: E402
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack  # noqa: E402
 from lightning_matrixfsdp.runtime.tags import tag_stack  # noqa: E402
 
 LR, WD = 0.02, 0.1

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_matrixfsdp.bench.timing import median_ms  # noqa: E402
-from lightning_matrixfsdp.runtime import gptoss_seam  # noqa: E402
-from lightning_matrixfsdp.runtime.expert_dispatch import grouped_mm_available  # noqa: E402
+from lightning_matrixfsdp.runtime.experts import gptoss as gptoss_seam  # noqa: E402
+from lightning_matrixfsdp.runtime.experts.dispatch import grouped_mm_available  # noqa: E402
 
 PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 GPU_COUNTS = [1024, 0, 96, 768, 1536, 8, 408, 256]  # 4096 rows, expert 1 none, multiples of 8 or not

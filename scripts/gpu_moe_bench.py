@@ -170,7 +170,7 @@ def experts(preset: str, reps: int) -> dict:
     import lightning_matrixfsdp as mf
     from lightning_matrixfsdp.bench.moe_model import MOE_PRESETS
     from lightning_matrixfsdp.bench.timing import matmul_tflops, median_ms, ns_matmuls
-    from lightning_matrixfsdp.runtime.experts import ExpertStack
+    from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack
     from lightning_matrixfsdp.runtime.tags import tag_stack
 
     cfg, dev = MOE_PRESETS[preset], _device()

@@ -1,4 +1,4 @@
-"""Expert parallelism's token dispatch (``runtime/expert_dispatch.py``, ``runtime/ep_comm.py``).
+"""Expert parallelism's token dispatch (``runtime/experts/dispatch.py``, ``runtime/experts/dispatch_comm.py``).
 
 One task on the session's pool of 4 gloo processes (``dist_pools``: the processes, and their
 imports, are shared with the suite's other 4-process tests) runs every scenario, at EP=4 (the whole world), EP=2 (two
@@ -90,8 +90,8 @@ def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid:
          device: str = "cpu") -> dict:
     """One scenario on this rank: the dispatch beside the oracle; the largest differences.
     ``device``: where the dispatch runs (a GPU check over NCCL uses it); the oracle runs on CPU."""
-    from lightning_matrixfsdp.runtime.comm import CommStats
-    from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward, hf_experts
+    from lightning_matrixfsdp.runtime.comm.core import CommStats
+    from lightning_matrixfsdp.runtime.experts.dispatch import expert_parallel_forward, hf_experts
 
     ep = len(ranks)
     pos = ranks.index(me)
@@ -128,7 +128,7 @@ def _run(group, ranks: list[int], me: int, seed: int, dtype: torch.dtype, avoid:
 def _two_layers(group, ranks: list[int], me: int) -> float:
     """Two MoE layers in a row sharing the experts (float64): the backward's exchanges of the
     second layer run before the first's on every rank. The largest difference to the oracle."""
-    from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward, hf_experts
+    from lightning_matrixfsdp.runtime.experts.dispatch import expert_parallel_forward, hf_experts
 
     dtype, pos, per = torch.float64, ranks.index(me), E // len(ranks)
     full = [p.clone().requires_grad_() for p in _experts(dtype)]
@@ -157,7 +157,7 @@ def _two_layers(group, ranks: list[int], me: int) -> float:
 
 def _order(group, ranks: list[int], me: int) -> dict:
     """The rows ``local_experts`` sees, against the canonical order written out plainly."""
-    from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward
+    from lightning_matrixfsdp.runtime.experts.dispatch import expert_parallel_forward
 
     ep, per = len(ranks), E // len(ranks)
     pos = ranks.index(me)
@@ -189,7 +189,7 @@ def _order(group, ranks: list[int], me: int) -> dict:
 
 
 def _refusals(world_group, me: int) -> dict:
-    from lightning_matrixfsdp.runtime.expert_dispatch import expert_parallel_forward
+    from lightning_matrixfsdp.runtime.experts.dispatch import expert_parallel_forward
     from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
     def attempt(fn) -> str:
@@ -323,7 +323,7 @@ def test_refusals_raise_on_every_rank(launch):
 
 
 def test_hf_experts_refuses_mismatched_counts():
-    from lightning_matrixfsdp.runtime.expert_dispatch import hf_experts_forward
+    from lightning_matrixfsdp.runtime.experts.dispatch import hf_experts_forward
     from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
     gate_up, down = _experts(torch.float32)
@@ -335,7 +335,7 @@ def test_hf_experts_refuses_mismatched_counts():
 def test_hf_experts_grouped_mm_forward_matches_the_loop():
     """The grouped-GEMM path's forward (its offsets, the transposes, gate/up) against the loop, on
     CPU, where torch 2.13 runs grouped_mm's forward (its backward only on CUDA; GPU run: docs)."""
-    from lightning_matrixfsdp.runtime.expert_dispatch import hf_experts_forward
+    from lightning_matrixfsdp.runtime.experts.dispatch import hf_experts_forward
 
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(4, 16, 8, generator=g), torch.randn(4, 8, 8, generator=g)  # 16-byte strides

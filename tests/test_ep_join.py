@@ -267,7 +267,7 @@ def test_an_exchange_in_a_dtype_the_idle_ranks_cannot_follow_is_refused_from_the
     can build (here float8, code 4 + itemsize) is refused with the dtypes named; two different
     announcements are a divergence; one announcement, however many ranks send it, is followed."""
     from lightning_matrixfsdp.runtime.errors import RankDivergenceError, UnevenInputsError
-    from lightning_matrixfsdp.runtime.expert_dispatch import dtype_code
+    from lightning_matrixfsdp.runtime.experts.dispatch import dtype_code
     from lightning_matrixfsdp.runtime.join import DONE, EXCHANGE, EvalJoin
 
     join = object.__new__(EvalJoin)  # the decision needs no group: only the rows and the names

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.dist import run_distributed
-from lightning_matrixfsdp.runtime.mesh_comm import hsdp_mesh, shard_and_replicate_groups
+from lightning_matrixfsdp.runtime.mesh.comm import hsdp_mesh, shard_and_replicate_groups
 
 SILENT_S = 12.0  # how long rank 1 stays away from the collective
 

@@ -23,7 +23,7 @@ from torch import nn
 from helpers.dist import OneLaunch
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
-from lightning_matrixfsdp.runtime.experts import ExpertStack, ExpertStackError, declared_stacks
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack, ExpertStackError, declared_stacks
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.tags import tag_stack
 
@@ -307,7 +307,7 @@ def test_gptoss_grouped_experts_equal_the_modules_eager_loop(mm):
     pytest.importorskip("transformers")
     import torch.nn.functional as F
 
-    from lightning_matrixfsdp.runtime.gptoss_seam import gptoss_experts_forward, per_expert_mm
+    from lightning_matrixfsdp.runtime.experts.gptoss import gptoss_experts_forward, per_expert_mm
 
     if mm == "F.grouped_mm" and not _cpu_grouped_mm_works():
         pytest.skip("this torch's F.grouped_mm does not run forward and backward on CPU")
@@ -346,7 +346,7 @@ def test_gptoss_seam_runs_the_grouped_forward_where_grouped_mm_serves(monkeypatc
     pytest.importorskip("transformers")
     import torch.nn.functional as F
 
-    from lightning_matrixfsdp.runtime import gptoss_seam
+    from lightning_matrixfsdp.runtime.experts import gptoss as gptoss_seam
 
     module = _experts_module(torch.float64, seed=3)
     x = torch.randn(sum(GROUPED_COUNTS), 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -559,7 +559,7 @@ def test_tiny_gptoss_checkpoint_resumes_bitwise_and_its_file_holds_the_hugging_f
 
 
 def test_tiny_gptoss_under_expert_parallelism_equals_one_process():
-    """The GPT-OSS seam (runtime/gptoss_seam.py): each rank keeps 2 of the 4 experts of each layer
+    """The GPT-OSS seam (runtime/experts/gptoss.py): each rank keeps 2 of the 4 experts of each layer
     (stacks and biases), tokens travel to them; equal to the whole model in one process within
     float64 noise. The local per-expert biases are tail (AdamW), the stacks stacks."""
     pytest.importorskip("transformers")

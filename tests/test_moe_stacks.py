@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_matrixfsdp.optim.muon import Muon
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
-from lightning_matrixfsdp.runtime.experts import ExpertStack, declared_stacks
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack, declared_stacks
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.tags import stack_of, tag_stack
 

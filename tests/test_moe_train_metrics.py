@@ -246,7 +246,7 @@ def test_routing_counts_take_training_forwards_only_and_report_dropped_slots() -
     """The counting hook without a process group: a slot routed to expert E (no expert) is a dropped
     slot, a keyword routing argument (GPT-OSS's ``router_indices``) is read, evaluation and a forward
     inside backward are not counted; the summary against plain arithmetic written here."""
-    from lightning_matrixfsdp.runtime.expert_stats import RoutingCounts, summarize
+    from lightning_matrixfsdp.runtime.experts.stats import RoutingCounts, summarize
 
     class Experts(torch.nn.Module):
         def forward(self, hidden_states, router_indices=None, routing_weights=None):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lightning_matrixfsdp as mf
-from lightning_matrixfsdp.runtime.experts import ExpertStack
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack
 from lightning_matrixfsdp.runtime.tags import stack_of
 
 

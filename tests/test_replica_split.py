@@ -33,7 +33,7 @@ def _units(shapes_per_unit):
 
 def test_assignment_balances_newton_schulz_flops_per_shard_rank():
     from lightning_matrixfsdp.runtime.planner import make_plan, newton_schulz_flops
-    from lightning_matrixfsdp.runtime.replicas import assign_steppers
+    from lightning_matrixfsdp.runtime.replicas.assign import assign_steppers
 
     units = _units([[(64, 64), (64, 256), (256, 64), (64, 64), (64,)], [(128, 128), (32, 32), (32,)]])
     plan = make_plan(units, 1, "role_greedy")
@@ -55,7 +55,7 @@ def test_assignment_balances_newton_schulz_flops_per_shard_rank():
 
 def test_assignment_is_deterministic_and_per_shard_rank():
     from lightning_matrixfsdp.runtime.planner import make_plan
-    from lightning_matrixfsdp.runtime.replicas import assign_steppers
+    from lightning_matrixfsdp.runtime.replicas.assign import assign_steppers
 
     units = _units([[(16, 16)] * 5 + [(16,)], [(8, 16)] * 3])
     plan = make_plan(units, 2, "role_greedy")
@@ -77,7 +77,7 @@ def test_assignment_is_deterministic_and_per_shard_rank():
 def test_plan_records_steppers_in_dict_digest_and_text():
     from lightning_matrixfsdp.runtime.placement import Plan, first_difference
     from lightning_matrixfsdp.runtime.planner import make_plan
-    from lightning_matrixfsdp.runtime.replicas import assign_steppers
+    from lightning_matrixfsdp.runtime.replicas.assign import assign_steppers
 
     units = _units([[(16, 16), (16, 32), (16,)]])
     plan = make_plan(units, 1, "role_greedy", replicate=2)
@@ -288,8 +288,8 @@ def test_split_matches_ddp_with_features(R, W, cfg, dist_pools):
 def exchange_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """``ReplicaExchange`` over the whole world as the replicate group: roles of float32 and bfloat16
     stepped by every replica in turn, against an independent fold in replica order."""
-    from lightning_matrixfsdp.runtime.comm import CommStats
-    from lightning_matrixfsdp.runtime.replica_comm import ReplicaExchange
+    from lightning_matrixfsdp.runtime.comm.core import CommStats
+    from lightning_matrixfsdp.runtime.replicas.comm import ReplicaExchange
 
     stats = CommStats()
     ex = ReplicaExchange(dist.group.WORLD, stats, chunk_bytes=cfg["chunk"])

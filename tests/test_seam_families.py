@@ -1,4 +1,4 @@
-"""The expert forward seams' one table (runtime/expert_seams.py FAMILIES): one entry per model
+"""The expert forward seams' one table (runtime/experts/seams.py FAMILIES): one entry per model
 family, a module matched by the first entry that takes it, an unknown experts module left out
 (its parameters stay dense), and an installed forward that is visible and can be removed.
 In-process, plain stand-in modules: no transformers, no process group."""
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
-from lightning_matrixfsdp.runtime.expert_seams import FAMILIES, family_of, find_seams, install_forward
-from lightning_matrixfsdp.runtime.seam_family import InstalledSeam, SeamFamily, installed, uninstall
+from lightning_matrixfsdp.runtime.experts.seams import FAMILIES, family_of, find_seams, install_forward
+from lightning_matrixfsdp.runtime.experts.seam_family import InstalledSeam, SeamFamily, installed, uninstall
 from lightning_matrixfsdp import parallelize_experts
 
 

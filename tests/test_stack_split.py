@@ -349,7 +349,7 @@ def test_split_stacks_through_fabric_equal_ddp_with_per_expert_muon(dist_pools) 
 
 # ---------------------------------------------------------------------- pure: the plan
 def _specs(experts: tuple[int, ...] = (8, 7)):
-    from lightning_matrixfsdp.runtime.experts import ExpertStack
+    from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack
     from lightning_matrixfsdp.runtime.placement import ParamSpec, UnitSpec
 
     units = []
@@ -385,8 +385,8 @@ def test_split_plan_is_deterministic_and_serialized(planner: str) -> None:
 
 def test_split_needs_every_rank_to_get_an_expert() -> None:
     from lightning_matrixfsdp.runtime.planner import make_plan
-    from lightning_matrixfsdp.runtime.stack_split import chunk_sizes
-    from lightning_matrixfsdp.runtime.tp import chunk_sizes as dtensor_chunks
+    from lightning_matrixfsdp.runtime.experts.split import chunk_sizes
+    from lightning_matrixfsdp.runtime.tp.layout import chunk_sizes as dtensor_chunks
 
     assert all(chunk_sizes(n, w) == dtensor_chunks(n, w) for n in range(12) for w in range(1, 6))
     plan = make_plan(_specs((6, 5)), 4, split_stacks=True)  # 6 over 4: (2, 2, 2, 0); 5: (2, 2, 1, 0)
@@ -424,10 +424,10 @@ def test_split_stacks_off_where_not_served() -> None:
     """Tensor parallelism, HSDP replicas and expert parallelism keep stacks whole (the printout says
     why); ``split_stacks=False`` too; a model without stacks has nothing to say."""
     from lightning_matrixfsdp.runtime.classify import RoleChoice
-    from lightning_matrixfsdp.runtime.comm import ShardGroup
+    from lightning_matrixfsdp.runtime.comm.core import ShardGroup
     from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
-    from lightning_matrixfsdp.runtime.experts import ExpertStack
-    from lightning_matrixfsdp.runtime.mesh import MeshInfo
+    from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack
+    from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
     from lightning_matrixfsdp.runtime.shard import splits_served
 
     roles = {"w": RoleChoice(True, ExpertStack(8, (H,)), "declared")}

@@ -186,17 +186,24 @@ def test_docs_results_stay_small():
 
 
 def test_checkpoints_read_the_runtime_only_through_its_view():
-    """``checkpoint/`` imports from the runtime only its read-only view (``runtime.checkpoint_view``),
-    the tensor-parallel layouts and DTensor views that do not communicate (``runtime.tp``), and the
-    communication modules (file names with ``comm`` or ``collective``)."""
+    """``checkpoint/`` imports from the runtime only its read-only view (``runtime.views.checkpoint``),
+    the tensor-parallel layouts and DTensor views that do not communicate (``runtime.tp.layout``), and
+    the communication modules (``is_comm_module``)."""
     modules = {_module(f) for f in PKG.rglob("*.py")}
-    allowed = {"lightning_matrixfsdp.runtime.checkpoint_view", "lightning_matrixfsdp.runtime.tp"}
+    allowed = {"lightning_matrixfsdp.runtime.views.checkpoint", "lightning_matrixfsdp.runtime.tp.layout"}
     wrong = [f"checkpoint/{f.name}: {m}" for f in sorted((PKG / "checkpoint").glob("*.py"))
              for m in sorted(_package_imports(f, modules))
              if m.startswith("lightning_matrixfsdp.runtime") and m not in allowed
-             and not any(w in m.rsplit(".", 1)[-1] for w in ("comm", "collective"))]
+             and not is_comm_module(m)]
     assert not wrong, wrong
 # ---------------------------------------------------------------- torch.distributed only in comm modules
+def is_comm_module(module: str) -> bool:
+    """A communication module: its file name says so (``comm``, ``collective``), or it lives in a
+    ``comm`` package (``runtime/comm/``: the shared collectives)."""
+    parts = module.split(".")
+    return any(w in parts[-1] for w in ("comm", "collective")) or "comm" in parts[:-1]
+
+
 #: Calls of torch.distributed that only ask (no communication): allowed anywhere.
 DIST_QUERIES = {"is_available", "is_initialized", "get_rank", "get_world_size", "get_global_rank", "get_backend"}
 #: Libraries under torch.distributed whose calls are not this package's communication: DCP
@@ -257,13 +264,13 @@ def _dist_calls(path: Path) -> list[tuple[int, str]]:
 
 
 def test_torch_distributed_calls_only_in_comm_modules():
-    """Every communication of the library is in a module whose file name says so (``comm`` or
-    ``collective``); the rest calls those. ``bench/`` and ``demos/`` are not the library's
+    """Every communication of the library is in a communication module (``is_comm_module``: the
+    file name says so, or it is in ``runtime/comm/``); the rest calls those. ``bench/`` and ``demos/`` are not the library's
     runtime (the benchmark harness, the baseline systems it measures, example models) and
     are not checked."""
     bad = [f"{f.relative_to(PKG)}:{line}: {name}"
            for f in sorted(PKG.rglob("*.py")) if not {"bench", "demos"} & set(f.relative_to(PKG).parts)
-           and "comm" not in f.name and "collective" not in f.name
+           and not is_comm_module(_module(f))
            for line, name in _dist_calls(f)]
     assert not bad, "torch.distributed called outside a comm module:\n" + "\n".join(bad)
 
@@ -363,3 +370,38 @@ def test_matrix_shard_error_is_imported_from_errors():
         f"{sorted(found - OPTIONS_ERROR_IMPORTERS)}")
     fixed = OPTIONS_ERROR_IMPORTERS - found
     assert not fixed, f"no longer imports it from runtime.options: drop from OPTIONS_ERROR_IMPORTERS: {sorted(fixed)}"
+
+
+# ---------------------------------------------------------------- runtime/: one room per parallel style
+#: The rooms of the runtime's parallel styles: none of them reads another.
+STYLE_ROOMS = ("experts", "tp", "replicas")
+#: Rooms every style may use; they use no style.
+SHARED_ROOMS = ("comm", "mesh")
+#: The runtime's top level holds the core (units, placement, planner, roles, state, the assembly).
+MAX_TOP_FILES = 26
+
+
+def _room(module: str) -> str | None:
+    prefix = "lightning_matrixfsdp.runtime."
+    if not module.startswith(prefix):
+        return None
+    rest = module[len(prefix):].split(".")
+    return rest[0] if len(rest) > 1 else "core"
+
+
+def test_runtime_rooms_keep_to_themselves():
+    """A parallel style's folder never imports another style's folder; the shared rooms
+    (``comm/``, ``mesh/``) import no style; the top level stays the core."""
+    graph, _ = _graph()
+    bad = []
+    for a, targets in sorted(graph.items()):
+        ra = _room(a)
+        for b in sorted(targets):
+            rb = _room(b)
+            if ra in STYLE_ROOMS and rb in STYLE_ROOMS and ra != rb:
+                bad.append(f"{a} -> {b}: one style reads another")
+            if ra in SHARED_ROOMS and rb in STYLE_ROOMS:
+                bad.append(f"{a} -> {b}: a shared room reads a style")
+    assert not bad, "\n".join(bad)
+    top = sorted(f.name for f in (PKG / "runtime").glob("*.py"))
+    assert len(top) <= MAX_TOP_FILES, f"runtime/ has {len(top)} top-level files: {top}"

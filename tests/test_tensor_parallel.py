@@ -136,8 +136,8 @@ def test_mesh_sizes_must_multiply_to_the_world():
 def test_tp_steppers_balance_newton_schulz_flops_and_localize_keeps_owners():
     from lightning_matrixfsdp.runtime.placement import ParamSpec, UnitSpec
     from lightning_matrixfsdp.runtime.planner import make_plan
-    from lightning_matrixfsdp.runtime.tp import TPLayout, chunk_sizes
-    from lightning_matrixfsdp.runtime.tp_plan import assign_tp_steppers, localize
+    from lightning_matrixfsdp.runtime.tp.layout import TPLayout, chunk_sizes
+    from lightning_matrixfsdp.runtime.tp.plan import assign_tp_steppers, localize
 
     assert chunk_sizes(11, 2) == (6, 5) and chunk_sizes(24, 2) == (12, 12) and chunk_sizes(3, 4) == (1, 1, 1, 0)
     shapes = {"a": (64, 32), "b": (32, 32), "c": (32, 16), "d": (16, 16), "e": (8, 8)}
@@ -185,7 +185,7 @@ def test_cli_yaml_builds_the_tp_strategy_and_model(monkeypatch):
 def test_a_tp_group_across_nodes_warns(monkeypatch):
     import warnings
 
-    from lightning_matrixfsdp.runtime.mesh_comm import warn_if_tp_spans_nodes
+    from lightning_matrixfsdp.runtime.mesh.comm import warn_if_tp_spans_nodes
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with warnings.catch_warnings():

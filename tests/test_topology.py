@@ -10,7 +10,7 @@ import torch
 import lightning_matrixfsdp as mf
 from helpers.equiv import equivalence_worker
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
-from lightning_matrixfsdp.runtime.topology import RankPlace, TopologyError, choose, node_ids
+from lightning_matrixfsdp.runtime.mesh.topology import RankPlace, TopologyError, choose, node_ids
 
 STEPS = 2
 

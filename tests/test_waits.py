@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     atexit.register(lambda: print("waiter alive at exit:",
                                   any(t.name == "matrix-fsdp-wait" for t in threading.enumerate()), flush=True))
     import torch, torch.distributed as dist
-    from lightning_matrixfsdp.runtime.waits import wait_works
+    from lightning_matrixfsdp.runtime.comm.waits import wait_works
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)
     t = torch.ones(4)

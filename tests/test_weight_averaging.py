@@ -3,7 +3,7 @@
 ``WeightAveraging`` (EMA through ``get_ema_multi_avg_fn``) and ``StochasticWeightAveraging``
 keep a ``deepcopy`` of the LightningModule and average it with the model's parameters
 side by side. Under owner sharding that copy is sharded like the model
-(``runtime/copies.py``), so every rank averages exactly what it owns, elementwise, as DDP
+(``runtime/views/copies.py``), so every rank averages exactly what it owns, elementwise, as DDP
 does on the whole tensors: the final weights (after the callbacks swap the average in)
 are bitwise DDP's. Checkpoints write the averaged copy from its owners in both formats
 (``checkpoint/views.py``), so a fit resumed from an epoch checkpoint ends where the
@@ -337,7 +337,7 @@ def test_copy_of_a_meta_device_model_takes_its_initialized_values():
     """A copy made of a meta-device model before sharding (a callback's ``setup``) holds the
     values ``matrix_shard`` initialized, not meta tensors the averaging could not update."""
     import lightning_matrixfsdp as mf
-    from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
+    from lightning_matrixfsdp.runtime.views.copies import shard_copies, track_copies
     from helpers.models import TinyLM
 
     with torch.device("meta"):

@@ -55,7 +55,7 @@ from lightning_matrixfsdp.checkpoint.agree import agree
 from lightning_matrixfsdp.optim.routing import route_optimizer
 from lightning_matrixfsdp.runtime import (
     broadcast_buffers, release_unfinished, settle_replicas, skip_buffer_broadcast, watch_lone_forwards)
-from lightning_matrixfsdp.runtime.copies import shard_copies, track_copies
+from lightning_matrixfsdp.runtime.views.copies import shard_copies, track_copies
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 
 
@@ -104,6 +104,10 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         self.check_world()
         assert self.cluster_environment is not None
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def start_process_group(self) -> None:
+        self._setup_distributed()  # the device, the seed, the ranks, the process group (not Lightning's mesh)
 
     @override
     def setup_environment(self) -> None:

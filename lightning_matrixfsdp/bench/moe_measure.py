@@ -100,7 +100,7 @@ def resident_bytes(mode: MoEMode) -> dict[str, Any]:
 def plan_unit_bytes(plan: Any, rank: int) -> list[dict[str, Any]]:
     """Per unit of ``plan``, what one materialization and one reduction move on ``rank``, expert
     stacks (``e``) apart from the rest (``d``), by the owner collective's convention
-    (``runtime/collectives.py``): p2p: an owner sends its roles to each of the ``W-1`` others and
+    (``runtime/comm/collectives.py``): p2p: an owner sends its roles to each of the ``W-1`` others and
     every other rank receives them once; a reduction is the reverse. broadcast: the owner sends
     once. Frozen parameters are materialized but not reduced."""
     collective = plan.options.get("collective", "p2p")

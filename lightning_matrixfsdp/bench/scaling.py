@@ -30,7 +30,7 @@ shard rank s). With O_s the bytes shard rank s owns (of which T_s trainable) and
 S_{k,s} those of them replica k steps (read from the run's plan), inside the shard
 group as above, plus across replicas: unsplit, the ring all-reduce of the owned
 gradients in backward, `2 (R-1)/R T_s`; split, the reduction chain to the stepper in
-backward (runtime/replica_comm.py: every replica sends each role once, except its
+backward (runtime/replicas/comm.py: every replica sends each role once, except its
 stepper where the chain ends, i.e. a stepper among the last two replicas), at most
 `T_s`, and the broadcast of the updated weights, counted in the next forward (the
 runtime starts it there), `S_{k,s}` (a broadcast's root counts its payload once). At

@@ -36,7 +36,7 @@ Files, one concern each, dependencies one way (top to bottom)::
 
 Callers hand in modules, optimizers, paths and flags; nothing here sees the strategy.
 The runtime is read only through its frozen view of a sharded model
-(``runtime.checkpoint_view``: owner, shape, role, local data, tied names, stepping
+(``views/checkpoint``: owner, shape, role, local data, tied names, stepping
 replica) and used only through its communication modules.
 """
 from lightning_matrixfsdp.checkpoint.errors import (

@@ -5,7 +5,7 @@ collective would leave them waiting until the process-group timeout. Every step
 that can fail therefore runs through :func:`agree`: each rank runs it, the ranks
 exchange their outcome, and all of them raise (the failing rank its own error, the
 others the same class with the failing rank's message). Objects travel on the
-default group, through ``runtime/small_comm.py``, or, inside :func:`on_group`, on the
+default group, through ``runtime/comm/small.py``, or, inside :func:`on_group`, on the
 group given there (an asynchronous save's background thread uses its own gloo group of
 all ranks, so it never interleaves with the training's collectives).
 """
@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-import lightning_matrixfsdp.runtime.small_comm as small_comm
+import lightning_matrixfsdp.runtime.comm.small as small_comm
 from lightning_matrixfsdp.checkpoint.errors import ERROR_CLASSES, CheckpointError
 
 __all__ = ["agree", "agreed_path", "all_gather_object", "barrier", "broadcast_object", "current_group",

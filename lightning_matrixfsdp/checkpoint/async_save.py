@@ -48,7 +48,7 @@ from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.save import DirSave, PathLike, finish_dir, prepare_dir, remove_entry
 from lightning_matrixfsdp.checkpoint.staging import HostStaging, aligned_bytes
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
-from lightning_matrixfsdp.runtime.small_comm import gloo_subgroups
+from lightning_matrixfsdp.runtime.comm.small import gloo_subgroups
 
 __all__ = ["AsyncCheckpointer"]
 

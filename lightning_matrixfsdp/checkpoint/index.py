@@ -3,7 +3,7 @@
 Built once per save or load and handed to every step that needs it. Under owner
 placement a parameter is whole on its owner and an empty placeholder elsewhere, so
 ``module.state_dict()`` alone cannot say what to write or where to read it; the index
-adds that from the runtime's read-only view of the model (``runtime.checkpoint_view``).
+adds that from the runtime's read-only view of the model (``views/checkpoint``).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
-from lightning_matrixfsdp.runtime.checkpoint_view import RootView, local_state_dict, model_view_of
-from lightning_matrixfsdp.runtime.tp import fragment_dtensor
+from lightning_matrixfsdp.runtime.views.checkpoint import RootView, local_state_dict, model_view_of
+from lightning_matrixfsdp.runtime.tp.layout import fragment_dtensor
 
 __all__ = ["Entry", "KeyIndex", "build_index"]
 
@@ -148,7 +148,7 @@ def build_index(module: nn.Module) -> KeyIndex:
 
     Collective under ``replica_split``: what the stepping replicas updated is sent to the
     others first (and waited for), so every replica's tensors are current for a save and
-    no transfer in flight overwrites what a load writes (``runtime.checkpoint_view``)."""
+    no transfer in flight overwrites what a load writes (``views/checkpoint``)."""
     view = model_view_of(module)
     rank = world()[0]
     in_group0 = all(0 in r.global_ranks for r in view.roots) if view.roots else rank == 0

@@ -51,7 +51,7 @@ from lightning_matrixfsdp.checkpoint.sidecar import roles_of
 from lightning_matrixfsdp.checkpoint.state_dict import full_groups
 from lightning_matrixfsdp.checkpoint.validate import changed_roles, check_optimizer, check_resumable, match_model
 from lightning_matrixfsdp.checkpoint.views import localize_views, read_refs, state_view
-from lightning_matrixfsdp.runtime.checkpoint_view import note_loaded
+from lightning_matrixfsdp.runtime.views.checkpoint import note_loaded
 
 __all__ = ["check_resumable", "load_sharded", "load_weights", "meta_required", "read_dcp", "read_file", "read_meta"]
 

@@ -34,7 +34,7 @@ from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 from lightning_matrixfsdp.optim.routing import full_param_groups
 from lightning_matrixfsdp.optim.tail import is_matrix_role, keeps_whole_tp_state
-from lightning_matrixfsdp.runtime.tp import TPLayout, fragment_dtensor
+from lightning_matrixfsdp.runtime.tp.layout import TPLayout, fragment_dtensor
 
 __all__ = ["StateRule", "apply_optimizer", "check_joinable", "expert_state_layout", "saved_splits", "state_as_saved",
            "whole_state"]

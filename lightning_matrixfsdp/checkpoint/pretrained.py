@@ -36,7 +36,7 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, Check
 from lightning_matrixfsdp.checkpoint.expert_files import check_fused, file_names, find_fused, fused_reads
 from lightning_matrixfsdp.checkpoint.load import load_weights
 from lightning_matrixfsdp.checkpoint.save import PathLike
-from lightning_matrixfsdp.runtime.checkpoint_view import ModelView, model_view_of, note_loaded
+from lightning_matrixfsdp.runtime.views.checkpoint import ModelView, model_view_of, note_loaded
 
 __all__ = ["INDEX_NAME", "SAFETENSORS_NAME", "PretrainedLoad", "load_pretrained", "meta_init", "safetensors_layout"]
 

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from lightning_matrixfsdp.runtime.tp import as_dtensor
+from lightning_matrixfsdp.runtime.tp.layout import as_dtensor
 
 __all__ = ["HostStaging", "aligned_bytes"]
 

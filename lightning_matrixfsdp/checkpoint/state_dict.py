@@ -20,9 +20,9 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointError
 from lightning_matrixfsdp.checkpoint.formats import hparams, to_native, unwrap_optimizer
 from lightning_matrixfsdp.checkpoint.index import KeyIndex, build_index
 from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, expert_state_layout, state_as_saved
-from lightning_matrixfsdp.runtime.comm import comm_device
-from lightning_matrixfsdp.runtime.p2p_comm import recv_tensor, send_tensor
-from lightning_matrixfsdp.runtime.tp_whole_comm import Fragments, fragment_sources, gather_fragments
+from lightning_matrixfsdp.runtime.comm.core import comm_device
+from lightning_matrixfsdp.runtime.comm.p2p import recv_tensor, send_tensor
+from lightning_matrixfsdp.runtime.tp.whole_comm import Fragments, fragment_sources, gather_fragments
 
 __all__ = ["fragments_to_rank0", "full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict",
            "to_rank0", "tp_sources"]

@@ -5,7 +5,7 @@ it, an empty placeholder ``(0, *shape[1:])`` where another rank does, marked wit
 model key (``runtime.checkpoint_view.tag_view``). Lightning's checkpoint dict holds views in more
 places than ``state_dict``: the strategy's ``lightning_module_state_dict`` is a view of
 the model (every key on every rank), and weight-averaging callbacks add the view of
-their averaged copy (``runtime/copies.py``): ``WeightAveraging`` moves the model's to
+their averaged copy (``runtime/views/copies.py``): ``WeightAveraging`` moves the model's to
 ``current_model_state`` and puts the averaged one under ``state_dict``;
 ``StochasticWeightAveraging`` keeps its averaged one in its own callback state.
 
@@ -40,8 +40,8 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, Check
 from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 from lightning_matrixfsdp.checkpoint.state_dict import fragments_to_rank0, to_rank0, tp_sources
-from lightning_matrixfsdp.runtime.checkpoint_view import tag_view, view_key
-from lightning_matrixfsdp.runtime.comm import comm_device
+from lightning_matrixfsdp.runtime.views.checkpoint import tag_view, view_key
+from lightning_matrixfsdp.runtime.comm.core import comm_device
 
 __all__ = ["REF", "VIEWS", "find_refs", "gather_views", "localize_views", "model_view", "read_refs", "refs_to_whole",
            "split_views", "state_view", "whole_to_refs"]

@@ -32,7 +32,7 @@ from .orthogonalize import (
     polar_express,
 )
 from lightning_matrixfsdp.runtime.tags import stack_of, tp_of
-from lightning_matrixfsdp.runtime.tp_comm import gather_to_steppers, scatter_from_steppers
+from lightning_matrixfsdp.runtime.tp.step_comm import gather_to_steppers, scatter_from_steppers
 
 from .tail import TailOptimizer, as_float, check_adamw_group, check_nonneg, is_matrix_role, stack_pieces
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.optim.routing import held
-from lightning_matrixfsdp.runtime.comm import CommStats, comm_device
-from lightning_matrixfsdp.runtime.small_comm import all_reduce_norm
+from lightning_matrixfsdp.runtime.comm.core import CommStats, comm_device
+from lightning_matrixfsdp.runtime.comm.small import all_reduce_norm
 from lightning_matrixfsdp.runtime import norm_groups, tp_group_of
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, shard_of, tp_shape_of
 
@@ -218,7 +218,7 @@ def grad_norm(module: torch.nn.Module, norm_type: Union[float, int, str], group_
 
 
 def _split(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a block of an expert stack split over several owners (``runtime/stack_split.py``)."""
+    """Whether ``p`` is a block of an expert stack split over several owners (``runtime/experts/split.py``)."""
     s = shard_of(p)
     return s is not None and s.experts is not None
 

@@ -2,7 +2,7 @@
 
 Attached to a model, it records each attention head's largest pre-softmax logit over the
 training forwards (``seams.py``, ``logits.py``); its :meth:`QKClipper.step`, called right after
-the optimizer's step, takes the maximum over the ranks (``runtime/qk_clip_comm.py``), turns
+the optimizer's step, takes the maximum over the ranks (``qkclip/comm.py``), turns
 the maxima into one factor per query/key row (``rule.py``) and multiplies the rows this rank
 holds in place: the whole tensor under DDP or one device, the owner's copy under matrix_fsdp
 (non-owners hold empty placeholders and skip), a tensor-parallel fragment's rows, a DTensor's
@@ -26,7 +26,7 @@ from lightning_matrixfsdp.qkclip.logits import BLOCK_ELEMENTS, LogitMask, head_m
 from lightning_matrixfsdp.qkclip.rule import FactorIndex, clip_factors
 from lightning_matrixfsdp.qkclip.seams import watch_hf_attention, watch_qkv_output
 from lightning_matrixfsdp.runtime import norm_groups, row_span, wait_replicas
-from lightning_matrixfsdp.runtime.qk_clip_comm import agree_on_heads, max_over_ranks
+from lightning_matrixfsdp.qkclip.comm import agree_on_heads, max_over_ranks
 
 __all__ = ["QKClipper", "check_options"]
 

@@ -1,12 +1,12 @@
 """The owner-sharded ZeRO-3 runtime: its public API.
 
 ``matrix_shard`` (shard.py) shards a model with a ``MatrixFSDPConfig`` (config.py);
-``hsdp_mesh`` (mesh_comm.py) builds the ``(replicate, shard)`` mesh for HSDP, ``MeshInfo``
-(mesh.py) describes the groups; ``parallelize_experts`` (expert_seams.py) is the parallel style of a
+``hsdp_mesh`` (mesh/comm.py) builds the ``(replicate, shard)`` mesh for HSDP, ``MeshInfo``
+(mesh/info.py) describes the groups; ``parallelize_experts`` (experts/seams.py) is the parallel style of a
 user's own experts module under ``expert_parallel_size``; the queries (queries.py) read a sharded model's
-plan and traffic and switch gradient synchronization; ``full_model`` (full.py) gathers
+plan and traffic and switch gradient synchronization; ``full_model`` (views/full.py) gathers
 the whole model on one rank for a while; a plain ``state_dict()`` that would be partial is
-refused (state_dict_guard.py), ``local_state_dict`` gives this rank's part on purpose.  The errors a training run can raise (errors.py)
+refused (views/state_dict.py), ``local_state_dict`` gives this rank's part on purpose.  The errors a training run can raise (errors.py)
 are importable from here too.
 """
 from lightning_matrixfsdp.runtime.errors import (
@@ -16,11 +16,11 @@ from lightning_matrixfsdp.runtime.errors import (
     RankDivergenceError,
     UnevenInputsError,
 )
-from lightning_matrixfsdp.runtime.expert_seams import parallelize_experts
-from lightning_matrixfsdp.runtime.full import full_model
+from lightning_matrixfsdp.runtime.experts.seams import parallelize_experts
+from lightning_matrixfsdp.runtime.views.full import full_model
 from lightning_matrixfsdp.runtime.config import MatrixFSDPConfig
-from lightning_matrixfsdp.runtime.mesh import MeshInfo
-from lightning_matrixfsdp.runtime.mesh_comm import hsdp_mesh
+from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
+from lightning_matrixfsdp.runtime.mesh.comm import hsdp_mesh
 from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, UnitLayout
 from lightning_matrixfsdp.runtime.queries import (
     NormGroups,
@@ -45,7 +45,7 @@ from lightning_matrixfsdp.runtime.queries import (
     watch_lone_forwards,
 )
 from lightning_matrixfsdp.runtime.shard import matrix_shard
-from lightning_matrixfsdp.runtime.state_dict_guard import PartialStateDictError, local_state_dict
+from lightning_matrixfsdp.runtime.views.state_dict import PartialStateDictError, local_state_dict
 
 __all__ = ["CollectiveInterrupted", "LoneForwardError", "MatrixFSDPConfig", "MatrixShard", "MatrixShardError",
            "MeshInfo", "PartialStateDictError", "Plan",

@@ -16,7 +16,7 @@ Two questions, two functions, both pure (no communication, no tensors moved):
 placement and recipe role with the rule that decided each (:func:`describe_roles`).
 The placement rules, in order:
 
-1. a declared expert stack (``experts.py``: automatic for known layouts, or the
+1. a declared expert stack (``experts/stacks.py``: automatic for known layouts, or the
    ``expert_stacks`` option) is a matrix role stepped per expert, unless an explicit
    ``matrix_filter`` rejects it; ``flatten_conv=True`` with a declared stack is refused
    (flattening would orthogonalize E experts as one matrix);
@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_matrixfsdp.runtime.experts import (
+from lightning_matrixfsdp.runtime.experts.stacks import (
     ExpertStack,
     ExpertStackError,
     check_expert_stacks,

@@ -28,10 +28,10 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_matrixfsdp.runtime.comm import ShardGroup
+from lightning_matrixfsdp.runtime.comm.core import ShardGroup
 from lightning_matrixfsdp.runtime.errors import LoneForwardError, RankDivergenceError
 from lightning_matrixfsdp.runtime.placement import Plan, first_difference
-from lightning_matrixfsdp.runtime.small_comm import gather_ints, gather_objects, gloo_subgroups, monitored_barrier
+from lightning_matrixfsdp.runtime.comm.small import gather_ints, gather_objects, gloo_subgroups, monitored_barrier
 
 #: ``1``: check the sequence on every backend; ``0``: nowhere; unset: where the shard group is gloo.
 CHECK_ENV = "MATRIX_FSDP_CHECK_SEQUENCE"

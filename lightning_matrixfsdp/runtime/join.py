@@ -44,9 +44,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError, UnevenInputsError
-from lightning_matrixfsdp.runtime.expert_dispatch import dtype_code, dtype_of_code
-from lightning_matrixfsdp.runtime.expert_seams import exchange_without_tokens, joinable_seams, set_exchange_announce
-from lightning_matrixfsdp.runtime.small_comm import gather_ints
+from lightning_matrixfsdp.runtime.experts.dispatch import dtype_code, dtype_of_code
+from lightning_matrixfsdp.runtime.experts.seams import exchange_without_tokens, joinable_seams, set_exchange_announce
+from lightning_matrixfsdp.runtime.comm.small import gather_ints
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import state_of
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import COLLECTIVE_NAMES
+from lightning_matrixfsdp.runtime.comm.collectives import COLLECTIVE_NAMES
 from lightning_matrixfsdp.runtime.errors import MatrixShardError  # re-exported: its old home
 from lightning_matrixfsdp.runtime.planner import PLANNERS
 
@@ -180,7 +180,7 @@ def check_planner(value: Any) -> Union[str, Callable[..., Any]]:
 
 
 def check_collective(value: Any) -> str:
-    names = ("auto", *COLLECTIVE_NAMES)  # "auto": chosen from the topology in matrix_shard (runtime/topology.py)
+    names = ("auto", *COLLECTIVE_NAMES)  # "auto": chosen from the topology in matrix_shard (runtime/mesh/topology.py)
     accepted = f"one of {', '.join(map(repr, names))}"
     if not isinstance(value, str):
         raise _refuse("collective", value, accepted)

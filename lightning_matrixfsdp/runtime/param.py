@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
 from lightning_matrixfsdp.runtime.tags import tag_param
-from lightning_matrixfsdp.runtime.tp import as_dtensor, local_data
-from lightning_matrixfsdp.runtime.tp_comm import local_fragment
+from lightning_matrixfsdp.runtime.tp.layout import as_dtensor, local_data
+from lightning_matrixfsdp.runtime.tp.step_comm import local_fragment
 
 
 def placeholder_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -29,7 +29,7 @@ class ShardedParam:
     """Resident and unsharded states of one parameter (possibly registered in several places).
 
     ``pieces``: the parameter's entries in the plan: ``(shard,)`` for a whole parameter, one per
-    block of experts for a split expert stack (``stack_split.py``). A block is a piece of its
+    block of experts for a split expert stack (``experts/split.py``). A block is a piece of its
     owner's segment like any whole parameter: the owner's resident tensor is its block
     ``[count, m, n]`` (an empty placeholder elsewhere), materialization fills each block's rows of
     the unsharded ``[E, m, n]`` from its owner, and the reduction delivers each block's rows of the

@@ -4,7 +4,7 @@ All planners are deterministic (ties broken by rank index, then by unit order an
 fqn), so every rank computes the same plan without communicating. Roles and their
 costs are ``roles.py``'s; :data:`PLANNERS` is the one registry of planner names;
 :func:`make_plan` returns the whole plan, the stepping replicas of ``replica_split``
-included (``replicas.py``).
+included (``replicas/assign.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from lightning_matrixfsdp.runtime.placement import MatrixShard, Plan, RoleKind, UnitLayout, UnitSpec
-from lightning_matrixfsdp.runtime.replicas import assign_steppers
+from lightning_matrixfsdp.runtime.replicas.assign import assign_steppers
 from lightning_matrixfsdp.runtime.roles import Role, newton_schulz_flops, role_cost, unit_roles
-from lightning_matrixfsdp.runtime.stack_split import Splits, block_roles, check_splits, choose_splits
+from lightning_matrixfsdp.runtime.experts.split import Splits, block_roles, check_splits, choose_splits
 
 __all__ = ["PLANNERS", "Role", "make_plan", "newton_schulz_flops", "role_cost", "unit_roles"]
 
@@ -143,7 +143,7 @@ def make_plan(
     """The complete plan for ``units`` over a shard span of ``world`` ranks and ``replicate``
     replicas; with ``replica_split`` (and more than one replica) each role's stepping replica
     too (``Plan.steppers``). ``split_stacks``: the built-in planners may split an expert stack
-    into contiguous blocks of experts, block ``r`` owned by rank ``r`` (``stack_split.py``);
+    into contiguous blocks of experts, block ``r`` owned by rank ``r`` (``experts/split.py``);
     the caller says whether the run can serve split stacks at all."""
     if world < 1:
         raise ValueError(f"shard span must be >= 1, got {world}")

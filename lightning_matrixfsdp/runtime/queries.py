@@ -5,7 +5,7 @@ rank (the lone-forward check), the groups a gradient norm sums over, the buffer
 broadcast, and releasing a forward left without backward.
 
 The one way into a sharded model's runtime state from outside ``runtime/``: the adapters,
-the optimizers and the checkpoints call these functions (and ``checkpoint_view``'s records),
+the optimizers and the checkpoints call these functions (and ``views/checkpoint``'s records),
 never the state object itself."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_matrixfsdp.runtime.comm import CommStats
+from lightning_matrixfsdp.runtime.comm.core import CommStats
 
 from lightning_matrixfsdp.runtime.consensus import PeerCheck, host_group
-from lightning_matrixfsdp.runtime.expert_stats import summarize
+from lightning_matrixfsdp.runtime.experts.stats import summarize
 from lightning_matrixfsdp.runtime.placement import Plan
-from lightning_matrixfsdp.runtime.small_comm import sum_counts
+from lightning_matrixfsdp.runtime.comm.small import sum_counts
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.tags import find_state, sharded_roots, state_of, tp_of
 

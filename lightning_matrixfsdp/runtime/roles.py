@@ -3,7 +3,7 @@
 A role's resident bytes are its parameters plus, when trainable, gradients and
 optimizer state (Muon keeps one momentum buffer, AdamW two moments); a matrix role's
 optimizer FLOPs are those of Newton-Schulz. Pure: the planners (``planner.py``) and
-the stepping-replica assignment (``replicas.py``) both price roles here.
+the stepping-replica assignment (``replicas/assign.py``) both price roles here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from lightning_matrixfsdp.runtime.experts import ExpertStack
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack
 from lightning_matrixfsdp.runtime.placement import ParamSpec, RoleKind, UnitSpec
 
 __all__ = ["Role", "newton_schulz_flops", "role_cost", "unit_roles"]

@@ -7,15 +7,15 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 from torch import nn
 
-from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
-from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
-from lightning_matrixfsdp.runtime.mesh import MeshInfo
+from lightning_matrixfsdp.runtime.comm.core import CommStats, ShardGroup
+from lightning_matrixfsdp.runtime.comm.grads import GradientReducer
+from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import Plan
-from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
+from lightning_matrixfsdp.runtime.replicas.sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
-from lightning_matrixfsdp.runtime.state_dict_guard import refuse_partial_part, refuse_partial_state_dict
+from lightning_matrixfsdp.runtime.views.state_dict import refuse_partial_part, refuse_partial_state_dict
 from lightning_matrixfsdp.runtime.sync import BufferSync
 from lightning_matrixfsdp.runtime.unit import Unit
 
@@ -253,7 +253,7 @@ class MatrixFSDPState(RefusePickle):
                                                        self.buffer_check)
 
     def refuse_partial_part(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        """``state_dict`` pre-hook of the submodules holding parameters (``state_dict_guard``)."""
+        """``state_dict`` pre-hook of the submodules holding parameters (``views/state_dict``)."""
         refuse_partial_part(self, module, prefix, keep_vars)
 
     def remove_hooks(self) -> None:

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_matrixfsdp.runtime.comm import CommStats, ShardGroup
+from lightning_matrixfsdp.runtime.comm.core import CommStats, ShardGroup
 from lightning_matrixfsdp.runtime.schedule import Schedule
-from lightning_matrixfsdp.runtime.sync_comm import as_bytes, broadcast_packed, gather_digests, send_to_targets
+from lightning_matrixfsdp.runtime.comm.sync import as_bytes, broadcast_packed, gather_digests, send_to_targets
 
 #: Phase of the parameter agreement at sharding time in ``get_comm_stats``.
 AGREE_PHASE = "init_sync"

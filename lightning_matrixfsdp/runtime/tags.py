@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_matrixfsdp.runtime.experts import ExpertStack
+from lightning_matrixfsdp.runtime.experts.stacks import ExpertStack
 from lightning_matrixfsdp.runtime.placement import MatrixShard, RoleKind
 
 _SHARD = "_mfsdp_shard"

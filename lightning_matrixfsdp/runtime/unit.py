@@ -30,13 +30,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_matrixfsdp.runtime.collectives import OwnerCollective
+from lightning_matrixfsdp.runtime.comm.collectives import OwnerCollective
 from lightning_matrixfsdp.runtime.consensus import MATERIALIZE
-from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
+from lightning_matrixfsdp.runtime.comm.grads import GradientReducer
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.pickling import RefusePickle
 from lightning_matrixfsdp.runtime.placement import UnitLayout
-from lightning_matrixfsdp.runtime.replica_sync import ReplicaSync
+from lightning_matrixfsdp.runtime.replicas.sync import ReplicaSync
 from lightning_matrixfsdp.runtime.schedule import Schedule
 from lightning_matrixfsdp.runtime.unit_autograd import PostBackward, tensors_in, tree_map_tensors
 from lightning_matrixfsdp.runtime.unit_grads import start_reduction

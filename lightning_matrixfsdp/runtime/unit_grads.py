@@ -14,10 +14,10 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning_matrixfsdp.runtime.comm import PendingOp
+from lightning_matrixfsdp.runtime.comm.core import PendingOp
 from lightning_matrixfsdp.runtime.consensus import AGREE_USED, REDUCE
 from lightning_matrixfsdp.runtime.errors import RankDivergenceError
-from lightning_matrixfsdp.runtime.grad_comm import GradientReducer
+from lightning_matrixfsdp.runtime.comm.grads import GradientReducer
 from lightning_matrixfsdp.runtime.param import ShardedParam
 
 

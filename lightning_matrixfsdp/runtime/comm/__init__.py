@@ -1,0 +1,1 @@
+"""The shared communication: pending operations, the shard group, byte accounting, the owner collectives, the gradient reduction, the small collectives, point-to-point transfers, host-blocking waits."""
