@@ -106,3 +106,35 @@ def test_stage_modules_keep_global_names_and_compose_to_the_model():
         h = st(h)
     assert torch.equal(h, model(x))
     assert stages[-1].get_output_embeddings() is model.head and stages[0].get_output_embeddings() is None
+
+
+def hf(kind: str, tied: bool = False):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=8, use_cache=False, tie_word_embeddings=tied)
+    if kind == "qwen3":  # layers that name their attention type (Qwen3's layer_types)
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hugging_face_stages_compose_to_the_model(kind):
+    """A Hugging Face model's stages, run one after the other, give its logits bitwise: embeddings,
+    masks and rotary embeddings rebuilt on each stage as the decoder builds them."""
+    model = hf(kind)
+    fam = family_of(model)
+    plan = plan_stages([(b, 1) for b in fam.blocks(model)], 0, 0, 3)
+    stages = [StageModule(model, s, fam.keep(model, s), fam) for s in plan.stages]
+    assert sorted(n for st in stages for n, _ in st.named_parameters()) == sorted(n for n, _ in model.named_parameters())
+    x = torch.randint(0, 16, (2, 8))
+    h = x
+    for st in stages:
+        h = st(h)
+    assert torch.equal(h, model(x).logits)
+
+
+def test_hugging_face_tied_embeddings_across_stages_are_refused():
+    with pytest.raises(MatrixShardError, match="model.embed_tokens.weight = lm_head.weight.*tie_word_embeddings=False"):
+        build_pipeline(hf("llama", tied=True), MESH, loss_fn=loss)

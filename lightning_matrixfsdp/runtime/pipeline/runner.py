@@ -93,8 +93,13 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
         p = model.get_parameter(fqn)
         if recipe_of(p) is None:
             tag_recipe(p, choice)
-    if shard_options.get("wrap_policy") is None and shard_options.get("config") is None:
-        shard_options["wrap_policy"] = {type(model.get_submodule(b)) for b in blocks}
+    # each block one unit, as matrix_shard picks them in the unsplit model (a stage has no ModuleList)
+    blocks_policy = {type(model.get_submodule(b)) for b in blocks}
+    config = shard_options.get("config")
+    if config is not None and config.wrap_policy is None:
+        shard_options["config"] = config.updated(wrap_policy=blocks_policy)
+    elif config is None and shard_options.get("wrap_policy") is None:
+        shard_options["wrap_policy"] = blocks_policy
     mine = stage_indices(mesh.pp_rank, mesh.pp_size, per_rank, kind.order)
     stages = []
     for index in mine:
