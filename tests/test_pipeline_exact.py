@@ -5,7 +5,7 @@ ranks, runs torch's schedule over 4 micro-batches for 2 optimizer steps, and com
 oracle of ``helpers/pipeline_scenarios.py`` (the unsplit model on one process, micro-batches
 and data-parallel places averaged as the schedule and the runtime sum them, ``torch.optim.Muon``
 / ``AdamW``): losses, every owner's gradient and every weight bitwise in float32, the evaluation
-loss too; each rank's optimizer holds exactly its stages' owned parameters and its step issues no
+loss too, and with gradient accumulation over two batches; each rank's optimizer holds exactly its stages' owned parameters and its step issues no
 collective and moves 0 bytes. Two deliberate breaks must be caught by the same checks.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from helpers.pipeline_scenarios import run_case
 
-# name -> (world, case); the demo GPT on the shared pools, Hugging Face models on theirs
+# name -> (world, case); the demo GPT on the shared pools, Hugging Face models and litgpt on the HF pools
 CASES = {
     "gpt-pp2-gpipe": (2, {"model": "demo_gpt", "pp": 2, "schedule": "GPipe"}),
     "gpt-pp2-1f1b": (2, {"model": "demo_gpt", "pp": 2, "schedule": "1F1B"}),
@@ -24,14 +24,18 @@ CASES = {
     "gpt-pp4-gpipe": (4, {"model": "demo_gpt", "pp": 4, "schedule": "GPipe"}),
     "gpt-pp2xhsdp-1f1b": (4, {"model": "demo_gpt", "pp": 2, "schedule": "1F1B", "shard_size": 1}),
     "gpt-declared-split": (2, {"model": "demo_gpt", "pp": 2, "schedule": "1F1B", "split": ["blocks.1"]}),
+    "gpt-pp2xdp2-accumulate": (4, {"model": "demo_gpt", "pp": 2, "schedule": "1F1B", "accumulate": 2}),
     "llama-pp2-1f1b": (2, {"model": "hf_llama", "pp": 2, "schedule": "1F1B"}),
     "llama-pp2-interleaved": (2, {"model": "hf_llama", "pp": 2, "schedule": "Interleaved1F1B"}),
     "llama-pp2xdp2-gpipe": (4, {"model": "hf_llama", "pp": 2, "schedule": "GPipe"}),
     "llama-pp4-1f1b": (4, {"model": "hf_llama", "pp": 4, "schedule": "1F1B"}),
     "qwen3moe-pp2-1f1b": (2, {"model": "hf_qwen3_moe", "pp": 2, "schedule": "1F1B"}),
+    "mixtral-pp2-gpipe": (2, {"model": "hf_mixtral", "pp": 2, "schedule": "GPipe"}),
+    "litgpt-pp2-interleaved": (2, {"model": "litgpt", "pp": 2, "schedule": "Interleaved1F1B"}),
 }
 #: which stages each rank runs, where the case says more than "rank = stage"
 STAGES = {"gpt-pp2-interleaved": [[0, 2], [1, 3]], "llama-pp2-interleaved": [[0, 2], [1, 3]],
+          "litgpt-pp2-interleaved": [[0, 2], [1, 3]],
           "gpt-pp2xdp2-interleaved": [[0, 2], [0, 2], [1, 3], [1, 3]]}
 
 
@@ -64,6 +68,7 @@ def test_pipeline_equals_the_unsplit_model(pool, name):
         assert r["worst"] == 0.0
         assert r["eval"] == r["oracle_eval"], f"{name} rank {rank}: evaluation {r['eval']} vs {r['oracle_eval']}"
         assert r["routed_is_mine"], f"{name} rank {rank}: the optimizer holds parameters of no stage of this rank"
+        assert "not a multiple of pipeline_microbatches=4" in (r["uneven"] or ""), r["uneven"]
         assert r["step_collectives"] == 0 and r["step_bytes"] == 0, f"{name} rank {rank}: the step communicated"
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
@@ -118,6 +118,11 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @override
     def parent_options(self) -> dict[str, Any]:
         return {"parallelize_fn": _not_used}
+
+    @override
+    def start_process_group(self) -> None:
+        ParallelStrategy.setup_environment(self)  # the device
+        self._setup_distributed()  # the seed, the ranks, the process group (not Lightning's mesh)
 
     # ------------------------------------------------------------------ precision
     @property

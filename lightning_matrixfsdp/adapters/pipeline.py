@@ -133,7 +133,7 @@ class PipelineSession:
                                        "return its loss")
             # Lightning divides the step's loss by accumulate_grad_batches before its backward: the
             # micro-batches' losses are divided by it too (the schedule's backward is the only one)
-            self.run.loss_divisor = self.run.microbatches * self.accumulation()
+            accumulation = self.accumulation()
             # Lightning zeroes the gradients between training_step and backward (the first batch of an
             # accumulation window): the schedule's gradients wait aside and join .grad in backward
             params = list(self.run.parameters())
@@ -141,7 +141,7 @@ class PipelineSession:
             for p in params:
                 p.grad = None
             try:
-                self.pending = self.run.step(inputs, targets)
+                self.pending = self.run.step(inputs, targets, accumulation=accumulation)
                 self._grads = [(p, p.grad) for p in params if p.grad is not None]
             finally:
                 for p, g in zip(params, before):

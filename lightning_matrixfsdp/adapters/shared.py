@@ -3,7 +3,9 @@
 ``MatrixFSDPAdapter`` is a mixin placed before Lightning's ``ModelParallelStrategy`` (the
 Trainer's or Fabric's): the options as one ``MatrixFSDPConfig`` (the keyword form binds a
 signature generated from the config), the attributes that read it, the mesh (one
-``MeshInfo``, built in ``setup_environment`` from Lightning's device mesh), sharding a
+``ParallelDims`` record of the sizes, checked before the launch; one ``MeshInfo`` of every
+group, built from it in ``setup_environment``, whose ``(data_parallel, tensor_parallel)``
+DeviceMesh is the strategy's ``device_mesh``), sharding a
 module with the config, the plan log and the teardown. Each strategy file
 (``trainer.py``, ``fabric.py``) keeps only what differs.
 
@@ -39,8 +41,9 @@ from lightning_matrixfsdp.runtime import (
 from lightning_matrixfsdp.runtime.config import (
     ADAPTER, MatrixFSDPConfig, bind_options, options_docstring, options_signature)
 from lightning_matrixfsdp.runtime.views.copies import copies_of
-from lightning_matrixfsdp.runtime.mesh.info import MeshInfo, parallel_sizes
-from lightning_matrixfsdp.runtime.mesh.comm import mesh_info
+from lightning_matrixfsdp.runtime.mesh.comm import build_mesh
+from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
+from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
 from lightning_matrixfsdp.runtime.comm.small import any_rank
 from lightning_matrixfsdp.runtime.tags import sharded_roots
 from lightning_matrixfsdp.runtime.comm.waits import stop_waiter
@@ -214,8 +217,10 @@ def adapter_docstring(doc: Optional[str], **notes: str) -> str:
 
 def mesh_sizes(data_parallel: Any, tensor_parallel: Any, world: int, per_node: int) -> tuple[int, int]:
     """(data-parallel size, tensor-parallel size) for the options' values (``"auto"`` TP: the
-    processes of a node; ``"auto"`` DP: the rest of the world), checked against the world."""
-    return parallel_sizes(world, per_node, data_parallel=data_parallel, tensor_parallel=tensor_parallel)
+    processes of a node; ``"auto"`` DP: the rest of the world), checked against the world (the
+    ``ParallelDims`` record's sizes)."""
+    dims = ParallelDims.from_options(world, per_node, data_parallel=data_parallel, tensor_parallel=tensor_parallel)
+    return dims.data_parallel, dims.tensor
 
 
 class MatrixFSDPAdapter:
@@ -268,36 +273,49 @@ class MatrixFSDPAdapter:
         places = world // (tp * self.config.pipeline_parallel_size)  # the stages of one place read one batch
         return {"num_replicas": places, "rank": self.global_rank // tp % places}  # type: ignore[attr-defined]
 
-    def check_world(self) -> tuple[int, int]:
-        """(data-parallel size, tensor-parallel size) of this run's world (devices x nodes), every
-        parallel size checked against it (``mesh.parallel_sizes``). Called when Lightning has the
-        devices and nodes and configures the launcher, so a size that cannot divide the world is
-        refused in ``Trainer(...)`` / ``Fabric(...)``, before any process starts; and again on every
-        rank before the process group, so a strategy that got through raises the same error on each."""
+    def check_world(self) -> ParallelDims:
+        """The ``ParallelDims`` record of this run's world (devices x nodes): every parallel size checked
+        against it at construction. Called when Lightning has the devices and nodes and configures the
+        launcher, so a size that cannot divide the world is refused in ``Trainer(...)`` /
+        ``Fabric(...)``, before any process starts; and again on every rank before the process group,
+        so a strategy that got through raises the same error on each."""
         nodes, per_node = self.num_nodes, self.num_processes  # type: ignore[attr-defined]
         where = f"devices={per_node} x num_nodes={nodes}"
-        sizes = parallel_sizes(nodes * per_node, per_node, data_parallel=self.config.data_parallel_size,
-                               tensor_parallel=self.config.tensor_parallel_size, shard_size=self.config.shard_size,
-                               expert_parallel=self.config.expert_parallel_size, where=where)
-        check_pipeline_world(self.config, nodes * per_node, sizes[1], where)  # pipeline_parallel_size
-        return sizes
+        dims = ParallelDims.from_options(nodes * per_node, per_node, data_parallel=self.config.data_parallel_size,
+                                         tensor_parallel=self.config.tensor_parallel_size,
+                                         shard_size=self.config.shard_size,
+                                         expert_parallel=self.config.expert_parallel_size, where=where)
+        check_pipeline_world(self.config, nodes * per_node, dims.tensor, where)  # pipeline_parallel_size
+        return dims
 
     @override
     def _configure_launcher(self) -> None:
         self.check_world()  # before the launch: Lightning knows the devices and nodes now
         super()._configure_launcher()  # type: ignore[misc]
 
+    def start_process_group(self) -> None:
+        """Lightning's device setup and process group, without its device mesh (each adapter: the
+        steps of its ``ModelParallelStrategy.setup_environment`` before the mesh)."""
+        raise NotImplementedError
+
     @override
     def setup_environment(self) -> None:
-        """The mesh sizes (``check_world``: all ranks data parallel by default, unlike Lightning's
-        "auto"), Lightning's ``(data_parallel, tensor_parallel)`` mesh, then the shard mesh: its
-        data-parallel dimension, or ``shard_size``'s HSDP inside it; the TP group beside."""
-        dp, tp = self.check_world()
-        # Lightning takes the sizes only in __init__, before the world is known (docs/decisions.md, issue 29)
-        self._data_parallel_size, self._tensor_parallel_size = dp, tp
-        super().setup_environment()  # type: ignore[misc]
-        self.shard_mesh = mesh_info(self.device_mesh, self.config.shard_size, self.root_device,  # type: ignore[attr-defined]
-                                   self.config.timeout)
+        """The sizes (``check_world``: all ranks data parallel by default, unlike Lightning's "auto"),
+        the process group, then every group of the run built from the record (``build_mesh``): the
+        ``(data_parallel, tensor_parallel)`` DeviceMesh Lightning would build (``device_mesh``), the
+        shard mesh inside its data-parallel part (HSDP with ``shard_size``), the TP group beside, the
+        expert-parallel groups."""
+        dims = self.check_world()
+        self.start_process_group()
+        self.shard_mesh = build_mesh(dims, self.root_device, self.config.timeout)  # type: ignore[attr-defined]
+
+    @property
+    def device_mesh(self) -> Any:
+        """The run's ``(data_parallel, tensor_parallel)`` DeviceMesh, built from the mesh record (in
+        place of the one Lightning's ``setup_environment`` builds)."""
+        if self.shard_mesh is None:
+            raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
+        return self.shard_mesh.world_mesh
         if self.config.pipeline_parallel_size > 1:  # the (pp, dp) mesh, pipeline axis outermost
             self.pipeline_mesh = pipeline_mesh(self.config.pipeline_parallel_size, self.config.shard_size,
                                                self.root_device.type)  # type: ignore[attr-defined]

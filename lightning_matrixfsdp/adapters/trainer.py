@@ -107,6 +107,10 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
+    def start_process_group(self) -> None:
+        self._setup_distributed()  # the device, the seed, the ranks, the process group (not Lightning's mesh)
+
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         assert self.lightning_module is not None and self.shard_mesh is not None

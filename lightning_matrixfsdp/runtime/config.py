@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.experts.stacks import ExpertStackError, check_expert_stacks
-from lightning_matrixfsdp.runtime.mesh.info import parallel_sizes
+from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 from lightning_matrixfsdp.runtime.options import (
     check_backend,
     check_bool,
@@ -236,8 +236,8 @@ class MatrixFSDPConfig:
         self._check_sizes()
 
     def _check_sizes(self) -> None:
-        """The sizes that cannot go together whatever the world (the rest waits for the world:
-        ``mesh.parallel_sizes``, called by the strategies before the launch)."""
+        """The sizes that cannot go together whatever the world (the rest waits for the world: the
+        strategies build the ``ParallelDims`` record before the launch)."""
         ep, tp, dp = self.expert_parallel_size, self.tensor_parallel_size, self.data_parallel_size
         if ep > 1 and tp != "auto" and tp > 1:
             raise MatrixShardError(f"expert_parallel_size={ep} with tensor parallelism (tensor_parallel_size={tp}) "
@@ -251,8 +251,8 @@ class MatrixFSDPConfig:
                                    "parallelism each stage's data-parallel size is world / pipeline_parallel_size; "
                                    'leave data_parallel_size="auto"')
         if dp != "auto":  # shard_size and expert_parallel_size split the data-parallel ranks
-            parallel_sizes(dp, 1, data_parallel=dp, shard_size=self.shard_size, expert_parallel=ep,
-                           where=f"data_parallel_size={dp}")
+            ParallelDims.from_options(dp, 1, data_parallel=dp, shard_size=self.shard_size, expert_parallel=ep,
+                                      where=f"data_parallel_size={dp}")
 
     @classmethod
     def names(cls, where: str) -> tuple[str, ...]:

@@ -39,7 +39,7 @@ from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, tag_expert_slice
 from lightning_matrixfsdp.runtime.tp.init_comm import scatter_initialized
 
-__all__ = ["awaits_init", "init_tp_meta", "replays_whole"]
+__all__ = ["awaits_init", "init_tp_meta", "materialize_meta", "replays_whole"]
 
 
 def awaits_init(p: Optional[torch.Tensor]) -> bool:
@@ -140,3 +140,19 @@ def _replay(m: nn.Module, reset: Any, own: list[tuple[str, ShardedParam]], stack
                              stats if stats is not None else CommStats())
         with torch.no_grad():
             p.copy_(local)
+
+
+def materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: torch.device) -> None:
+    """Meta-device models: owners now hold uninitialized full tensors; run each module's
+    ``reset_parameters`` (owners fill theirs, others touch empty placeholders)."""
+    for m in root.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
+            elif b is not None and b.device != device:
+                m._buffers[name] = b.to(device)
+    for m in meta_modules:
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            with torch.no_grad():
+                reset()

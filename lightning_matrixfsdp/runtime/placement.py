@@ -184,6 +184,21 @@ class UnitLayout:
 
 
 @dataclass
+class PlanNote:
+    """What one parallel style adds to a plan outside its roles: figures every shard rank holds on
+    top of its roles (the same on every rank: expert parallelism's local experts) and the lines the
+    printout shows for it."""
+
+    #: which style (``"tensor_parallel"``, ``"expert_parallel"``)
+    style: str
+    lines: tuple[str, ...] = ()
+    param_bytes: int = 0
+    resident_bytes: int = 0
+    flops: int = 0
+    matrices: int = 0
+
+
+@dataclass
 class Plan:
     """The planner's output for the whole model.
 
@@ -193,6 +208,11 @@ class Plan:
     ``steppers`` (``replica_split`` under HSDP, else empty): parameter fqn -> the replica
     that steps its role and alone holds its optimizer state; ``replica_flops[k][r]``:
     optimizer FLOPs per step of shard rank ``r`` in replica ``k`` under that assignment.
+
+    ``options``: the planner's and the runtime's choices (``collective`` and why, ...).
+    ``notes``: what each parallel style adds outside the roles (:class:`PlanNote`: expert
+    parallelism's local experts, the TP steppers), and ``roles``: the classification rows
+    (``classify.describe_roles``); the printout reads them, the digest and ``to_dict`` do not.
     """
 
     world: int
@@ -204,6 +224,8 @@ class Plan:
     options: dict[str, Any] = field(default_factory=dict)
     steppers: dict[str, int] = field(default_factory=dict)
     replica_flops: list[list[int]] = field(default_factory=list)
+    notes: list["PlanNote"] = field(default_factory=list, repr=False, compare=False)
+    roles: list[tuple] = field(default_factory=list, repr=False, compare=False)
 
     # ------------------------------------------------------------------ queries
     def shards(self) -> Iterable[MatrixShard]:
@@ -251,21 +273,26 @@ class Plan:
         """The replica that steps ``fqn``'s role; None without ``replica_split`` (every replica)."""
         return self.steppers.get(fqn) if self.steppers else None
 
-    # Expert parallelism's local experts are outside the roles; ``matrix_shard`` records what each rank
-    # holds of them in ``options`` (printed, not in the digest), the same on every rank.
+    # Expert parallelism's local experts are outside the roles; its note says what each rank holds of
+    # them (the same on every rank), added to each rank's figures.
     def param_bytes(self, rank: int) -> int:
         """Parameter bytes shard rank ``rank`` holds between steps: the roles it owns (a split stack's
-        block), plus its local experts under expert parallelism."""
-        return sum(u.owned_bytes(rank) for u in self.units) + int(self.options.get("expert_param_bytes", 0))
+        block), plus what the notes add (local experts under expert parallelism)."""
+        return sum(u.owned_bytes(rank) for u in self.units) + sum(n.param_bytes for n in self.notes)
 
     def resident_bytes(self, rank: int) -> int:
         """The cost model's resident bytes of shard rank ``rank`` (parameters, gradients, optimizer
-        state): its roles' load plus its local experts'."""
-        return self.loads_bytes[rank] + int(self.options.get("expert_resident_bytes", 0))
+        state): its roles' load plus the notes' (local experts)."""
+        return self.loads_bytes[rank] + sum(n.resident_bytes for n in self.notes)
 
     def optimizer_flops(self, rank: int) -> int:
-        """Optimizer FLOPs per step of shard rank ``rank``: its roles' plus its local experts'."""
-        return self.loads_flops[rank] + int(self.options.get("expert_flops", 0))
+        """Optimizer FLOPs per step of shard rank ``rank``: its roles' plus the notes' (local experts)."""
+        return self.loads_flops[rank] + sum(n.flops for n in self.notes)
+
+    def matrices(self, rank: int) -> int:
+        """Matrices shard rank ``rank`` steps: the matrix roles it owns plus the notes' (local experts)."""
+        return sum(1 for s in self.shards() if s.role == RoleKind.MATRIX and s.owner == rank) + sum(
+            n.matrices for n in self.notes)
 
     @property
     def memory_imbalance(self) -> float:

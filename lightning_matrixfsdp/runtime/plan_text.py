@@ -4,8 +4,9 @@ A per-rank table of what each shard rank holds between steps (parameter bytes, t
 resident bytes with gradients and optimizer state, optimizer GFLOP per step, matrices stepped),
 expert parallelism's local experts included; then the expert stacks (each one's owner, or its
 blocks where it is split) or, under expert parallelism, which experts each rank keeps; the
-runtime's choices and the balance; and every parameter's role. Reads the plan only (a
-``placement.Plan``, which imports this module for its ``__str__``: nothing is imported back).
+runtime's choices (its ``options``) and each parallel style's note (``plan.notes``); the balance;
+and every parameter's role (``plan.roles``). Reads the plan only (a ``placement.Plan``, which
+imports this module for its ``__str__``: nothing is imported back).
 """
 
 from __future__ import annotations
@@ -29,13 +30,9 @@ def _role_count(unit: Any) -> int:
 
 def _table(plan: Plan) -> list[str]:
     lines = [f"{'rank':>4} | {'params MiB':>10} | {'resident MiB':>12} | {'optimizer GFLOP':>15} | {'matrices':>8}"]
-    n_mat = [int(plan.options.get("expert_matrices", 0))] * plan.world
-    for s in plan.shards():
-        if _is_matrix(s):
-            n_mat[s.owner] += 1
     for r in range(plan.world):
         lines.append(f"{r:>4} | {plan.param_bytes(r) / 2**20:>10.2f} | {plan.resident_bytes(r) / 2**20:>12.2f} | "
-                     f"{plan.optimizer_flops(r) / 1e9:>15.3f} | {n_mat[r]:>8}")
+                     f"{plan.optimizer_flops(r) / 1e9:>15.3f} | {plan.matrices(r):>8}")
     return lines
 
 
@@ -76,10 +73,8 @@ def plan_text(plan: Plan) -> str:
     if "collective" in o:  # matrix_shard's resolved choice ("auto" or explicit) and why
         lines.append(f"collective: {o['collective']} ({o.get('collective_reason', '')}); "
                      f"replica_split: {plan.replica_split} ({o.get('replica_split_reason', '')})")
-    if "tensor_parallel" in o:  # matrix_shard under TP: the TP steppers' balance
-        lines.append(str(o["tensor_parallel"]))
-    if "expert_parallel" in o:  # matrix_shard under EP: the local experts, outside the roles, in the table
-        lines.append(str(o["expert_parallel"]))
+    for style in ("tensor_parallel", "expert_parallel"):  # TP: the steppers' balance; EP: the local experts
+        lines += [line for note in plan.notes if note.style == style for line in note.lines]
     if plan.steppers:
         per = ", ".join(f"replica {k}: " + " ".join(f"{f / 1e9:.3f}" for f in row)
                         for k, row in enumerate(plan.replica_flops))
@@ -87,7 +82,7 @@ def plan_text(plan: Plan) -> str:
                      f"optimizer GFLOP per rank: {per}")
     lines.append(f"imbalance (max/avg): memory {plan.memory_imbalance:.3f}, "
                  f"optimizer compute {plan.compute_imbalance:.3f}; max unit gamma {plan.max_gamma:.3f}")
-    if o.get("roles"):  # matrix_shard's classification: every parameter, and the rule that decided
+    if plan.roles:  # matrix_shard's classification: every parameter, and the rule that decided
         lines.append("roles (parameter: placement, why | update with Muon(model), why | with bare parameters()):")
-        lines += [_role_line(row) for row in o["roles"]]
+        lines += [_role_line(row) for row in plan.roles]
     return "\n".join(lines)

@@ -1,15 +1,22 @@
-"""``matrix_shard`` in three stages: collect the specs, make the complete plan, build the runtime.
+"""``matrix_shard`` as five named steps, each parallel style contributing through one seam.
 
-``collect`` walks the model (units, parameters, their specs; nothing moves),
-``planner.make_plan`` returns the whole plan (owners, and the stepping replicas of
-``replica_split``), ``build_runtime`` agrees with the other ranks and applies it.
+1. ``resolve_mesh``: the ``MeshInfo`` and its ``ParallelDims`` record (every size checked);
+   ``prepare_styles``: the styles that act before the walk (tensor parallelism; expert
+   parallelism, whose experts become local parameters outside every unit).
+2. ``collect``: walk the model, classify every parameter's role (units, specs; nothing moves).
+3. ``place``: ``planner.make_plan``, the whole plan (owners, and the stepping replicas of
+   ``replica_split``), with the runtime's choices and the roles for the printout.
+4. Each :class:`Style` (``tp/style.py``, ``experts/style.py``, ``replicas/style.py``)
+   contributes to the plan (``plan.notes``: what it holds outside the roles, its printout lines).
+5. ``build_runtime``: agree with the other ranks, build the units, each style installs its part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -28,25 +35,25 @@ from lightning_matrixfsdp.runtime.consensus import (
 from lightning_matrixfsdp.runtime.views.copies import track_copies
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.experts.parallel import prepare_experts
+from lightning_matrixfsdp.runtime.experts.style import ExpertParallelStyle
 from lightning_matrixfsdp.runtime.experts.stats import RoutingCounts, watch_routing
 from lightning_matrixfsdp.runtime.comm.grads import GradientReducer
 from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
-from lightning_matrixfsdp.runtime.mesh.comm import is_tp_mesh, mesh_info, shard_mesh
+from lightning_matrixfsdp.runtime.mesh.comm import dims_of, is_tp_mesh, mesh_info, shard_mesh
 from lightning_matrixfsdp.runtime.options import check_device, check_mesh
 from lightning_matrixfsdp.runtime.param import ShardedParam
 from lightning_matrixfsdp.runtime.placement import MatrixShard, ParamSpec, Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 from lightning_matrixfsdp.runtime.prune_guard import install_prune_guard
-from lightning_matrixfsdp.runtime.replicas.comm import ReplicaExchange
-from lightning_matrixfsdp.runtime.replicas.sync import ReplicaSync
+from lightning_matrixfsdp.runtime.replicas.style import ReplicaSplitStyle
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.sync import BufferSync, agree_params, agree_replicas, buffer_layout
-from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_recipe, tag_role, tag_tp, tag_tp_shape
+from lightning_matrixfsdp.runtime.tags import attach_state, expert_slice_of, tag_recipe
 from lightning_matrixfsdp.runtime.mesh.topology_comm import resolve
-from lightning_matrixfsdp.runtime.tp.layout import local_data, read_layout
-from lightning_matrixfsdp.runtime.meta_init import awaits_init, init_tp_meta, replays_whole
-from lightning_matrixfsdp.runtime.tp.step_comm import TPFragment
-from lightning_matrixfsdp.runtime.tp.plan import TPPlan, assign_tp_steppers, localize
+from lightning_matrixfsdp.runtime.tp.layout import local_data
+from lightning_matrixfsdp.runtime.meta_init import awaits_init, init_tp_meta, materialize_meta, replays_whole
+from lightning_matrixfsdp.runtime.tp.plan import TPPlan, localize
+from lightning_matrixfsdp.runtime.tp.style import TensorParallelStyle
 from lightning_matrixfsdp.runtime.unit import Unit
 
 WrapPolicy = Union[set, frozenset, list, tuple, Callable[[str, nn.Module], bool], None]
@@ -144,6 +151,48 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
         raise TypeError(f"matrix_shard expects an nn.Module, got {type(module).__name__}")
     # Every option first, before the model is touched (a config was checked when it was built).
     config = bind_options(_SIGNATURE, "matrix_shard", (), dict(options, config=config))
+    mesh, device = resolve_mesh(module, mesh, device, config)  # 1. the mesh record and its groups
+    stats, routing = CommStats(), RoutingCounts()  # routing: tokens per expert for the logs
+    styles = prepare_styles(module, config, mesh, device, stats, routing)  # before any other collective
+    # "auto" options resolved once, alike on every rank (runtime/mesh/topology.py)
+    choice = resolve(config.collective, config.replica_split, mesh)
+    config = config.updated(collective=choice.collective, replica_split=choice.replica_split)
+    collected = collect(module, config)  # 2. classify roles: units, specs
+    for style in styles:
+        style.after_collect(collected)
+    plan = place(collected, config, mesh, choice)  # 3. place: owners (and stepping replicas)
+    if plan.replica_split:
+        styles.append(ReplicaSplitStyle(mesh, stats))
+    for style in styles:  # 4. each parallel style's contribution to the plan
+        style.contribute(plan, collected, config.ns_steps)
+    state = build_runtime(module, config, mesh, plan, collected, device, styles, stats)  # 5. build and install
+    for fqn, p in module.named_parameters():  # for an optimizer built from the module: Muon(model)
+        if fqn in collected.recipe:
+            tag_recipe(p, collected.recipe[fqn])
+    state.attach_routing(routing)
+    return module
+
+
+class Style(Protocol):
+    """One parallel style's contribution to ``matrix_shard``, at each named step (``tp/style.py``,
+    ``experts/style.py``, ``replicas/style.py``): a style with nothing to do at a step does nothing."""
+
+    name: str
+
+    def after_collect(self, collected: "Collected") -> None:
+        """The roles are known (nothing moved yet)."""
+
+    def contribute(self, plan: Plan, collected: "Collected", ns_steps: int) -> None:
+        """The plan is made: add what the style holds outside the roles (``plan.notes``)."""
+
+    def install(self, state: MatrixFSDPState) -> None:
+        """The units are built: wire the style's runtime part in, before the hooks are installed."""
+
+
+def resolve_mesh(module: nn.Module, mesh: Any, device: Optional[torch.device],
+                 config: MatrixFSDPConfig) -> tuple[MeshInfo, torch.device]:
+    """Step 1: the ``MeshInfo`` of ``mesh`` (a DeviceMesh, a ``MeshInfo`` or None) with its
+    ``ParallelDims`` record (every size checked together), and the device to shard onto."""
     if mesh is not None and config.shard_size is not None and not isinstance(mesh, MeshInfo) and not is_tp_mesh(mesh):
         raise MatrixShardError(f"pass either mesh or shard_size, not both (got mesh={mesh!r}, "
                                f"shard_size={config.shard_size!r})")
@@ -155,48 +204,40 @@ def matrix_shard(module: nn.Module, *, mesh: Any = None, device: Optional[torch.
     check_model(module, tensor_parallel=mesh.tp_size > 1 if isinstance(mesh, MeshInfo) else is_tp_mesh(mesh))
     if not isinstance(mesh, MeshInfo):
         mesh = mesh_info(mesh, config.shard_size, device)
+    if config.expert_parallel_size == 1 and mesh.dims is None:  # expert parallelism checks its sizes with the model
+        mesh = dataclasses.replace(mesh, dims=dims_of(mesh))
     if device is None:
         real = [p for p in module.parameters() if not p.is_meta]
         device = real[0].device if real else mesh.device
-    device = torch.device(device)
-    # expert parallelism: each rank keeps its experts as local parameters, outside every unit
-    stats = CommStats()
-    routing = RoutingCounts()  # tokens per expert for the logs: the dispatch's counts under EP, else a hook's
+    return mesh, torch.device(device)
+
+
+def prepare_styles(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, device: torch.device,
+                   stats: CommStats, routing: RoutingCounts) -> list[Style]:
+    """The parallel styles of this run that act before the walk: tensor parallelism (a TP group
+    above one rank), expert parallelism (each rank keeps its experts as local parameters, outside
+    every unit; collective: its refusals agree on every rank first)."""
+    styles: list[Style] = [TensorParallelStyle(mesh, stats)] if mesh.tp_size > 1 else []
     experts = prepare_experts(module, config.expert_parallel_size, mesh, device, stats, routing)
     if experts is None:
         watch_routing(module, routing)
+    else:
+        styles.append(ExpertParallelStyle(experts))
+    return styles
 
-    # "auto" options resolved once, alike on every rank, before any other collective (runtime/mesh/topology.py)
-    choice = resolve(config.collective, config.replica_split, mesh)
-    config = config.updated(collective=choice.collective, replica_split=choice.replica_split)
-    collected = collect(module, config)  # 1. specs
-    if experts is not None:  # this rank's experts, declared stacks as the whole tensors were classified
-        experts.split({fqn: r.stack for fqn, r in collected.roles.items() if r.is_matrix})
-        for fqn, p in experts.params.items():  # a local slice that is not a stack (GPT-OSS's expert biases) is tail
-            if not collected.roles[fqn].is_matrix:
-                tag_role(p, RoleKind.TAIL)
+
+def place(collected: "Collected", config: MatrixFSDPConfig, mesh: MeshInfo, choice: Any) -> Plan:
+    """Step 3: the owners of every role (and, with ``replica_split``, each role's stepping replica),
+    with the runtime's choices and the roles for the printout."""
     split, why_not = splits_served(config, mesh, collected.roles)
-    plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,  # 2. the plan
+    plan = make_plan(collected.specs, mesh.shard_size, config.planner, ns_steps=config.ns_steps,
                      replicate=mesh.replicate_size, replica_split=config.replica_split, split_stacks=split)
     if why_not:
         plan.options["split_stacks_reason"] = why_not  # printed; not in the digest
     plan.options.update(collective=choice.collective, collective_reason=choice.collective_reason,
-                        replica_split_reason=choice.replica_split_reason,  # printed; not in the digest
-                        roles=describe_roles(collected.roles, collected.recipe))
-    if experts is not None:  # the local experts in the printout's table, and which rank holds which (not in the digest)
-        # priced by the update Muon(model) gives them (the recipe: a per-expert bias is no matrix)
-        plan.options.update(experts.plan_options({f: r.is_matrix for f, r in collected.recipe.items()}, config.ns_steps))
-    tp_plan = None
-    if mesh.tp_size > 1:  # the owners from global shapes (above); the TP steppers and this rank's fragments
-        tp_plan = tensor_parallel_plan(collected, plan, mesh, config.ns_steps)
-    state = build_runtime(module, config, mesh, plan, collected, device, tp_plan, stats)  # 3. the runtime
-    if experts is not None:
-        state.attach_experts(experts)
-    for fqn, p in module.named_parameters():  # for an optimizer built from the module: Muon(model)
-        if fqn in collected.recipe:
-            tag_recipe(p, collected.recipe[fqn])
-    state.attach_routing(routing)
-    return module
+                        replica_split_reason=choice.replica_split_reason)  # printed; not in the digest
+    plan.roles = describe_roles(collected.roles, collected.recipe)
+    return plan
 
 
 _SIGNATURE = options_signature(SHARD, keyword_only=True)
@@ -263,14 +304,6 @@ def collect(module: nn.Module, config: MatrixFSDPConfig) -> Collected:
                      {first_fqn[pid]: r for pid, r in regs.items()}, roles, recipe)
 
 
-def tensor_parallel_plan(collected: Collected, plan: Plan, mesh: MeshInfo, ns_steps: int) -> TPPlan:
-    """Every parameter's TP layout (refusing what cannot be served) and the split matrices' TP steppers."""
-    matrix = {p.fqn: p.is_matrix for u in collected.specs for p in u.params}
-    layouts = {fqn: read_layout(fqn, p, mesh.tp_mesh, mesh.tp_size, matrix[fqn])
-               for fqn, p in collected.params.items()}
-    return assign_tp_steppers(plan, layouts, mesh.tp_size, ns_steps)
-
-
 # ---------------------------------------------------------------------- 3. the runtime
 def agreed_options(config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, module: nn.Module) -> dict[str, Any]:
     """What every rank of a group must have chosen alike, beside the plan (compared once, by digest)."""
@@ -290,34 +323,21 @@ def agreed_options(config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, module:
 
 
 def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, collected: Collected,
-                  device: torch.device, tp_plan: Optional[TPPlan] = None,
+                  device: torch.device, styles: Sequence[Style] = (),
                   stats: Optional[CommStats] = None) -> MatrixFSDPState:
-    """Agree on plan and options, take rank 0's values, and build the parameters, units and hooks.
-    With tensor parallelism (``tp/plan``) the TP group agrees on the global plan and TP layouts
-    first, and this rank's data-parallel group then runs the plan at its fragments' shapes."""
+    """Agree on plan and options, take rank 0's values, and build the parameters, units and hooks,
+    each style installing its part once the units are built. With tensor parallelism the TP group
+    agrees on the global plan and TP layouts first, and this rank's data-parallel group then runs
+    the plan at its fragments' shapes."""
     sg, replicate_pg = mesh.shard, mesh.replicate_group
-    agreed = agreed_options(config, mesh, plan, module)
-    if tp_plan is not None:  # the same owners and TP steppers on every TP rank, before anything moves
-        validate_schedule(plan, {**agreed, "tensor_parallel": tp_plan.to_dict()}, mesh.tp,
-                          "tensor-parallel group")
-        plan = localize(plan, tp_plan.layouts, mesh.tp_rank)
-        plan.options["tensor_parallel"] = tp_plan.describe()
-    validate_schedule(plan, agreed, sg)
-    if replicate_pg is not None:  # HSDP: every replica must hold the same layout too
-        validate_schedule(plan, agreed, ShardGroup(replicate_pg))
-
-    # -- every owner on global rank 0's values (DDP's broadcast at wrap), before non-owners drop theirs
     stats = CommStats() if stats is None else stats  # matrix_shard's (expert parallelism counted already)
-    params = collected.params
-    layouts = [shard for layout in plan.units for shard in layout.shards]
-    if not any(p.is_meta for p in params.values()):  # a split stack's blocks: each block's rows, to its owner
-        agree_params([_rows(local_data(params[s.fqn]).data, s) for s in layouts], [s.owner for s in layouts], sg,
-                     replicate_pg, stats)
+    tp_plan = next((s.tp_plan for s in styles if isinstance(s, TensorParallelStyle)), None)
+    plan, agreed = _agree_plan(module, config, mesh, plan, collected, tp_plan, stats)
 
     # -- apply: resident tensors, pinned unsharded buffers, unit hooks
     coll = make_collective(config.collective, sg, stats)
-    exchange = ReplicaExchange(replicate_pg, stats) if plan.replica_split else None
-    reducer = GradientReducer(coll, replicate_pg, mesh.replicate_size, split=exchange, steppers=plan.steppers)
+    split = next((s.exchange for s in styles if isinstance(s, ReplicaSplitStyle)), None)
+    reducer = GradientReducer(coll, replicate_pg, mesh.replicate_size, split=split, steppers=plan.steppers)
     state = MatrixFSDPState(module, plan, reducer, mesh, config.prefetch)
     state.tp_plan = tp_plan
     check = make_sequence_check(sg, [u.fqn for u in plan.units]) if agreed["sequence_check"] else None
@@ -328,30 +348,19 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
         pieces: dict[str, list] = {}  # a split expert stack: its blocks, one entry each
         for shard in layout.shards:
             pieces.setdefault(shard.fqn, []).append(shard)
-        sparams = [ShardedParam(ps[0], params[fqn], collected.registrations[fqn], sg.rank, device,
+        sparams = [ShardedParam(ps[0], collected.params[fqn], collected.registrations[fqn], sg.rank, device,
                                 config.param_dtype, config.reduce_dtype, alone=sg.size == 1,
-                                dtensor=dtensor_spec(params[fqn]), pieces=ps)
+                                dtensor=dtensor_spec(collected.params[fqn]), pieces=ps)
                    for fqn, ps in pieces.items()]
-        if tp_plan is not None:
-            for sp in sparams:
-                if tp_plan.layouts[sp.shard.fqn].split:
-                    tag_tp_shape(sp.resident, tp_plan.layouts[sp.shard.fqn].global_shape)
-                if sp.shard.fqn in tp_plan.steppers:
-                    tag_tp(sp.resident, TPFragment(tp_plan.layouts[sp.shard.fqn], mesh.tp,
-                                                   tp_plan.steppers[sp.shard.fqn], stats))
-        is_root = umod is module
         state.add_unit(Unit(umod, layout, sparams, coll, reducer, state.schedule,
-                            config.reshard_after_forward and not is_root, zero_missing_grads=config.zero_missing_grads,
-                            index=index, check=check))
+                            config.reshard_after_forward and umod is not module,
+                            zero_missing_grads=config.zero_missing_grads, index=index, check=check))
     if plan.split_stacks:  # blocks of experts: checkpoints store each as a chunk of the whole stack
         state.stack_mesh = shard_mesh(sg.group, list(sg.global_ranks))
-    root_index = next(i for i, u in enumerate(state.units) if u.module is module)
-    if exchange is not None:
-        state.replicas = ReplicaSync([u.params for u in state.units], plan.steppers, exchange, first=root_index)
-        for unit in state.units:
-            unit.replicas = state.replicas
+    for style in styles:  # TP: each fragment's stepper; replica_split: the weights' transfers; EP: its gradients
+        style.install(state)
     whole = replays_whole(meta_modules, tp_plan)  # TP, or expert stacks on meta: whole tensors initialized once,
-    _materialize_meta(module, [] if whole else meta_modules, device)  # sliced over the TP group / the experts' ranks
+    materialize_meta(module, [] if whole else meta_modules, device)  # sliced over the TP group / the experts' ranks
     if whole:
         init_tp_meta(meta_modules, state.params, tp_plan, mesh.tp, device, stats)
     if meta_modules:  # owners initialized their own roles: the replicas of each owner take replica 0's
@@ -361,6 +370,7 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
                            for p in m._parameters.values() if p is not None}
     state.buffers = BufferSync(module, sg, replicate_pg, stats, config.broadcast_buffers)
     if check is not None:
+        root_index = next(i for i, u in enumerate(state.units) if u.module is module)
         state.buffer_check = lambda: check(SYNC_BUFFERS, root_index)
     state.install_hooks()  # the root's own: replica transfers, rank 0's buffers
     state.broadcast_buffers()
@@ -369,6 +379,29 @@ def build_runtime(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, p
     for unit in state.units:  # a deepcopy of the model or of a unit: sharded like it (weight averaging)
         track_copies(unit.module, state)
     return state
+
+
+def _agree_plan(module: nn.Module, config: MatrixFSDPConfig, mesh: MeshInfo, plan: Plan, collected: Collected,
+                tp_plan: Optional[TPPlan], stats: CommStats) -> tuple[Plan, dict[str, Any]]:
+    """Every group agrees on the plan and options (the TP group first, on the global plan and TP
+    layouts; then this rank's plan at its fragment shapes), and every owner takes global rank 0's
+    values (DDP's broadcast at wrap), before non-owners drop theirs. Returns (this rank's plan, the
+    agreed options)."""
+    sg, replicate_pg = mesh.shard, mesh.replicate_group
+    agreed = agreed_options(config, mesh, plan, module)
+    if tp_plan is not None:  # the same owners and TP steppers on every TP rank, before anything moves
+        validate_schedule(plan, {**agreed, "tensor_parallel": tp_plan.to_dict()}, mesh.tp,
+                          "tensor-parallel group")
+        plan = localize(plan, tp_plan.layouts, mesh.tp_rank)
+    validate_schedule(plan, agreed, sg)
+    if replicate_pg is not None:  # HSDP: every replica must hold the same layout too
+        validate_schedule(plan, agreed, ShardGroup(replicate_pg))
+    params = collected.params
+    layouts = [shard for layout in plan.units for shard in layout.shards]
+    if not any(p.is_meta for p in params.values()):  # a split stack's blocks: each block's rows, to its owner
+        agree_params([_rows(local_data(params[s.fqn]).data, s) for s in layouts], [s.owner for s in layouts], sg,
+                     replicate_pg, stats)
+    return plan, agreed
 
 
 def _rows(t: torch.Tensor, shard: MatrixShard) -> torch.Tensor:
@@ -398,19 +431,3 @@ def dtensor_spec(p: nn.Parameter) -> Optional[tuple[Any, tuple, torch.Size, tupl
     from torch.distributed.tensor import DTensor
 
     return (p.device_mesh, tuple(p.placements), p.shape, p.stride()) if isinstance(p, DTensor) else None
-
-
-def _materialize_meta(root: nn.Module, meta_modules: list[nn.Module], device: torch.device) -> None:
-    """Meta-device models: owners now hold uninitialized full tensors; run each module's
-    ``reset_parameters`` (owners fill theirs, others touch empty placeholders)."""
-    for m in root.modules():
-        for name, b in list(m._buffers.items()):
-            if b is not None and b.is_meta:
-                m._buffers[name] = torch.empty_like(b, device=device)
-            elif b is not None and b.device != device:
-                m._buffers[name] = b.to(device)
-    for m in meta_modules:
-        reset = getattr(m, "reset_parameters", None)
-        if callable(reset):
-            with torch.no_grad():
-                reset()

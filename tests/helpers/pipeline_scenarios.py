@@ -54,8 +54,27 @@ def hf_qwen3_moe(layers: int = 2) -> nn.Module:
         decoder_sparse_step=1, max_position_embeddings=SEQ, use_cache=False, tie_word_embeddings=False))
 
 
+def hf_mixtral(layers: int = 2) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+        use_cache=False, tie_word_embeddings=False))
+
+
+def litgpt_gpt(layers: int = 4) -> nn.Module:
+    from litgpt import GPT, Config
+
+    return GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=layers, n_head=2, n_embd=16,
+                      bias=False, rotary_percentage=1.0, parallel_residual=False))
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {"demo_gpt": demo_gpt, "hf_llama": hf_llama,
-                                               "hf_qwen3_moe": hf_qwen3_moe}
+                                               "hf_qwen3_moe": hf_qwen3_moe, "hf_mixtral": hf_mixtral,
+                                               "litgpt": litgpt_gpt}
+#: the MoE models: the oracle steps each expert of a stack as its own matrix
+MOE = ("hf_qwen3_moe", "hf_mixtral")
 
 
 def logits_of(out: Any) -> torch.Tensor:
@@ -68,10 +87,11 @@ def batch(step: int, place: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :-1], x[:, 1:]
 
 
-def oracle_step(model: nn.Module, places: int, step: int) -> list[torch.Tensor]:
-    """One step's gradients on the unsplit ``model`` (left in ``.grad``); returns each place's mean loss."""
+def oracle_step(model: nn.Module, places: int, step: int, accumulation: int = 1) -> list[torch.Tensor]:
+    """One batch's gradients on the unsplit ``model``, added to its ``.grad`` (each micro-batch's loss
+    divided by ``MICRO * accumulation``); returns each place's mean loss."""
     params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
+    total = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     losses = [[] for _ in range(places)]
     for m in range(MICRO):
         per_place = []
@@ -80,7 +100,7 @@ def oracle_step(model: nn.Module, places: int, step: int) -> list[torch.Tensor]:
             for p in params:
                 p.grad = None
             loss = lm_loss(logits_of(model(x)), y)
-            (loss / MICRO).backward()
+            (loss / (MICRO * accumulation)).backward()
             losses[place].append(loss.detach())
             per_place.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
         for i in range(len(params)):
@@ -109,7 +129,7 @@ def run_case(rank: int, world: int, case: dict) -> dict:
 
 
 def _run_case(rank: int, world: int, case: dict) -> dict:
-    from lightning_matrixfsdp.runtime import get_comm_stats, sync_replicas
+    from lightning_matrixfsdp.runtime import MatrixShardError, get_comm_stats, sync_replicas
     from lightning_matrixfsdp.runtime.pipeline import build_pipeline, pipeline_mesh
 
     pp, steps = case["pp"], case.get("steps", 2)
@@ -122,7 +142,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
                          split=case.get("split"), stages_per_rank=case.get("stages_per_rank"))
     if case.get("break") == "unscaled" and run.holds_last:
         run.loss_divisor = 1  # the last stage skips the 1/M scaling of its micro-batches' losses
-    o_opts = oracle_optimizers(oracle) if case["model"] != "hf_qwen3_moe" else [PerExpertMuon(oracle, expert_rows)]
+    o_opts = oracle_optimizers(oracle) if case["model"] not in MOE else [PerExpertMuon(oracle, expert_rows)]
     stepped = model if case.get("break") == "foreign" else run.module  # "foreign": the whole model's parameters
     s_opts = make_sharded_optimizer(stepped, "ours")
     mine = {id(p) for p in run.parameters() if p._mfsdp_owned and p.numel()}
@@ -131,12 +151,14 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     out: dict = {"losses": [], "oracle_losses": [], "worst": 0.0, "differs": [], "stages": list(run.stage_indices),
                  "routed_is_mine": routed == mine, "plan": run.plan.describe()}
     o_params = dict(oracle.named_parameters())
+    acc = case.get("accumulate", 1)
     for step in range(steps):
-        x, y = batch(step, place)
-        loss = run.step(x, y)
-        o_losses = oracle_step(oracle, places, step)
-        out["losses"].append(loss.item())
-        out["oracle_losses"].append(o_losses[place].item())
+        for k in range(acc):  # accumulate_grad_batches: a window of batches, one optimizer step
+            x, y = batch(step * acc + k, place)
+            loss = run.step(x, y, accumulation=acc)
+            o_losses = oracle_step(oracle, places, step * acc + k, acc)
+            out["losses"].append(loss.item())
+            out["oracle_losses"].append(o_losses[place].item())
         for name, p in run.named_parameters():  # gradients on the owners, before any step
             # an owner has the gradient (under HSDP's replica_split only on the replica that steps it)
             if p._mfsdp_owned and p.grad is not None and not torch.equal(p.grad, o_params[name].grad):
@@ -161,6 +183,11 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
                     out["differs"].append(f"step {step}: {name} by {d:.3e}")
     out["step_bytes"] = sum(sum(get_comm_stats(s)["optimizer_step"].values()) for s in run.stages)
     x, y = batch(99, place)
+    try:  # 6 rows for 4 micro-batches: refused on every rank, before any communication
+        run.step(x[:6], y[:6])
+        out["uneven"] = None
+    except MatrixShardError as err:
+        out["uneven"] = str(err)
     out["eval"] = run.evaluate(x, y).item()
     with torch.no_grad():
         out["oracle_eval"] = torch.stack([lm_loss(logits_of(oracle(a)), b)

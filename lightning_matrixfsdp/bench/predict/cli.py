@@ -8,6 +8,9 @@ Table 3, and the report and plot of docs/benchmarks.md ("Predicted step times").
     python -m lightning_matrixfsdp.bench predict --report OUT --plot docs/predict-scaling.png
     python -m lightning_matrixfsdp.bench predict --model 32b --cluster a100-ib --tp 1 2 4 8 --nodes 1 4 16
     python -m lightning_matrixfsdp.bench predict --tp-table
+    python -m lightning_matrixfsdp.bench predict --model 7b --cluster a100-ib --gpus-per-node 8 --nodes 256 --pp 2 4 \
+        --microbatches 8 --schedule InterleavedZeroBubble --virtual 2
+    python -m lightning_matrixfsdp.bench predict --pp-table
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from lightning_matrixfsdp.runtime.placement import RoleKind
 from .cluster import CALIBRATION_SOURCES, CLUSTERS, H200_HBM_GBS, Cluster, ClusterError, cluster, h200
 from .modes import AUTO_ALTERNATIVES, AUTO_MODES, MODES, SHAPES, ModelShape, PredictError, forward_flops, newton_schulz_flops, plan_for, \
     predict, predict_mode, shape_from_bench_config, stock_collectives, table
+from .pipeline import INNER_MODES, PLACEMENTS, PP_SCHEDULES, WEIGHTS, predict_pp_mode
+from .pp_table import compare, compare_markdown, pp_markdown
 from .tp import TP_MODES, predict_tp, tp_markdown, tp_strong_markdown
 
 # The six modes measured on H200 that the predictor models (the calibration's modes).
@@ -317,6 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (the defaults) against the best explicit choice: paper, 7b, 32b on a100-ib, h200")
     p.add_argument("--tp-table", action="store_true",
                    help="the TP modes for 7b and 32b at T = 1, 2, 4, 8 on 1-16 nodes (a100-ib, h200 x 8)")
+    p.add_argument("--pp", type=int, nargs="+", help="pipeline-parallel sizes: predict PP x owner sharding per stage")
+    p.add_argument("--microbatches", type=int, default=1, help="with --pp: micro-batches of --batch per step")
+    p.add_argument("--schedule", default="1F1B", help=f"with --pp: {', '.join(PP_SCHEDULES)}")
+    p.add_argument("--virtual", type=int, default=1, help="with --pp: stages per rank (interleaved schedules)")
+    p.add_argument("--placement", default="across", choices=PLACEMENTS, help="with --pp: neighbouring stages on "
+                   "other nodes (across) or on the same node (within)")
+    p.add_argument("--pp-weights", default="keep", choices=WEIGHTS, help="with --pp: keep a stage's weights "
+                   "materialized over the micro-batches or regather them per micro-batch")
+    p.add_argument("--stage-mode", default="matrix_fsdp_auto", choices=INNER_MODES, help="with --pp: the stage's sharding")
+    p.add_argument("--pp-table", action="store_true", help="PP x owner sharding against owner sharding alone: "
+                   "paper (128 layers), 7b, 32b on a100-ib, 8-256 nodes of 8 GPUs, 1 and 4 sequences per GPU")
     p.add_argument("--report", help="write the docs' JSON and markdown into this folder")
     p.add_argument("--plot", help="with --report: the PNG (needs the 'bench' extra: matplotlib)")
     m = p.add_argument_group("model shape")
@@ -347,6 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.tp_table:
             print(tp_tables())
             return 0
+        if args.pp_table:
+            print(compare_markdown(compare()))
+            return 0
         if args.calibration:
             print(calibration_markdown(calibration_table(Path(args.calibration))))
             return 0
@@ -365,7 +384,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             changes["matmul_tflops"] = matmul_tflops(torch.device("cuda"))
         base = base.with_(**changes)
         modes = args.modes or list(TP_MODES if args.tp else MODES)
-        if args.tp or any(m in TP_MODES for m in modes):
+        if args.pp:
+            if args.tp or args.modes or args.layers_per_node or args.shard_size:
+                raise PredictError("--pp predicts PP x owner sharding (--stage-mode): drop --tp, --modes, "
+                                   "--layers-per-node and --shard-size")
+            rows = [predict_pp_mode(shape, base.with_(nodes=k), p, args.microbatches, args.schedule, args.virtual,
+                                    args.placement, args.pp_weights, args.stage_mode, args.planner)
+                    for p in args.pp for k in args.nodes]
+            render = pp_markdown
+        elif args.tp or any(m in TP_MODES for m in modes):
             if args.layers_per_node or args.shard_size:
                 raise PredictError("--tp models a fixed depth over all GPUs: drop --layers-per-node and --shard-size")
             rows = predict_tp(shape, base, args.nodes, modes, args.tp or [1], args.planner, args.tp_batch == "group")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lightning_matrixfsdp.runtime.placement import Plan, UnitLayout
+from lightning_matrixfsdp.runtime.placement import Plan, UnitLayout, UnitSpec
 from lightning_matrixfsdp.runtime.replicas.comm import CHUNK_BYTES, chain_end
 from lightning_matrixfsdp.runtime.replicas.assign import assign_steppers
 
@@ -81,8 +81,8 @@ def pipeline(compute: list[float], mat: list[float], red: list[float], ready: li
     return max([comp, link] + streams)
 
 
-def split_exchange(plan: Plan, shape: ModelShape, c: Cluster, replicas: int
-                    ) -> tuple[list[list[float]], list[list[float]]]:
+def split_exchange(plan: Plan, shape: ModelShape, c: Cluster, replicas: int, units: tuple[UnitSpec, ...] | None = None
+                   ) -> tuple[list[list[float]], list[list[float]]]:
     """Seconds per unit and per GPU (replica k, shard rank r) of ``replica_split``'s exchange
     (runtime/replicas/comm.py): the backward's reduction chain and the broadcast of the updated
     weights after the step. The chain runs in replica order ``0 -> ... -> m`` (``chain_end``), in
@@ -90,7 +90,7 @@ def split_exchange(plan: Plan, shape: ModelShape, c: Cluster, replicas: int
     chain ends there, receives it on replicas ``1 .. m``, and the stepper receives one more copy (the
     final sum or the last replica's part) where the chain does not end on it. The broadcast moves
     each byte of the GPU's owned roles once through its share of the NICs."""
-    steppers = assign_steppers(plan, list(unit_specs(shape)), replicas, shape.ns_steps)[0]
+    steppers = assign_steppers(plan, list(units or unit_specs(shape)), replicas, shape.ns_steps)[0]
     reduce, back = [], []
     for lay in plan.units:
         row_r, row_b = [], []

@@ -90,7 +90,7 @@ def _spans(mode: str, c: Cluster, shard_size: int | None) -> tuple[int, int]:
     return w, c.world // w
 
 
-def _owner_work(plan: Plan, units: tuple[UnitSpec, ...], shape: ModelShape, replicas: int,
+def owner_work(plan: Plan, units: tuple[UnitSpec, ...], shape: ModelShape, replicas: int,
                 split: bool) -> list[tuple[float, int, int, int, int]]:
     """Per (replica, shard rank) stepping the optimizer: (NS FLOPs, matrix elements, AdamW
     elements, parameter bytes held, optimizer-state bytes held)."""
@@ -142,9 +142,10 @@ def _replicated(mode: str, shape: ModelShape, c: Cluster, cf: list[float],
 
 
 def passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float], cb: list[float],
-            replicas: int) -> tuple[float, float]:
-    """(fwd, bwd) seconds of a sharded mode: `pipeline` over the plan's units."""
-    units, span = unit_specs(shape), plan.world
+            replicas: int, units: tuple[UnitSpec, ...] | None = None) -> tuple[float, float]:
+    """(fwd, bwd) seconds of a sharded mode: `pipeline` over the plan's units (``units``: the
+    plan's own, default the whole model's; a pipeline stage passes its part)."""
+    units, span = units or unit_specs(shape), plan.world
     split = mode == "matrix_fsdp_hsdp_split"
     unit_link = [max(unit_comm(mode, lay, c)) for lay in plan.units]
     busiest = [lay.nbytes if mode.startswith("fsdp2") else max(lay.owned_bytes(r) for r in range(span))
@@ -152,7 +153,7 @@ def passes(mode: str, plan: Plan, shape: ModelShape, c: Cluster, cf: list[float]
     copy = [2 * b / (c.hbm_gbs * 1e9) if span > 1 else 0.0 for b in busiest]  # materialized bytes copied once
     ready = [0.0] * len(units)
     if split:
-        rep, back = split_exchange(plan, shape, c, replicas)
+        rep, back = split_exchange(plan, shape, c, replicas, units)
         sent = [0.0] * len(back[0])  # the updated weights go back from the end of the step, unit by unit
         for u in range(len(units)):
             sent = [t + x for t, x in zip(sent, back[u])]
@@ -189,7 +190,7 @@ def _step(mode: str, plan: Plan, shape: ModelShape, c: Cluster, replicas: int) -
             opt += sum(newton_schulz_flops(s, shape.ns_steps) for s in mats) / ns_stock
             temp = 3 * max(s[0] * s[1] for s in mats) * ELEM
         return opt, static, temp
-    work = _owner_work(plan, unit_specs(shape), shape, replicas, mode == "matrix_fsdp_hsdp_split")
+    work = owner_work(plan, unit_specs(shape), shape, replicas, mode == "matrix_fsdp_hsdp_split")
     ns_ours = c.matmul_tflops * 1e12 * c.ns_eff_ours
     opt = max(f / ns_ours + elementwise(c, mat, adam) for f, mat, adam, _, _ in work)
     return opt, max(held + state for _, _, _, held, state in work), 0.0

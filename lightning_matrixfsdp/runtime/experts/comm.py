@@ -1,64 +1,24 @@
 """Expert parallelism's communication outside the token dispatch (``experts/dispatch_comm.py`` moves tokens).
 
-The groups (:func:`expert_groups`: the expert-parallel groups of ``EP`` consecutive
+The groups themselves (``ExpertGroups``: the expert-parallel groups of ``EP`` consecutive
 data-parallel ranks, and the expert-replica groups linking the ranks that hold the same
-experts), every rank's slice of global rank 0's expert stacks when sharding
+experts) are built with every other group from the run's ``ParallelDims`` record
+(``mesh/comm.py``); here: this rank's group as a DeviceMesh (:func:`expert_mesh`), every rank's slice of global rank 0's expert stacks when sharding
 (:func:`rank0_slices`), and the gradient sum over the expert replicas at the end of
 backward (:func:`start_replica_sum`). The optimizer step uses none of them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.comm.core import CommStats, PendingOp, comm_device, nbytes
+from lightning_matrixfsdp.runtime.mesh.info import ExpertGroups
 
-__all__ = ["ExpertGroups", "expert_groups", "expert_mesh", "rank0_slices", "start_replica_sum"]
-
-
-@dataclass(frozen=True, eq=False)
-class ExpertGroups:
-    """This rank's expert-parallel group (the ranks that split the experts of a stack) and its
-    expert-replica group (the ranks that hold the same experts), over a data-parallel world of
-    ``dp_size`` ranks: global rank ``g`` is in expert-parallel group ``g // EP`` at place
-    ``g % EP``, and in replica group ``g % EP`` at place ``g // EP``."""
-
-    ep_group: Optional[dist.ProcessGroup]
-    ep_rank: int
-    ep_size: int
-    replica_group: Optional[dist.ProcessGroup]
-    replica_rank: int
-    replica_size: int
-    dp_size: int
-
-    @property
-    def ep_ranks(self) -> list[int]:
-        """Global ranks of this rank's expert-parallel group."""
-        first = self.replica_rank * self.ep_size
-        return list(range(first, first + self.ep_size))
-
-
-def expert_groups(ep_size: int) -> ExpertGroups:
-    """Create every expert-parallel and expert-replica group of the world (every rank creates
-    every group in the same order, as torch requires) and return this rank's."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    ep_group = replica_group = None
-    for first in range(0, world, ep_size):
-        ranks = list(range(first, first + ep_size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            ep_group = group
-    if world > ep_size:
-        for place in range(ep_size):
-            ranks = list(range(place, world, ep_size))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                replica_group = group
-    return ExpertGroups(ep_group, rank % ep_size, ep_size, replica_group, rank // ep_size, world // ep_size, world)
+__all__ = ["ExpertGroups", "expert_mesh", "rank0_slices", "start_replica_sum"]
 
 
 def expert_mesh(groups: ExpertGroups) -> object:

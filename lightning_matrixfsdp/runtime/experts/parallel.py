@@ -2,7 +2,8 @@
 
 :func:`prepare_experts` runs in ``matrix_shard`` before the units are collected: it finds the
 experts modules (``experts/seams.py``), refuses what cannot work (on every rank, from one
-agreement gathered before any other collective), creates the groups (``experts/comm.py``),
+agreement gathered before any other collective), takes the groups built from the mesh record
+(``mesh/comm.py``),
 marks each stacked parameter with this rank's :class:`ExpertSlice` (marked parameters enter
 no unit: they are never materialized and never reduced to an owner) and installs the
 dispatching forward. Once the roles are known, :meth:`ExpertParallel.split` keeps on each rank
@@ -36,18 +37,14 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.comm.core import CommStats
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
-from lightning_matrixfsdp.runtime.experts.comm import (
-    ExpertGroups,
-    expert_groups,
-    expert_mesh,
-    rank0_slices,
-    start_replica_sum,
-)
+from lightning_matrixfsdp.runtime.experts.comm import ExpertGroups, expert_mesh, rank0_slices, start_replica_sum
 from lightning_matrixfsdp.runtime.experts.dispatch import expert_parallel_forward, hf_experts_forward
 from lightning_matrixfsdp.runtime.experts.seams import ExpertSeam, find_seams, install_forward
 from lightning_matrixfsdp.runtime.experts.stats import RoutingCounts
+from lightning_matrixfsdp.runtime.mesh.comm import dims_of, expert_groups
+from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
-from lightning_matrixfsdp.runtime.placement import ParamSpec, RoleKind
+from lightning_matrixfsdp.runtime.placement import ParamSpec, PlanNote, RoleKind
 from lightning_matrixfsdp.runtime.roles import role_cost
 from lightning_matrixfsdp.runtime.comm.small import gather_objects
 from lightning_matrixfsdp.runtime.tags import expert_slice_of, stack_of, tag_expert_slice, tag_stack
@@ -141,12 +138,11 @@ class ExpertParallel:
             self._handles.append(q.register_hook(self._take(q)))
         return q
 
-    def plan_options(self, is_matrix: dict[str, bool], ns_steps: int) -> dict[str, Any]:
-        """What the plan printout shows of the local experts (``Plan.options``, not in the digest): the
-        parameter bytes, resident bytes (gradients and optimizer state by the planner's cost model) and
-        optimizer FLOPs each rank adds for its experts (the same on every rank), the stacks it steps,
-        and which experts each rank holds. ``is_matrix``: each stack's role (GPT-OSS's expert biases
-        are AdamW tail)."""
+    def note(self, is_matrix: dict[str, bool], ns_steps: int) -> PlanNote:
+        """What the plan shows of the local experts (``Plan.notes``, not in the digest): the parameter
+        bytes, resident bytes (gradients and optimizer state by the planner's cost model) and optimizer
+        FLOPs each rank adds for its experts (the same on every rank), the stacks it steps, and which
+        experts each rank holds. ``is_matrix``: each stack's role (GPT-OSS's expert biases are AdamW tail)."""
         param_bytes = resident = flops = matrices = 0
         for fqn, p in self.params.items():
             kind = RoleKind.MATRIX if is_matrix.get(fqn, False) else RoleKind.TAIL
@@ -155,8 +151,8 @@ class ExpertParallel:
             nbytes, nflops = role_cost(kind, [spec], ns_steps)
             param_bytes, resident, flops = param_bytes + spec.nbytes, resident + nbytes, flops + nflops
             matrices += kind is RoleKind.MATRIX
-        return {"expert_param_bytes": param_bytes, "expert_resident_bytes": resident, "expert_flops": flops,
-                "expert_matrices": matrices, "expert_parallel": self.describe(param_bytes, resident)}
+        return PlanNote("expert_parallel", (self.describe(param_bytes, resident),), param_bytes, resident, flops,
+                        matrices)
 
     def describe(self, param_bytes: int, resident: int) -> str:
         """The plan printout's lines: the groups, then which experts each rank holds."""
@@ -206,19 +202,17 @@ def _describe(seams: list[ExpertSeam]) -> list[tuple]:
                     s.module._parameters[n].is_meta) for n in s.names)) for s in seams]
 
 
-def _agree(ep: int, seams: list[ExpertSeam], mesh: MeshInfo) -> None:
-    """Refuse, on every rank and before any other collective, what expert parallelism cannot run."""
+def _agree(ep: int, seams: list[ExpertSeam], mesh: MeshInfo) -> ParallelDims:
+    """Refuse, on every rank and before any other collective, what expert parallelism cannot run;
+    the run's sizes (``expert_parallel_size`` against TP and the data-parallel size, the experts of
+    each module) are the mesh record's checks."""
     if not (dist.is_available() and dist.is_initialized()):
         raise MatrixShardError(f"expert_parallel_size={ep} needs an initialized process group")
     world = dist.get_world_size()
-    if mesh.tp_size > 1:  # the same on every rank: the mesh was agreed already
-        raise MatrixShardError(f"expert_parallel_size={ep} with tensor parallelism (tensor_parallel_size="
-                               f"{mesh.tp_size}) is not supported yet; use one of them")
+    dims = dims_of(mesh, ep)  # refuses EP with TP, or not dividing the data-parallel size (the same on every rank)
     if mesh.dp_size != world:
         raise MatrixShardError(f"expert_parallel_size={ep} needs the model sharded over the whole world "
                                f"({world} ranks); its data-parallel size is {mesh.dp_size}")
-    if world % ep:
-        raise MatrixShardError(f"expert_parallel_size={ep} must divide the data-parallel world size {world}")
     every = gather_objects(_describe(seams))  # the agreement: one gather, every rank reads every view
     for r, theirs in enumerate(every):
         if theirs != every[0]:
@@ -230,9 +224,8 @@ def _agree(ep: int, seams: list[ExpertSeam], mesh: MeshInfo) -> None:
                                "experts module taking (hidden_states, top_k_index, top_k_weights), or one declared "
                                "with lightning_matrixfsdp.parallelize_experts); use expert_parallel_size=1")
     for s in seams:
-        if s.num_experts % ep:
-            raise MatrixShardError(f"expert_parallel_size={ep} does not divide the {s.num_experts} experts of "
-                                   f"{s.fqn!r}; each rank of an expert-parallel group must hold the same number")
+        dims.check_experts(s.num_experts, s.fqn)
+    return dims
 
 
 def _first_difference(a: list, b: list) -> str:
@@ -251,8 +244,8 @@ def prepare_experts(module: nn.Module, ep: int, mesh: MeshInfo, device: Optional
     if ep == 1:
         return None
     seams = find_seams(module)
-    _agree(ep, seams, mesh)
-    groups = expert_groups(ep)
+    dims = _agree(ep, seams, mesh)
+    groups = mesh.experts if mesh.experts is not None else expert_groups(dims)  # built with the mesh, or now
     dispatch = functools.partial(expert_parallel_forward, stats=stats)
     params: dict[str, nn.Parameter] = {}
     registrations: dict[str, list[tuple[nn.Module, str]]] = {}

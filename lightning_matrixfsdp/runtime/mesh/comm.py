@@ -1,13 +1,19 @@
 """Device meshes and their process groups: the communication that builds a ``MeshInfo``.
 
-``hsdp_mesh`` creates the ``(replicate, shard)`` groups; :func:`mesh_info` describes the
-groups of a given mesh (a DeviceMesh of ours, Lightning's ``(data_parallel,
-tensor_parallel)`` mesh, or one built from ``shard_size``) as one :class:`MeshInfo`.
-Every process-group creation of the package is here.
+:func:`build_mesh` builds every group of a run from its :class:`ParallelDims` record (the
+strategies call it once per process, in ``setup_environment``): the ``(data_parallel,
+tensor_parallel)`` DeviceMesh the strategies expose, the shard and replicate groups inside its
+data-parallel part, the tensor-parallel group, and with ``expert_parallel_size > 1`` the
+expert-parallel groups (:func:`expert_groups`, also reached by ``matrix_shard`` when it was given
+a mesh of another origin). ``hsdp_mesh`` creates the ``(replicate, shard)`` groups;
+:func:`mesh_info` describes the groups of a given mesh (a DeviceMesh of ours, Lightning's
+``(data_parallel, tensor_parallel)`` mesh, or one built from ``shard_size``) as one
+:class:`MeshInfo`. Every process-group creation of the package is here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from datetime import timedelta
@@ -18,10 +24,12 @@ import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.comm.core import comm_device
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
-from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
+from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
+from lightning_matrixfsdp.runtime.mesh.info import ExpertGroups, MeshInfo
 from lightning_matrixfsdp.runtime.options import check_timeout
 
-__all__ = ["build_hsdp_mesh", "hsdp_mesh", "is_tp_mesh", "mesh_info", "shard_and_replicate_groups", "shard_mesh"]
+__all__ = ["build_hsdp_mesh", "build_mesh", "dims_of", "expert_groups", "hsdp_mesh", "is_tp_mesh", "mesh_info",
+           "shard_and_replicate_groups", "shard_mesh"]
 
 #: Lightning's ``ModelParallelStrategy`` mesh dimensions.
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
@@ -152,3 +160,48 @@ def shard_mesh(group: dist.ProcessGroup, ranks: list[int]) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group, comm_device(group).type, mesh=torch.tensor(ranks), mesh_dim_names=("shard",))
+
+
+# ---------------------------------------------------------------------- from the record
+def build_mesh(dims: ParallelDims, device: Optional[torch.device] = None,
+               timeout: Optional[timedelta] = None) -> MeshInfo:
+    """Every process group of a run of ``dims`` (on ``device``'s type; HSDP groups with ``timeout``),
+    as one :class:`MeshInfo` carrying the record: the ``(data_parallel, tensor_parallel)`` DeviceMesh
+    (what Lightning's ``ModelParallelStrategy`` would build for these sizes, built here from the
+    record instead), the shard/replicate/TP groups of :func:`mesh_info`, and the expert-parallel
+    groups. Collective: every rank calls it with the same record."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dims.pipeline > 1:
+        raise MatrixShardError(f"pipeline_parallel_size={dims.pipeline}: pipeline stages are not built yet")
+    device_type = torch.device(device).type if device is not None else comm_device().type
+    world_mesh = init_device_mesh(device_type, (dims.data_parallel, dims.tensor),
+                                  mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+    info = mesh_info(world_mesh, dims.shard if dims.replicate > 1 else None, device, timeout)
+    experts = expert_groups(dims) if dims.expert > 1 else None
+    return dataclasses.replace(info, dims=dims, world_mesh=world_mesh, experts=experts)
+
+
+def dims_of(mesh: MeshInfo, expert_parallel: int = 1) -> ParallelDims:
+    """The record of a mesh built elsewhere (a DeviceMesh or ``MeshInfo`` given to ``matrix_shard``):
+    its groups' sizes with ``expert_parallel``, checked as the strategies' are (no communication)."""
+    if mesh.dims is not None and mesh.dims.expert == expert_parallel:
+        return mesh.dims
+    return ParallelDims(world=mesh.dp_size * mesh.tp_size, shard=mesh.shard_size, replicate=mesh.replicate_size,
+                        tensor=mesh.tp_size, expert=expert_parallel)
+
+
+def expert_groups(dims: ParallelDims) -> ExpertGroups:
+    """Create every expert-parallel and expert-replica group of ``dims`` (``ParallelDims.groups``:
+    ``"ep"``, then ``"ep_replica"`` when there is more than one copy of each expert; every rank
+    creates every group in the same order, as torch requires) and return this rank's."""
+    rank = dist.get_rank()
+    mine: dict[str, Optional[dist.ProcessGroup]] = {"ep": None, "ep_replica": None}
+    for name in ("ep", "ep_replica") if dims.data_parallel > dims.expert else ("ep",):
+        for ranks in dims.groups(name):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[name] = group
+    ep = dims.expert
+    return ExpertGroups(mine["ep"], rank % ep, ep, mine["ep_replica"], rank // ep, dims.data_parallel // ep,
+                        dims.data_parallel)

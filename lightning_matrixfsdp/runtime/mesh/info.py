@@ -7,10 +7,8 @@ rank's place in each, and the device collectives run on. Built once
 tensor_parallel)`` mesh, or ``shard_size``) and passed down as one object. Reading it
 needs no communication.
 
-:func:`parallel_sizes` checks the options' sizes against a world size before any process
-exists (the strategies call it when Lightning knows the devices and nodes, before the launch,
-and again on every rank before the process group): a size that cannot divide the world is
-refused there, naming the option, instead of on every rank after the launch.
+The sizes behind it are one :class:`~.dims.ParallelDims` record (``dims``), checked before any
+group exists; the groups are looked up by axis name with :meth:`MeshInfo.group`.
 """
 
 from __future__ import annotations
@@ -22,42 +20,32 @@ import torch
 import torch.distributed as dist
 
 from lightning_matrixfsdp.runtime.comm.core import ShardGroup, comm_device
-from lightning_matrixfsdp.runtime.errors import MatrixShardError
+from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 
-__all__ = ["MeshInfo", "parallel_sizes"]
+__all__ = ["ExpertGroups", "MeshInfo"]
 
 
-def parallel_sizes(world: int, per_node: int, *, data_parallel: Any = "auto", tensor_parallel: Any = 1,
-                   shard_size: Optional[int] = None, expert_parallel: int = 1, where: str = "") -> tuple[int, int]:
-    """(data-parallel size, tensor-parallel size) of ``world`` processes (``per_node`` on each node) for
-    the options' values (``"auto"`` TP: the processes of a node; ``"auto"`` DP: the rest of the world).
-    Refuses, as :class:`MatrixShardError` naming the option, every size that cannot divide what it
-    splits: TP the world, DP x TP not the world, ``shard_size`` the data-parallel size, expert
-    parallelism the data-parallel size or together with TP. ``where`` (e.g. "devices=2 x num_nodes=1")
-    says where the world size came from. Pure: no process group."""
-    at = f" ({where})" if where else ""
-    tp = per_node if tensor_parallel == "auto" else int(tensor_parallel)
-    if data_parallel == "auto":
-        if world % tp:
-            raise MatrixShardError(f"tensor_parallel_size={tp} must divide the world size {world}{at}")
-        dp = world // tp
-    else:
-        dp = int(data_parallel)
-        if dp * tp != world:
-            raise MatrixShardError(f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the world size "
-                                   f"{world}{at}")
-    beside = f" (world {world}{at} / tensor_parallel_size {tp})" if tp > 1 else at
-    if shard_size is not None and dp % shard_size:
-        raise MatrixShardError(f"shard_size={shard_size} must divide the data-parallel size {dp}{beside}; pick a "
-                               "divisor of it (or leave shard_size unset: one shard group over every rank)")
-    if expert_parallel > 1 and tp > 1:
-        raise MatrixShardError(f"expert_parallel_size={expert_parallel} with tensor parallelism (tensor_parallel_size="
-                               f"{tp}{at}) is not supported yet; use one of them")
-    if dp % expert_parallel:
-        raise MatrixShardError(f"expert_parallel_size={expert_parallel} must divide the data-parallel world size "
-                               f"{dp}{beside}; use a divisor of it, or a world whose size is a multiple of "
-                               f"{expert_parallel}")
-    return dp, tp
+@dataclass(frozen=True, eq=False)
+class ExpertGroups:
+    """This rank's expert-parallel group (the ranks that split the experts of a stack) and its
+    expert-replica group (the ranks that hold the same experts), over a data-parallel world of
+    ``dp_size`` ranks: global rank ``g`` is in expert-parallel group ``g // EP`` at place
+    ``g % EP``, and in replica group ``g % EP`` at place ``g // EP`` (``ParallelDims.groups``'s
+    ``"ep"`` and ``"ep_replica"``)."""
+
+    ep_group: Optional[dist.ProcessGroup]
+    ep_rank: int
+    ep_size: int
+    replica_group: Optional[dist.ProcessGroup]
+    replica_rank: int
+    replica_size: int
+    dp_size: int
+
+    @property
+    def ep_ranks(self) -> list[int]:
+        """Global ranks of this rank's expert-parallel group."""
+        first = self.replica_rank * self.ep_size
+        return list(range(first, first + self.ep_size))
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,6 +66,13 @@ class MeshInfo:
     device: torch.device = torch.device("cpu")
     #: the DeviceMesh it came from (what a LightningModule's ``configure_model`` sees), if any
     device_mesh: Any = None
+    #: the sizes of every axis (``ParallelDims``); None where the mesh came from elsewhere (``matrix_shard``
+    #: derives it from the groups' sizes)
+    dims: Optional[ParallelDims] = None
+    #: the whole run's ``(data_parallel, tensor_parallel)`` DeviceMesh the strategies expose as ``device_mesh``
+    world_mesh: Any = None
+    #: the expert-parallel groups (``expert_parallel_size > 1``), built from ``dims`` (``mesh_comm``)
+    experts: Optional[ExpertGroups] = None
 
     @classmethod
     def of(cls, shard_group: Optional[dist.ProcessGroup], replicate_group: Optional[dist.ProcessGroup] = None,
@@ -119,6 +114,17 @@ class MeshInfo:
     def tp(self) -> ShardGroup:
         """The TP group as a ``ShardGroup`` (one rank without TP)."""
         return ShardGroup(self.tp_group)
+
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+        """This rank's process group of the axis ``name``: ``"shard"``, ``"replicate"``, ``"tp"``,
+        ``"ep"``, ``"ep_replica"`` (None where the axis has one rank or was not built)."""
+        experts = self.experts
+        groups = {"shard": self.shard_group, "replicate": self.replicate_group, "tp": self.tp_group,
+                  "ep": experts.ep_group if experts is not None else None,
+                  "ep_replica": experts.replica_group if experts is not None else None}
+        if name not in groups:
+            raise KeyError(f"no process group {name!r}; known: {tuple(groups)}")
+        return groups[name]
 
     @property
     def hsdp(self) -> bool:

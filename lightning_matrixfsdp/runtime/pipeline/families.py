@@ -5,9 +5,9 @@ stage runs: the first stage takes token ids, the others the previous stage's hid
 and the last returns logits. A :class:`StageModule` registers the modules a stage keeps under
 their global names (``model.layers.8.mlp.up_proj.weight`` stays that), so its parameter names
 are the whole model's and checkpoints need no renaming. The modules are the model's own
-objects: nothing is copied. Known families: the demos' GPT, and the Hugging Face decoder
-causal LMs whose head is a plain linear layer on the final norm (Llama, Mistral, Qwen2,
-Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE).
+objects: nothing is copied. Known families: the demos' GPT, litgpt's GPT, and the Hugging
+Face decoder causal LMs whose head is a plain linear layer on the final norm (Llama, Mistral,
+Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class StageModule(nn.Module):
         super().__init__()
         for fqn in keep:
             _attach(self, fqn, model.get_submodule(fqn))
+        for name, tensor in family.buffers(model).items():  # tables the stage's forward reads (a rope cache)
+            self.register_buffer(name, tensor, persistent=False)
         hidden, vocab = family.widths(model)
         self.pipeline = StageInfo(span, family.name, family.run, hidden, vocab, family.extras(model))
 
@@ -106,6 +108,8 @@ class Family:
     extras: Callable[[nn.Module], dict[str, Any]]
     #: a reason to refuse this model though the family matches, or None
     refuse: Callable[[nn.Module], Optional[str]] = lambda model: None
+    #: tensors of the model outside its modules that every stage's forward reads (non-persistent buffers)
+    buffers: Callable[[nn.Module], dict[str, torch.Tensor]] = lambda model: {}
 
     def keep(self, model: nn.Module, span: StageSpan) -> list[str]:
         """The module names a stage keeps."""
@@ -203,8 +207,44 @@ HF_CAUSAL_LM = Family("Hugging Face causal LM", _hf_matches,
                       run=_hf_run, widths=lambda m: (m.config.hidden_size, m.lm_head.out_features),
                       extras=_hf_extras, refuse=_hf_refuse)
 
+# ---------------------------------------------------------------- litgpt's GPT
+def _litgpt_matches(model: nn.Module) -> bool:
+    t = getattr(model, "transformer", None)
+    return hasattr(model, "lm_head") and hasattr(model, "config") and all(
+        hasattr(t, a) for a in ("wte", "h", "ln_f")) and hasattr(model, "cos")
+
+
+def _litgpt_run(stage: StageModule, x: torch.Tensor) -> torch.Tensor:
+    config = stage.pipeline.extras["config"]
+    t = x.size(1)
+    cos, sin = stage.pipeline_cos[:t].unsqueeze(0), stage.pipeline_sin[:t].unsqueeze(0)
+    if stage.pipeline.span.first:
+        x = stage.transformer.wte(x)
+        if config.scale_embeddings:
+            x = x * torch.tensor(config.n_embd ** 0.5, dtype=x.dtype)
+    for name, block in zip(stage.pipeline.span.blocks, stage.stage_blocks()):
+        if config.rope_indices is not None:  # as litgpt's forward: this block's share of the rope table
+            index = config.rope_indices[int(name.rsplit(".", 1)[1])]
+            x = block(x, cos[..., index], sin[..., index], None, None, None)
+        else:
+            x = block(x, cos, sin, None, None, None)
+    if stage.pipeline.span.last:
+        x = stage.lm_head(stage.transformer.ln_f(x))
+        if config.final_logit_softcapping is not None:
+            from litgpt.model import do_softcapping
+
+            x = do_softcapping(x, thresh=config.final_logit_softcapping)
+    return x
+
+
+LITGPT = Family("litgpt GPT", _litgpt_matches, lambda m: [f"transformer.h.{i}" for i in range(len(m.transformer.h))],
+                pre=("transformer.wte",), post=("transformer.ln_f", "lm_head"), shared=(), run=_litgpt_run,
+                widths=lambda m: (m.config.n_embd, m.lm_head.out_features),
+                extras=lambda m: {"config": m.config, "head": "lm_head"},
+                buffers=lambda m: {"pipeline_cos": m.cos, "pipeline_sin": m.sin})
+
 #: the families, tried in this order
-FAMILIES: tuple[Family, ...] = (HF_CAUSAL_LM, DEMO_GPT)
+FAMILIES: tuple[Family, ...] = (HF_CAUSAL_LM, LITGPT, DEMO_GPT)
 
 
 def family_of(model: nn.Module, name: Optional[str] = None) -> Family:

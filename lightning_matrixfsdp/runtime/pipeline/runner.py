@@ -93,8 +93,13 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
         p = model.get_parameter(fqn)
         if recipe_of(p) is None:
             tag_recipe(p, choice)
-    if shard_options.get("wrap_policy") is None and shard_options.get("config") is None:
-        shard_options["wrap_policy"] = {type(model.get_submodule(b)) for b in blocks}
+    # each block one unit, as matrix_shard picks them in the unsplit model (a stage has no ModuleList)
+    blocks_policy = {type(model.get_submodule(b)) for b in blocks}
+    config = shard_options.get("config")
+    if config is not None and config.wrap_policy is None:
+        shard_options["config"] = config.updated(wrap_policy=blocks_policy)
+    elif config is None and shard_options.get("wrap_policy") is None:
+        shard_options["wrap_policy"] = blocks_policy
     mine = stage_indices(mesh.pp_rank, mesh.pp_size, per_rank, kind.order)
     stages = []
     for index in mine:
@@ -159,6 +164,7 @@ class PipelineRun:
         self.loss_divisor = microbatches
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
+        self._accumulation = 1
         order = SCHEDULES[schedule].order
         #: the pipeline place whose rank runs the last stage
         self.last_place = 0 if order == "v" else mesh.pp_size - 1
@@ -231,22 +237,28 @@ class PipelineRun:
     def _scaled_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(outputs, targets)
         self._losses.append(loss.detach())
-        return loss / self.loss_divisor
+        return loss / (self.loss_divisor * self._accumulation)
 
     def _run(self, schedule: Any, inputs: torch.Tensor, targets: Optional[torch.Tensor]) -> Any:
         args = (inputs.to(self.device),) if self.holds_first else ()
         kwargs = {"target": targets.to(self.device)} if self.holds_last and targets is not None else {}
         return schedule.step(*args, **kwargs)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulation: int = 1) -> torch.Tensor:
         """Forward and backward of every micro-batch of ``(inputs, targets)``; the gradients
         accumulate on the owners (``.grad``, added to what is there, as ``backward()`` does).
-        Returns the mean loss over the micro-batches, on every rank of the pipeline group."""
+        ``accumulation``: the batches whose gradients are summed before the optimizer steps
+        (Lightning's ``accumulate_grad_batches``): each micro-batch's loss is then divided by
+        ``microbatches * accumulation``, so the window's gradient is its mean gradient.
+        Returns the mean loss over the micro-batches (unscaled), on every rank of the pipeline group."""
         if targets is None:
             raise MatrixShardError("a pipelined training step needs the targets for the last stage's loss")
+        if not isinstance(accumulation, int) or accumulation < 1:
+            raise MatrixShardError(f"accumulation must be a positive int, got {accumulation!r}")
         self._check_batch(inputs, targets)
         schedule = self._schedule_for(inputs, train=True)
         self._losses.clear()
+        self._accumulation = accumulation
         self._run(schedule, inputs, targets)
         mean = torch.stack(self._losses).mean() if self.holds_last else None
         self._losses.clear()

@@ -82,6 +82,26 @@ class _Group:
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) in elements
 
 
+def _reduce_hops(me: int, s: int, m: int, R: int) -> list[tuple[int, object, int, str]]:
+    """This replica's messages for one group whose stepper is ``s`` and whose chain ends at ``m``
+    (``chain_end``), as (hop, op, peer, buffer); hop -1: after the chain (the raw part of the
+    replicas past its end)."""
+    mine: list[tuple[int, object, int, str]] = []
+    if me < m:  # the running sum (replica 0: its own part) to the next replica
+        mine.append((me, dist.isend, me + 1, "acc" if me else "own"))
+    if 1 <= me <= m:
+        mine.append((me - 1, dist.irecv, me - 1, "acc"))
+    if me == m != s:  # the final sum to the stepper
+        mine.append((m, dist.isend, s, "acc"))
+    if me == s != m:
+        mine.append((m, dist.irecv, m, "extra"))
+    if m < R - 1 and me == R - 1:  # after the chain's end: the raw part to the stepper
+        mine.append((-1, dist.isend, s, "own"))
+    if m < R - 1 and me == s:
+        mine.append((-1, dist.irecv, R - 1, "extra"))
+    return mine
+
+
 class ReplicaExchange:
     """Gradients to each role's stepping replica, updated weights back (see the module docstring)."""
 
@@ -140,21 +160,9 @@ class ReplicaExchange:
                 g.acc = torch.empty_like(own)
             if me == s and (m != s or m < R - 1):
                 g.extra = torch.empty_like(own)
-            mine: list[tuple[int, object, int, str]] = []  # (hop, op, peer, buffer); hop -1: after the chain
-            if me < m:  # the running sum (replica 0: its own part) to the next replica
-                mine.append((me, dist.isend, me + 1, "acc" if me else "own"))
-            if 1 <= me <= m:
-                mine.append((me - 1, dist.irecv, me - 1, "acc"))
-            if me == m != s:  # the final sum to the stepper
-                mine.append((m, dist.isend, s, "acc"))
-            if me == s != m:
-                mine.append((m, dist.irecv, m, "extra"))
-            if m < R - 1 and me == R - 1:  # after the chain's end: the raw part to the stepper
-                mine.append((-1, dist.isend, s, "own"))
-            if m < R - 1 and me == s:
-                mine.append((-1, dist.irecv, R - 1, "extra"))
+            hops = _reduce_hops(me, s, m, R)
             for c, (_, n) in enumerate(g.chunks):
-                for hop, fn, peer, buf in mine:
+                for hop, fn, peer, buf in hops:
                     steps[k + c + hop if hop > 0 else 0].append((fn, peer, g, c, buf))
                     if fn is dist.isend:
                         sent += n * own.element_size()

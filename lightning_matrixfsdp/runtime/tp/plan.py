@@ -79,4 +79,5 @@ def localize(plan: Plan, layouts: Mapping[str, TPLayout], tp_rank: int) -> Plan:
             shards.append(local)
         units.append(UnitLayout(unit.fqn, unit.world, tuple(shards)))
     return Plan(plan.world, plan.planner, units, list(plan.loads_bytes), list(plan.loads_flops), plan.replicate,
-                dict(plan.options), dict(plan.steppers), [list(r) for r in plan.replica_flops])
+                dict(plan.options), dict(plan.steppers), [list(r) for r in plan.replica_flops], list(plan.notes),
+                list(plan.roles))
