@@ -176,10 +176,11 @@ def _guard(name: str) -> Callable[..., Any]:
 
 
 def setup_pipeline(module: nn.Module, config: MatrixFSDPConfig, mesh: PipelineMesh, device: torch.device,
-                   accumulation: Callable[[], int]) -> PipelineSession:
+                   accumulation: Callable[[], int], checkpointing: Callable[[nn.Module, Any], None]) -> PipelineSession:
     """Split the pipelined model inside ``module`` into stages, owner-shard this rank's over its
     stage's ranks (``build_pipeline``), free the parameters of the other stages (empty and not
-    owned: an optimizer built from the module drops them) and attach the session."""
+    owned: an optimizer built from the module drops them) and attach the session. ``checkpointing``:
+    applies ``activation_checkpointing_policy`` to the pipelined model first."""
     _loss_fn(module)  # refused before anything changes
     name, sub = find_pipelined(module)
     outside = [n for n, p in module.named_parameters() if not _inside(n, name)]
@@ -191,9 +192,7 @@ def setup_pipeline(module: nn.Module, config: MatrixFSDPConfig, mesh: PipelineMe
     shard = {n: getattr(config, n) for n in MatrixFSDPConfig.names(SHARD) if n not in ("shard_size", "wrap_policy")}
     if config.wrap_policy is not None:
         shard["wrap_policy"] = config.wrap_policy
-    from lightning_matrixfsdp.adapters.shared import apply_activation_checkpointing
-
-    apply_activation_checkpointing(sub, config.activation_checkpointing_policy)
+    checkpointing(sub, config.activation_checkpointing_policy)
     run = build_pipeline(sub, mesh, loss_fn=lambda o, t: _loss_fn(module)(o, t), schedule=config.pipeline_schedule,
                          microbatches=microbatches_of(config), split=split or None, device=device, **shard)
     mine = {id(p) for p in run.parameters()}

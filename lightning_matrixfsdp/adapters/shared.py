@@ -308,6 +308,9 @@ class MatrixFSDPAdapter:
         dims = self.check_world()
         self.start_process_group()
         self.shard_mesh = build_mesh(dims, self.root_device, self.config.timeout)  # type: ignore[attr-defined]
+        if self.config.pipeline_parallel_size > 1:  # the (pp, dp) mesh, pipeline axis outermost
+            self.pipeline_mesh = pipeline_mesh(self.config.pipeline_parallel_size, self.config.shard_size,
+                                               self.root_device.type)  # type: ignore[attr-defined]
 
     @property
     def device_mesh(self) -> Any:
@@ -316,9 +319,6 @@ class MatrixFSDPAdapter:
         if self.shard_mesh is None:
             raise RuntimeError("Accessing the device mesh before processes have initialized is not allowed.")
         return self.shard_mesh.world_mesh
-        if self.config.pipeline_parallel_size > 1:  # the (pp, dp) mesh, pipeline axis outermost
-            self.pipeline_mesh = pipeline_mesh(self.config.pipeline_parallel_size, self.config.shard_size,
-                                               self.root_device.type)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ sharding
     def shard(self, module: nn.Module) -> None:

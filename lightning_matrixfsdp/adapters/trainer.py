@@ -35,6 +35,7 @@ from lightning_matrixfsdp.adapters.shared import (
     MatrixFSDPAdapter,
     adapter_docstring,
     adapter_signature,
+    apply_activation_checkpointing,
     is_sharded,
     replicas_after_step,
     set_gradient_sync,
@@ -157,7 +158,7 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             if self.pipeline_mesh is not None:  # pipeline_parallel_size > 1: this rank's stages only
                 check_pipelined_trainer(module, trainer)
                 setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device,
-                               lambda: trainer.accumulate_grad_batches)
+                               lambda: trainer.accumulate_grad_batches, apply_activation_checkpointing)
             else:
                 self.shard(module)
         self.model_to_device()  # buffers and anything outside the shard
