@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.pipeline_lightning_scenarios import run_case
+from helpers.pipeline_lightning_scenarios import run_case, run_fabric
 
 CASES = {  # name -> (world, case)
     "pp2-gpipe": (2, {"pp": 2, "schedule": "GPipe", "validate": True}),
@@ -22,8 +22,8 @@ CASES = {  # name -> (world, case)
 }
 
 
-def results(dist_pools, world: int, case: dict) -> list[dict]:
-    res = dist_pools(world).run(run_case, case, timeout=300)
+def results(dist_pools, world: int, case: dict, fn=run_case) -> list[dict]:
+    res = dist_pools(world).run(fn, case, timeout=300)
     for rank, r in enumerate(res):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
     return res
@@ -45,3 +45,15 @@ def test_trainer_pipeline_equals_the_unsplit_oracle(dist_pools, name):
         assert r.get("val") == r.get("oracle_val"), (rank, r.get("val"), r.get("oracle_val"))
         covered |= set(r["compared"])
     assert covered == set(res[0]["names"])
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_fabric_pipeline_equals_the_unsplit_oracle(dist_pools, clip):
+    """The same checks through a plain Fabric loop (``forward_loss``, ``fabric.backward``, the clip)."""
+    case = {"pp": 2, "schedule": "1F1B", "clip": clip, "sgd": clip is not None}
+    res = results(dist_pools, 2, case, run_fabric)
+    tol = 1e-6 if clip else 0.0
+    for rank, r in enumerate(res):
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["oracle_losses"])) <= tol, (rank, r["losses"])
+        assert r["worst"] <= tol, f"Fabric rank {rank}: weights differ from the oracle by {r['worst']:.3e}"
+    assert set(res[0]["compared"]) | set(res[1]["compared"]) == set(res[0]["names"])

@@ -35,10 +35,12 @@ from lightning_matrixfsdp.adapters.shared import (
     MatrixFSDPAdapter,
     adapter_docstring,
     adapter_signature,
+    apply_activation_checkpointing,
     build_replacement,
     check_optimizers_follow,
     check_precision,
     clip_gradients_norm,
+    clip_group,
     is_sharded,
     replacement_note,
     replicas_after_step,
@@ -46,6 +48,8 @@ from lightning_matrixfsdp.adapters.shared import (
     set_gradient_sync,
 )
 from lightning_matrixfsdp.checkpoint import load_sharded, meta_init, save_sharded
+from lightning_matrixfsdp.adapters.pipeline import pipeline_of, setup_pipeline
+from lightning_matrixfsdp.optim.norms import clip_grad_norm_pipeline_
 from lightning_matrixfsdp.optim.routing import full_params
 from lightning_matrixfsdp.runtime import is_matrix_sharded
 
@@ -152,7 +156,10 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         hint = ("matrix_fsdp shards the model itself: remove fully_shard/parallelize_module, or call "
                 "lightning_matrixfsdp.matrix_shard on the plain model")
-        if not is_sharded(module, hint, tensor_parallel=self.tensor_parallel):
+        if self.pipeline_mesh is not None and pipeline_of(module) is None:  # pipeline_parallel_size > 1
+            setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device, lambda: 1,
+                           apply_activation_checkpointing)
+        elif not is_sharded(module, hint, tensor_parallel=self.tensor_parallel):
             self.shard(module)
         module.to(self.root_device)  # buffers and anything outside the shard
         self._modules.append(module)
@@ -199,11 +206,28 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
 
     # ------------------------------------------------------------------ gradients
     @override
+    def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """Under pipeline parallelism the schedule ran the backward inside ``forward_loss``: the
+        loss must be the one it returned (a scaled copy would scale nothing); the hooks run."""
+        session = next((s for m in self._modules if (s := pipeline_of(m)) is not None), None)
+        if session is None:
+            return super().backward(tensor, module, *args, **kwargs)
+        session.take_backward(tensor)
+        self.precision.pre_backward(tensor, module)
+        self.precision.post_backward(tensor, module)
+
+    @override
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """Clip by the global norm, as DDP's clip over the optimizer's parameters (every rank's
         full list, in group order: the norms combine exactly as torch combines them)."""
         self.precision.unscale_gradients(optimizer)
+        session = pipeline_of(module)
+        if session is not None:  # each stage's owners, then over the stages
+            group, stats = clip_group(session.run.stages[0])
+            return clip_grad_norm_pipeline_(full_params(optimizer), max_norm, norm_type, group=group,
+                                            pp_group=session.run.pp_group, error_if_nonfinite=error_if_nonfinite,
+                                            stats=stats)
         return clip_gradients_norm(module, full_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ checkpoints

@@ -59,7 +59,7 @@ def forward_loss(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor)
 
 def pipeline_of(module: Optional[nn.Module]) -> Optional["PipelineSession"]:
     """The pipeline session the strategy attached to ``module`` (None: no pipeline parallelism)."""
-    return None if module is None else module.__dict__.get(_ATTR)
+    return None if module is None else getattr(module, _ATTR, None)  # also through Fabric's module wrapper
 
 
 def microbatches_of(config: MatrixFSDPConfig) -> int:

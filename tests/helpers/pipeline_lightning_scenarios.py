@@ -80,9 +80,9 @@ def place_batches(samples: list, places: int, place: int, shuffle: bool = True) 
 
 
 def oracle_fit(model: nn.Module, samples: list, places: int, steps: int, accumulate: int, micro: int,
-               clip: float | None) -> list[list[float]]:
+               clip: float | None, shuffle: bool = True) -> list[list[float]]:
     """The unsplit ``model`` trained as described above; returns each place's per-batch losses."""
-    per_place = [place_batches(samples, places, p) for p in range(places)]
+    per_place = [place_batches(samples, places, p, shuffle) for p in range(places)]
     opts = [torch.optim.SGD(model.parameters(), lr=0.5)] if model.sgd else oracle_optimizers(model)
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opts]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -183,3 +183,50 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         out["val"] = lit.val_recorded
         out["oracle_val"] = [oracle_eval(oracle, b, micro) for b in val]
     return out
+
+
+def run_fabric(rank: int, world: int, case: dict) -> dict:
+    try:
+        return _run_fabric(rank, world, case)
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()}
+
+
+def _run_fabric(rank: int, world: int, case: dict) -> dict:
+    """A plain Fabric loop (the same code would run under DDP): ``forward_loss``, ``fabric.backward``,
+    the clip, the step and the schedule; each place reads its own batches."""
+    from lightning.fabric import Fabric
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.optim.routing import held
+
+    pp, steps, micro, clip = case["pp"], case.get("steps", 2), case.get("micro", 4), case.get("clip")
+    places = world // pp
+    lit = make_module(sgd=case.get("sgd", False))
+    oracle = copy.deepcopy(lit)
+    samples = data(places * BATCH * steps)
+    strategy = mf.MatrixFSDPFabricStrategy(pipeline_parallel_size=pp, pipeline_schedule=case["schedule"],
+                                           pipeline_microbatches=micro, log_plan=False)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(lit)
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5) if lit.sgd else
+                                  mf.Muon(model, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, **ADAMW))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    place = rank % places
+    losses = []
+    for x, y in place_batches(samples, places, place, shuffle=False):
+        loss = mf.forward_loss(model, x, y)
+        fabric.backward(loss)
+        if clip is not None:
+            fabric.clip_gradients(model, opt, max_norm=clip)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    o_losses = oracle_fit(oracle, samples, places, steps, 1, micro, clip, shuffle=False)
+    o_params = dict(oracle.named_parameters())
+    compared = [n for n, p in lit.named_parameters() if held(p)]
+    worst = max((lit.get_parameter(n).detach() - o_params[n].detach()).abs().max().item() for n in compared)
+    return {"losses": losses, "oracle_losses": o_losses[place], "compared": compared, "worst": worst,
+            "names": sorted(o_params)}
