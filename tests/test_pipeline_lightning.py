@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.pipeline_lightning_scenarios import run_case, run_fabric
+from helpers.pipeline_lightning_scenarios import refusals, run_case, run_fabric
 
 CASES = {  # name -> (world, case)
     "pp2-gpipe": (2, {"pp": 2, "schedule": "GPipe", "validate": True}),
@@ -57,3 +57,44 @@ def test_fabric_pipeline_equals_the_unsplit_oracle(dist_pools, clip):
         assert max(abs(a - b) for a, b in zip(r["losses"], r["oracle_losses"])) <= tol, (rank, r["losses"])
         assert r["worst"] <= tol, f"Fabric rank {rank}: weights differ from the oracle by {r['worst']:.3e}"
     assert set(res[0]["compared"]) | set(res[1]["compared"]) == set(res[0]["names"])
+
+
+#: bad use -> (what the message must say); every rank raises it
+REFUSED = {
+    "manual": "manual optimization",
+    "calls_self": "forward_loss(self, inputs, targets)",
+    "no_loss_fn": "loss_fn(outputs, targets)",
+    "unknown_model": "holds no model that pipeline parallelism knows how to split",
+    "more_stages_than_layers": "2 pipeline stages for a model of 1 blocks",
+    "split_names_nothing": "blocks.9",
+    "predict": "predict with pipeline_parallel_size=1",
+    "checkpoints": "Trainer(enable_checkpointing=False)",
+}
+
+
+def test_bad_uses_are_refused_on_every_rank(dist_pools):
+    res = dist_pools(2).run(refusals, timeout=300)
+    for name, needle in REFUSED.items():
+        for rank, r in enumerate(res):
+            assert r[name] is not None and needle in r[name], f"{name} rank {rank}: {r[name]}"
+
+
+@pytest.mark.parametrize("options, devices, needle", [
+    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, "with tensor_parallel_size=2"),
+    ({"pipeline_parallel_size": 2, "expert_parallel_size": 2}, 4, "with expert_parallel_size=2"),
+    ({"pipeline_parallel_size": 2, "data_parallel_size": 2}, 4, 'leave data_parallel_size="auto"'),
+    ({"pipeline_schedule": "Bogus"}, 2, "choose one of GPipe, 1F1B"),
+    ({"pipeline_split": "blocks.2"}, 2, "a list of module names"),
+    ({"pipeline_microbatches": 0}, 2, "pipeline_microbatches"),
+    ({"pipeline_parallel_size": 2}, 3, "must divide the world size 3"),
+    ({"pipeline_parallel_size": 2, "shard_size": 2}, 2, "shard_size=2 must divide"),
+])
+def test_bad_combinations_are_refused_at_construction(options, devices, needle):
+    """In ``Trainer(...)``: before any process starts (and again on every rank before the groups)."""
+    from lightning.pytorch import Trainer
+
+    import lightning_matrixfsdp as mf
+
+    with pytest.raises(Exception) as info:
+        Trainer(accelerator="cpu", devices=devices, strategy=mf.MatrixFSDPStrategy(**options), logger=False)
+    assert needle in str(info.value), str(info.value)

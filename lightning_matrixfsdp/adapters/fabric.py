@@ -48,7 +48,7 @@ from lightning_matrixfsdp.adapters.shared import (
     set_gradient_sync,
 )
 from lightning_matrixfsdp.checkpoint import load_sharded, meta_init, save_sharded
-from lightning_matrixfsdp.adapters.pipeline import pipeline_of, setup_pipeline
+from lightning_matrixfsdp.adapters.pipeline import pipeline_of, refuse_checkpoint, setup_pipeline
 from lightning_matrixfsdp.optim.norms import clip_grad_norm_pipeline_
 from lightning_matrixfsdp.optim.routing import full_params
 from lightning_matrixfsdp.runtime import is_matrix_sharded
@@ -255,6 +255,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             raise NotImplementedError(f"{type(self).__name__} does not save filtered checkpoints (filter="
                                       f"{sorted(filter)}); save the whole state")
         module, optimizers, others = self._split_state(state, "save")
+        refuse_checkpoint(module, "fabric.save")
         clash = [k for k in others if k in _RESTORED_KEYS]
         if clash:
             raise ValueError(f"fabric.save: the state keys {clash} are reserved by the checkpoint layout; rename them")

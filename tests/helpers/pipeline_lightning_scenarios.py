@@ -230,3 +230,72 @@ def _run_fabric(rank: int, world: int, case: dict) -> dict:
     worst = max((lit.get_parameter(n).detach() - o_params[n].detach()).abs().max().item() for n in compared)
     return {"losses": losses, "oracle_losses": o_losses[place], "compared": compared, "worst": worst,
             "names": sorted(o_params)}
+
+
+def refusals(rank: int, world: int) -> dict:
+    """Each bad use under ``pipeline_parallel_size=2`` through the Trainer: every rank's message."""
+    from lightning.pytorch import LightningModule
+
+    import lightning_matrixfsdp as mf
+
+    class Manual(type(make_module())):  # noqa: D101
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.automatic_optimization = False
+
+    class CallsSelf(type(make_module())):  # noqa: D101
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.loss_fn(self(batch[0]), batch[1])
+
+    class Plain(LightningModule):  # noqa: D101
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return mf.forward_loss(self, *batch)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class NoLossFn(Plain):  # noqa: D101
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_module()
+
+    class Unknown(Plain):  # noqa: D101
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 4)
+
+        def loss_fn(self, o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return (o - t).square().mean()
+
+    def gpt(cls: Any = None, layers: int = 4) -> nn.Module:
+        torch.manual_seed(0)
+        kw = dict(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers, n_heads=2, warmup_steps=0)
+        return (cls or type(make_module()))(**kw)
+
+    cases = {
+        "manual": (lambda: gpt(Manual), {}, "fit"),
+        "calls_self": (lambda: gpt(CallsSelf), {}, "fit"),
+        "no_loss_fn": (NoLossFn, {}, "fit"),
+        "unknown_model": (Unknown, {}, "fit"),
+        "more_stages_than_layers": (lambda: gpt(layers=1), {}, "fit"),
+        "split_names_nothing": (gpt, {"pipeline_split": ["blocks.9"]}, "fit"),
+        "predict": (gpt, {}, "predict"),
+        "checkpoints": (gpt, {}, "checkpointing"),
+    }
+    out = {}
+    loader = torch.utils.data.DataLoader(data(BATCH), batch_size=BATCH)
+    for name, (build, options, fn) in cases.items():
+        lit = build()
+        lit.recorded, lit.seen, lit.sgd = [], [], False
+        trainer = _trainer(world, {"pp": 2, "schedule": "1F1B"}, options, max_steps=1)
+        if fn == "checkpointing":  # the Trainer's default: a ModelCheckpoint callback
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            trainer.callbacks.append(ModelCheckpoint(dirpath=os.environ.get("TMPDIR", "/tmp")))
+            fn = "fit"
+        try:
+            getattr(trainer, fn)(lit, loader)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
