@@ -293,9 +293,12 @@ def examples_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[s
         ["script", EXAMPLES / "finetune_muon.py", "--max-steps", "4", "--log-every-n-steps", "2",
          "--save-dir", root / "script"],
         ["cli", "fit", "--config", EXAMPLES / "finetune_muon.yaml", "--trainer.max_steps", "4",
-         "--trainer.log_every_n_steps", "2", "--trainer.logger.init_args.save_dir", root / "yaml"]),
+         "--trainer.log_every_n_steps", "2", "--trainer.logger.init_args.save_dir", root / "yaml"],
+        ["cli", "fit", "--config", EXAMPLES / "pipeline.yaml", "--trainer.max_steps", "3",
+         "--trainer.val_check_interval", "3", "--trainer.strategy.pipeline_schedule", "GPipe"],
+        ["script", EXAMPLES / "pipeline.py", "--steps", "3"]),
         root, timeout=3 * SUBPROCESS_TIMEOUT)
-    return root, [subprocess.CompletedProcess(proc.args, 0, stdout=out) for out in parts(proc.stdout, 3)]
+    return root, [subprocess.CompletedProcess(proc.args, 0, stdout=out) for out in parts(proc.stdout, 5)]
 
 
 def test_console_script_calls_the_cli_main() -> None:
@@ -314,7 +317,7 @@ def test_console_script_calls_the_cli_main() -> None:
 
 @needs_runtime
 def test_pretrain_yaml_matrix_fsdp(examples_run) -> None:
-    root, (proc, _, _) = examples_run
+    root, (proc, *_) = examples_run
     _check_trained(proc, root / "pretrain", steps=6, muon=True)
     assert all(math.isfinite(v) for v in _scalars(root / "pretrain", "train_ppl"))
     assert all(math.isfinite(v) for v in _scalars(root / "pretrain", "val_ppl"))
@@ -322,14 +325,25 @@ def test_pretrain_yaml_matrix_fsdp(examples_run) -> None:
 
 @needs_runtime
 def test_finetune_script_trains_with_muon(examples_run) -> None:
-    root, (_, proc, _) = examples_run
+    root, (_, proc, *_) = examples_run
     _check_trained(proc, root / "script", steps=4, muon=True)
 
 
 @needs_runtime
 def test_finetune_yaml_trains_with_muon(examples_run) -> None:
-    root, (_, _, proc) = examples_run
+    root, (_, _, proc, *_) = examples_run
     _check_trained(proc, root / "yaml", steps=4, muon=True)
+
+
+@needs_runtime
+def test_pipeline_yaml_and_script_train(examples_run) -> None:
+    """examples/pipeline.yaml through the CLI (the schedule switched by a flag) and examples/pipeline.py:
+    two stages on the two ranks, Muon stepping, finite losses."""
+    _, (*_, yaml_run, script_run) = examples_run
+    for proc, steps in ((yaml_run, 3), (script_run, 3)):
+        report = _report(proc)
+        assert report["steps"] == steps and report["finite"] and report["optimizer"].endswith("Muon"), report
+    assert "[pipeline] last train loss" in script_run.stdout, script_run.stdout[-3000:]
 
 
 @pytest.mark.parametrize("cls", ["Muon", "SOAP", "Shampoo"])

@@ -20,6 +20,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -158,8 +159,10 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             if self.pipeline_mesh is not None:  # pipeline_parallel_size > 1: this rank's stages only
                 check_pipelined_trainer(module, trainer)
-                setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device,
-                               lambda: trainer.accumulate_grad_batches, apply_activation_checkpointing)
+                session = setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device,
+                                         lambda: trainer.accumulate_grad_batches, apply_activation_checkpointing)
+                if self.config.log_plan:
+                    rank_zero_info(session.run.plan.describe())
             else:
                 self.shard(module)
         self.model_to_device()  # buffers and anything outside the shard
