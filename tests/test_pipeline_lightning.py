@@ -1,5 +1,5 @@
-"""Pipeline parallelism through the Trainer (issue 38): the demos' GPT, whose steps call
-``forward_loss``, trained with ``pipeline_parallel_size=2`` against the plain one-process oracle of
+"""Pipeline parallelism through the Trainer (issue 38): the demos' GPT and HFCausalLM (a tiny
+Llama), whose steps call ``forward_loss``, trained with ``pipeline_parallel_size=2`` against the plain one-process oracle of
 ``helpers/pipeline_lightning_scenarios.py`` (the unsplit model, micro-batches and data-parallel places
 summed as the schedule and the runtime sum them, torch's Muon / AdamW, the same StepLR schedule).
 Per-step losses, every owned weight after the fit and the validation loss are float32-bitwise
@@ -18,8 +18,15 @@ CASES = {  # name -> (world, case)
     "pp2-gpipe": (2, {"pp": 2, "schedule": "GPipe", "validate": True}),
     "pp2-1f1b-accumulate": (2, {"pp": 2, "schedule": "1F1B", "accumulate": 2}),
     "pp2-interleaved-clip": (2, {"pp": 2, "schedule": "Interleaved1F1B", "clip": 0.05, "sgd": True}),
+    "hf-llama-pp2-1f1b": (2, {"pp": 2, "schedule": "1F1B", "hf": True, "validate": True}),
     "pp2xdp2-1f1b": (4, {"pp": 2, "schedule": "1F1B", "validate": True, "clip": 0.05, "sgd": True}),
 }
+
+
+@pytest.fixture
+def pools(dist_pools, hf_pool):
+    """The demos' GPT on the shared pools, the Hugging Face module on the pool that imported transformers."""
+    return lambda world, case: hf_pool if case.get("hf") else dist_pools(world)
 
 
 def results(dist_pools, world: int, case: dict, fn=run_case) -> list[dict]:
@@ -30,9 +37,9 @@ def results(dist_pools, world: int, case: dict, fn=run_case) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_trainer_pipeline_equals_the_unsplit_oracle(dist_pools, name):
+def test_trainer_pipeline_equals_the_unsplit_oracle(pools, name):
     world, case = CASES[name]
-    res = results(dist_pools, world, case)
+    res = results(lambda w: pools(w, case), world, case)
     tol = 1e-6 if case.get("clip") else 0.0
     covered = set()
     for rank, r in enumerate(res):

@@ -32,10 +32,10 @@ def data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(t[:, :-1], t[:, 1:]))
 
 
-def make_module(layers: int = 4, sgd: bool = False) -> nn.Module:
-    from lightning_matrixfsdp.demos import GPT
+def make_module(layers: int = 4, sgd: bool = False, hf: bool = False) -> nn.Module:
+    from lightning_matrixfsdp.demos import GPT, HFCausalLM
 
-    class User(GPT):
+    class User(HFCausalLM if hf else GPT):
         """The demo GPT as a user trains it, recording its losses."""
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # noqa: D102
@@ -59,7 +59,12 @@ def make_module(layers: int = 4, sgd: bool = False) -> nn.Module:
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     torch.manual_seed(0)
-    lit = User(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers, n_heads=2, warmup_steps=0)
+    if hf:  # the demos' Hugging Face module around a tiny Llama
+        lit = User(model_type="llama", warmup_steps=0, config=dict(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=SEQ, tie_word_embeddings=False))
+    else:
+        lit = User(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers, n_heads=2, warmup_steps=0)
     lit.recorded, lit.val_recorded, lit.seen, lit.sgd = [], [], [], sgd
     return lit
 
@@ -155,7 +160,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     pp, steps, acc, micro = case["pp"], case.get("steps", 2), case.get("accumulate", 1), case.get("micro", 4)
     places = world // pp
     clip = case.get("clip")
-    lit = make_module(sgd=case.get("sgd", False))
+    lit = make_module(sgd=case.get("sgd", False), hf=case.get("hf", False))
     oracle = copy.deepcopy(lit)
     samples = data(places * BATCH * steps * acc)
     loader = torch.utils.data.DataLoader(samples, batch_size=BATCH)
