@@ -15,7 +15,8 @@ last backward to switch it back, so it is not used here).
 
 The optimizer steps each stage's parameters where their owners are: nothing crosses stages, so
 ``optimizer.step()`` moves 0 bytes. A norm for clipping sums the squares of each stage's owned
-gradients over its data-parallel group, then over ``pp_group`` (each parameter lives in one stage).
+gradients over its data-parallel group, then over ``pp_group`` (each parameter lives in one stage;
+a tied weight's head copy holds no gradient once ``reduce_tied_grads`` ran, so clip after it).
 """
 
 from __future__ import annotations
