@@ -16,34 +16,59 @@ from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
-from lightning_matrixfsdp.runtime.views.checkpoint import RootView, local_state_dict, model_view_of
+from lightning_matrixfsdp.runtime.views.checkpoint import (
+    Chunked,
+    ExpertChunk,
+    Holding,
+    Owned,
+    Replicated,
+    RootView,
+    TPFragment,
+    local_state_dict,
+    model_view_of,
+)
 from lightning_matrixfsdp.runtime.tp.layout import fragment_dtensor
 
 __all__ = ["Entry", "KeyIndex", "build_index"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Entry:
     """One tensor of the module's ``state_dict`` as this rank sees it."""
 
     key: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]          # the whole (global) tensor's shape
     dtype: torch.dtype
-    owner: Optional[int]            # shard-group rank of the owner; None: replicated on every rank
-    owner_global: Optional[int]     # global rank of that owner in this rank's shard group
-    local: Optional[torch.Tensor]   # the data this rank holds (owned or replicated), else None
+    local: Optional[torch.Tensor]   # what this rank holds of it (whole, or its chunk), else None
     primary: str                    # first key of the same tensor (tied weights share one)
+    holding: Holding                # how it is held: Replicated, Whole, TPFragment, ExpertSlice, ExpertBlock
     role: Optional[str] = None      # "matrix" / "tail" for sharded parameters
-    stepper: Optional[int] = None   # replica_split: the replica that steps it and holds its optimizer state
-    steps: bool = True              # this rank holds its optimizer state (owner, and its stepping replica)
-    tp: Optional[Any] = None        # tensor parallelism: the key's TP split (``shape`` global, ``local`` a fragment)
-    tp_stepper: Optional[int] = None  # the TP rank that steps the split matrix whole (holds whole-matrix state)
-    #: an expert stack under expert parallelism: this rank's chunk of the split in ``tp`` (None: the TP
-    #: rank's), its group's DeviceMesh, and the global ranks that write each chunk
-    part: Optional[int] = None
-    part_mesh: Any = None
-    part_sources: tuple[int, ...] = ()
-    split_stack: bool = False       # an expert stack split into blocks of experts over the owners (``part``: this rank's)
+
+    @property
+    def owned(self) -> Optional[Owned]:
+        """Who owns it (``Whole``, ``TPFragment``); None where no owner holds it alone."""
+        return self.holding if isinstance(self.holding, Owned) else None
+
+    @property
+    def chunk(self) -> Optional[Chunked]:
+        """The chunk of the global tensor this rank holds (``TPFragment``, ``ExpertSlice``,
+        ``ExpertBlock``); None where it is held whole."""
+        return self.holding if isinstance(self.holding, Chunked) else None
+
+    @property
+    def experts(self) -> Optional[ExpertChunk]:
+        """Some experts of an expert stack held on this rank (``ExpertSlice``, ``ExpertBlock``), else None."""
+        return self.holding if isinstance(self.holding, ExpertChunk) else None
+
+    @property
+    def stepper(self) -> Optional[int]:
+        """replica_split: the replica that steps it and holds its optimizer state (None: every replica)."""
+        return self.owned.stepper if self.owned is not None else None
+
+    @property
+    def steps(self) -> bool:
+        """Whether this rank's replica steps it (always, without replica_split)."""
+        return self.owned.steps if self.owned is not None else True
 
 
 @dataclass
@@ -86,14 +111,14 @@ class KeyIndex:
     def fragment_shape(self, key: str) -> Optional[tuple[int, ...]]:
         """This TP rank's fragment shape of a TP-split ``key`` (None: not split); for an expert
         stack under expert parallelism, this rank's experts."""
-        e = self.entries[self.entries[key].primary]
-        return tuple(e.tp.local_shape(self.part(key))) if e.tp is not None else None
+        chunk = self.entries[self.entries[key].primary].chunk
+        return chunk.local_shape if chunk is not None else None
 
     def part(self, key: str) -> int:
         """Which chunk of split ``key`` this rank holds: its expert-parallel rank for an expert
-        stack, else its TP rank."""
-        e = self.entries[self.entries[key].primary]
-        return e.part if e.part is not None else self.tp_rank
+        stack, its shard rank for a split stack's block, else its TP rank."""
+        chunk = self.entries[self.entries[key].primary].chunk
+        return chunk.rank if chunk is not None else self.tp_rank
 
     @property
     def tp_rank(self) -> int:
@@ -109,9 +134,9 @@ class KeyIndex:
         return self._dtensor(key, t)
 
     def _dtensor(self, key: str, local: torch.Tensor) -> Any:
-        e = self.entries[self.entries[key].primary]
-        mesh = e.part_mesh if e.part_mesh is not None else self.tp_mesh
-        return fragment_dtensor(local, mesh, e.tp.dim, e.tp.global_shape)
+        chunk = self.entries[self.entries[key].primary].chunk
+        assert chunk is not None  # callers ask for split keys only
+        return fragment_dtensor(local, chunk.mesh, chunk.layout.dim, chunk.layout.global_shape)
 
     def fragment_request(self, key: str, dtype: torch.dtype) -> Any:
         """An empty DTensor of this TP rank's fragment of TP-split ``key``: DCP reads into it this
@@ -123,17 +148,14 @@ class KeyIndex:
     def narrow(self, key: str, whole: torch.Tensor) -> torch.Tensor:
         """This TP rank's fragment of ``whole``, a global tensor of TP-split ``key`` (a view; ``whole``
         itself for a key that is not split)."""
-        tp = self.entries[self.entries[key].primary].tp
-        if tp is None:
-            return whole
-        part = self.part(key)
-        return whole.narrow(tp.dim, tp.offset(part), tp.sizes[part])
+        chunk = self.entries[self.entries[key].primary].chunk
+        return whole if chunk is None else chunk.narrow(whole)
 
     def holds_whole_state(self, key: str) -> bool:
         """Whether this rank holds the whole-matrix optimizer state (Shampoo's, SOAP's) of ``key``:
         the TP stepper of a split matrix; any rank for a key that is not split or has no stepper."""
-        e = self.entries[self.entries[key].primary]
-        return e.tp is None or e.tp_stepper is None or e.tp_stepper == self.tp_rank
+        h = self.entries[self.entries[key].primary].holding
+        return not isinstance(h, TPFragment) or h.tp_stepper is None or h.tp_stepper == h.rank
 
     def aliases(self, primary: str) -> list[str]:
         """Every key of the tensor whose first key is ``primary`` (tied weights)."""
@@ -161,13 +183,13 @@ def build_index(module: nn.Module) -> KeyIndex:
         if p is not None:
             primary = first.setdefault(p.ident, key)
             key_of[p.ident] = primary
-            entries[key] = Entry(key, p.shape, p.dtype, p.owner, p.owner_global, p.local, primary, p.role,
-                                 p.stepper, p.steps, p.tp, p.tp_stepper, p.part, p.part_mesh, p.part_sources,
-                                 p.split_stack)
+            entries[key] = Entry(key=key, shape=p.shape, dtype=p.dtype, local=p.local, primary=primary,
+                                 holding=p.holding, role=p.role)
         elif isinstance(v, torch.Tensor):
             primary = first.setdefault(id(v), key)
             key_of[id(v)] = primary
-            entries[key] = Entry(key, tuple(v.shape), v.dtype, None, None, v.detach(), primary)
+            entries[key] = Entry(key=key, shape=tuple(v.shape), dtype=v.dtype, local=v.detach(), primary=primary,
+                                 holding=Replicated())
         else:
             extra[key] = v
     order = {k: i for i, k in enumerate(list(entries) + list(extra))}

@@ -298,7 +298,7 @@ class _DirectoryLoad:
             if e.local is not None:
                 flat = ck.model[c][0]
                 m = ck.meta[flat]
-                req2[flat] = index.fragment_request(key, m.properties.dtype) if e.tp is not None else placeholder(m)
+                req2[flat] = index.fragment_request(key, m.properties.dtype) if e.chunk is not None else placeholder(m)
                 self.targets.append((e.local, flat))
         for key, c in match.objects:
             req2[ck.model[c][0]] = None

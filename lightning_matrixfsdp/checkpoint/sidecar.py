@@ -64,11 +64,14 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
         "planner": first.plan.planner if first else None,
         "plans": [{"prefix": r.prefix, "digest": r.plan.digest(), "plan": r.plan.to_dict()} for r in index.roots],
         # "stepper" (replica_split): the replica whose rank wrote the parameter's optimizer state
-        # "mesh": the (data-parallel, tensor-parallel) sizes; "tp": a TP-split key's layout (shape is global)
+        # "mesh": the (data-parallel, tensor-parallel) sizes; "tp": the layout of a key saved in chunks
+        # (shape is global): a TP fragment's, and an expert stack's chunks by expert under the same name
+        # (the format's field, kept so that older checkpoints and readers agree)
         "mesh": index.mesh(),
-        "params": {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "owner": e.owner, "role": e.role,
+        "params": {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype),
+                       "owner": e.owned.owner if e.owned is not None else None, "role": e.role,
                        **({"stepper": e.stepper} if e.stepper is not None else {}),
-                       **({"tp": e.tp.to_dict()} if e.tp is not None else {}),
+                       **({"tp": e.chunk.layout.to_dict()} if e.chunk is not None else {}),
                        **({"alias_of": e.primary} if e.primary != k else {})}
                    for k, e in index.entries.items()},
         "optimizers": _optimizers(optimizers, classes),

@@ -40,7 +40,7 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, Check
 from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
 from lightning_matrixfsdp.checkpoint.state_dict import fragments_to_rank0, to_rank0, tp_sources
-from lightning_matrixfsdp.runtime.views.checkpoint import tag_view, view_key
+from lightning_matrixfsdp.runtime.views.checkpoint import Chunked, Owned, tag_view, view_key
 from lightning_matrixfsdp.runtime.comm.core import comm_device
 
 __all__ = ["REF", "VIEWS", "find_refs", "gather_views", "localize_views", "model_view", "read_refs", "refs_to_whole",
@@ -175,14 +175,15 @@ def gather_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[s
     sources = tp_sources(index)  # TP: who sends each fragment (the owners' TP groups)
     for path, t, key in _agreed_views(checkpoint, index):
         e = index.entries[key]
-        if e.tp is not None:  # this TP rank's fragment where owned: joined on rank 0
+        h = e.holding
+        if isinstance(h, Chunked):  # this rank's chunk (a TP fragment where owned, its experts): joined on rank 0
             whole[path] = fragments_to_rank0(index, key, t if index.mine(key) else None, sources.get(key), e.dtype,
                                              device)
-        elif e.owner is None:
-            whole[path] = t.cpu() if rank == 0 else None
-        else:
-            whole[path] = to_rank0(t if index.mine(key) else None, e.shape, e.dtype, e.owner_global,
+        elif isinstance(h, Owned):
+            whole[path] = to_rank0(t if index.mine(key) else None, e.shape, e.dtype, h.owner_global,
                                    index.in_group0, device)
+        else:  # replicated
+            whole[path] = t.cpu() if rank == 0 else None
         if not (len(path) == 2 and path[0] == "state_dict"):  # the model's own entries need no record
             records.append({"path": list(path), "key": key})
     return _map(dict(checkpoint), lambda p, t: whole[p] if rank == 0 else t), records
@@ -220,7 +221,7 @@ def read_refs(meta: Any, dcp_meta: Mapping[str, Any], index: KeyIndex, what: str
         key = str(ref.get("key"))
         _check(key, size, index, f"{what} at {path}")
         if index.mine(key):  # a TP-split key: this TP rank's slice of the global tensor, whatever the save's mesh
-            split = index.entries[index.entries[key].primary].tp is not None
+            split = index.entries[index.entries[key].primary].chunk is not None
             req[flat] = index.fragment_request(key, m.properties.dtype) if split else placeholder(m)
     return req
 
@@ -290,9 +291,9 @@ def state_view(values: Mapping[str, Any], from_ck: Mapping[str, str], index: Key
             if e is None:
                 continue
             v = _empty(index, e.key)
-        elif e is not None and e.owner is not None and not index.mine(e.key):
+        elif e is not None and e.owned is not None and not index.mine(e.key):
             v = _empty(index, e.key, v.dtype)
-        elif e is not None and e.tp is not None and tuple(v.shape) == tuple(e.shape):  # a file's whole tensor
+        elif e is not None and e.chunk is not None and tuple(v.shape) == tuple(e.shape):  # a file's whole tensor
             v = index.narrow(e.key, v).contiguous()
         out[c] = v
     return out
