@@ -1,0 +1,133 @@
+"""Everything of the pipeline that calls torch.distributed: the ``(pp, dp)`` mesh, torch's
+``PipelineStage`` and schedules (their point-to-point traffic), and the loss sent from the last stage.
+
+Rank layout: the pipeline axis is outermost, ``global rank = pp_index * dp_world + dp_rank``
+(a ``(pp, dp)`` or, with HSDP inside each stage, ``(pp, replicate, shard)`` DeviceMesh). Each
+stage's data-parallel part (``dp`` or ``(replicate, shard)``) is the mesh ``matrix_shard`` shards
+that stage over, so every matrix is owned whole inside its stage and the optimizer step is local.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
+
+__all__ = ["PipelineMesh", "SCHEDULES", "ScheduleKind", "broadcast_from_place", "make_schedule", "make_stage",
+           "pipeline_mesh", "schedule_class"]
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One of torch's schedules: its class name, and how many stages a rank runs and in which order."""
+
+    torch_name: str
+    #: several stages per rank (torch's ``PipelineScheduleMulti``)
+    multi: bool
+    #: stage indices of a rank: "loop" (rank, rank + pp, ...) or "v" (rank, 2 pp - 1 - rank)
+    order: str = "loop"
+    #: the schedule splits each backward into an input part and a weight part (zero bubble)
+    split_backward: bool = False
+
+
+#: schedule name (the ``pipeline_schedule`` option) -> torch's class and its stage layout
+SCHEDULES: dict[str, ScheduleKind] = {
+    "GPipe": ScheduleKind("ScheduleGPipe", False),
+    "1F1B": ScheduleKind("Schedule1F1B", False),
+    "Interleaved1F1B": ScheduleKind("ScheduleInterleaved1F1B", True),
+    "LoopedBFS": ScheduleKind("ScheduleLoopedBFS", True),
+    "InterleavedZeroBubble": ScheduleKind("ScheduleInterleavedZeroBubble", True, split_backward=True),
+    "ZBVZeroBubble": ScheduleKind("ScheduleZBVZeroBubble", True, "v", split_backward=True),
+    "DualPipeV": ScheduleKind("ScheduleDualPipeV", True, "v", split_backward=True),
+}
+
+
+def schedule_class(name: str) -> type:
+    """torch's schedule class for ``name``; refuses a name we do not know or this torch lacks."""
+    import torch.distributed.pipelining as pipelining
+
+    if name not in SCHEDULES:
+        raise MatrixShardError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    cls = getattr(pipelining, SCHEDULES[name].torch_name, None)
+    if cls is None:
+        raise MatrixShardError(f"pipeline schedule {name!r} needs torch.distributed.pipelining."
+                               f"{SCHEDULES[name].torch_name}, which torch {torch.__version__} does not have")
+    return cls
+
+
+@dataclass(frozen=True, eq=False)
+class PipelineMesh:
+    """This rank's place on the pipeline axis and the data-parallel mesh of its stage."""
+
+    pp_size: int
+    pp_rank: int
+    #: the ranks that hold the same data-parallel place in every stage (what the schedule talks over)
+    pp_group: Optional[dist.ProcessGroup]
+    #: this stage's data-parallel mesh: 1-D ``(dp,)`` or 2-D ``(replicate, shard)`` (HSDP); None: one rank
+    dp_mesh: Any
+    #: the whole mesh
+    device_mesh: Any = None
+
+    def global_rank_of(self, pp_rank: int) -> int:
+        """The global rank at pipeline place ``pp_rank`` with this rank's data-parallel place."""
+        if self.pp_group is None:
+            return 0
+        return dist.get_global_rank(self.pp_group, pp_rank)
+
+
+def pipeline_mesh(pp: int, shard_size: Optional[int] = None, device_type: str = "cpu") -> PipelineMesh:
+    """The ``(pp, dp)`` mesh of the world (``(pp, replicate, shard)`` with ``shard_size``: HSDP
+    inside each stage), pipeline axis outermost. Collective: every rank calls it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if pp < 1 or world % pp:
+        raise MatrixShardError(f"pipeline_parallel_size={pp} must be a positive divisor of the world size {world}")
+    dp = world // pp
+    if shard_size is not None and (shard_size < 1 or dp % shard_size):
+        raise MatrixShardError(f"shard_size={shard_size} must divide each stage's data-parallel size {dp} "
+                               f"(world {world} / pipeline_parallel_size {pp})")
+    if world == 1:
+        return PipelineMesh(1, 0, None, None)
+    if shard_size is None or shard_size == dp:
+        mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+        dp_mesh = mesh["dp"]
+    else:
+        mesh = init_device_mesh(device_type, (pp, dp // shard_size, shard_size),
+                                mesh_dim_names=("pp", "replicate", "shard"))
+        dp_mesh = mesh["replicate", "shard"]
+    return PipelineMesh(pp, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), dp_mesh, mesh)
+
+
+def make_stage(module: nn.Module, index: int, num_stages: int, device: torch.device, mesh: PipelineMesh,
+               input_meta: torch.Tensor, output_meta: torch.Tensor) -> Any:
+    """torch's ``PipelineStage`` for ``module`` with its input and output given (meta tensors of one
+    micro-batch): no shape inference, which would run a forward of its own."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage(module, index, num_stages, device, input_args=input_meta, output_args=output_meta,
+                         group=mesh.pp_group)
+
+
+def make_schedule(name: str, stages: Sequence[Any], microbatches: int, loss_fn: Optional[Callable]) -> Any:
+    """torch's schedule ``name`` over this rank's stages. ``scale_grads=False``: the loss function
+    divides by the number of micro-batches itself (runner.py says why)."""
+    cls = schedule_class(name)
+    if SCHEDULES[name].multi:
+        return cls(list(stages), n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def broadcast_from_place(value: Optional[torch.Tensor], mesh: PipelineMesh, place: int,
+                         like: torch.Tensor) -> torch.Tensor:
+    """``value`` (held by the rank at pipeline place ``place``) on every rank of this pipeline
+    group; ``like``: its shape and dtype on the other ranks."""
+    out = value.detach().clone() if value is not None else torch.empty_like(like)
+    if mesh.pp_group is not None and mesh.pp_size > 1:
+        dist.broadcast(out, src=mesh.global_rank_of(place), group=mesh.pp_group)
+    return out

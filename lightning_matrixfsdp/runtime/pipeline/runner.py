@@ -1,0 +1,280 @@
+"""``build_pipeline`` and ``PipelineRun``: a model split into stages, each owner-sharded over its
+stage's data-parallel ranks, driven by one of torch's pipeline schedules.
+
+Gradients over micro-batches. The loss function divides each micro-batch's loss by the number
+of micro-batches ``M`` (torch's own scaling is off, ``scale_grads=False``), so the gradients
+summed over the micro-batches are the mean gradient of the whole batch, as one backward of the
+batch's mean loss gives them. Our runtime reduces each unit's gradients to their owners at the
+end of every backward, and torch runs one backward per micro-batch: so every micro-batch is
+reduced (summed over the stage's data-parallel ranks, divided by their number) and accumulated
+on the owner. That is exact against an oracle that reduces every micro-batch the same way, moves
+``M`` times the gradient bytes of one backward, and keeps no full gradient between micro-batches
+(the runtime's no-sync accumulation, ``set_requires_gradient_sync``, would hold every stage's full
+gradients on every rank until the last micro-batch; torch's schedules give no hook at a stage's
+last backward to switch it back, so it is not used here).
+
+The optimizer steps each stage's parameters where their owners are: nothing crosses stages, so
+``optimizer.step()`` moves 0 bytes. A norm for clipping sums the squares of each stage's owned
+gradients over its data-parallel group, then over ``pp_group`` (each parameter lives in one stage).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_matrixfsdp.runtime.classify import recipe_roles
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
+from lightning_matrixfsdp.runtime.pipeline.comm import (
+    SCHEDULES,
+    PipelineMesh,
+    broadcast_from_place,
+    make_schedule,
+    make_stage,
+    schedule_class,
+)
+from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_of
+from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
+from lightning_matrixfsdp.runtime.shard import matrix_shard
+from lightning_matrixfsdp.runtime.tags import recipe_of, tag_recipe
+
+__all__ = ["PipelineRun", "build_pipeline", "stage_indices"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def stage_indices(pp_rank: int, pp_size: int, per_rank: int, order: str) -> list[int]:
+    """The stages a rank runs: ``pp_rank + k * pp_size`` (loop), or ``pp_rank`` and ``2 pp_size - 1 - pp_rank`` (V)."""
+    if order == "v":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(per_rank)]
+
+
+def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, schedule: str = "1F1B",
+                   microbatches: int = 4, split: Optional[Sequence[str]] = None, stages_per_rank: Optional[int] = None,
+                   family: Optional[str] = None, device: Optional[torch.device] = None, **shard_options: Any
+                   ) -> "PipelineRun":
+    """Split ``model`` into ``mesh.pp_size * stages_per_rank`` stages, keep this rank's, owner-shard
+    each over its stage's data-parallel mesh (``matrix_shard(stage, mesh=mesh.dp_mesh, **shard_options)``)
+    and drive them with torch's ``schedule`` over ``microbatches`` micro-batches.
+
+    ``loss_fn(outputs, targets)``: the mean loss of one micro-batch (logits of the last stage).
+    ``split``: the first block of each stage after the first (None: balanced by parameter count).
+    ``stages_per_rank``: 1 for GPipe / 1F1B, 2 by default for the multi-stage schedules.
+    Every check runs before anything is sharded, alike on every rank."""
+    kind = SCHEDULES.get(schedule)
+    schedule_class(schedule)  # unknown, or missing in this torch: refused here
+    per_rank = stages_per_rank or (2 if kind.multi else 1)
+    if not kind.multi and per_rank != 1:
+        raise MatrixShardError(f"pipeline schedule {schedule!r} runs one stage per rank; stages_per_rank={per_rank} "
+                               "needs a multi-stage schedule such as 'Interleaved1F1B'")
+    if kind.order == "v" and per_rank != 2:
+        raise MatrixShardError(f"pipeline schedule {schedule!r} runs two stages per rank (a V); got "
+                               f"stages_per_rank={per_rank}")
+    if kind.split_backward:
+        raise MatrixShardError(f"pipeline schedule {schedule!r} splits each backward into input and weight "
+                               "gradients, which owner-sharded units do not support yet (their gradients are "
+                               "reduced when a unit's whole backward is done); use GPipe, 1F1B, Interleaved1F1B "
+                               "or LoopedBFS")
+    if microbatches < 1:
+        raise MatrixShardError(f"pipeline_microbatches must be at least 1, got {microbatches}")
+    fam = family_of(model, family)
+    blocks = fam.blocks(model)
+    modules = {n for n, _ in model.named_modules()}
+    count = lambda names: sum(p.numel() for p in _params_of(model, names))  # noqa: E731
+    plan = plan_stages([(b, count([b])) for b in blocks], count(fam.pre), count(fam.post), mesh.pp_size * per_rank,
+                       split, modules)
+    keeps = [fam.keep(model, span) for span in plan.stages]
+    check_placement(model, keeps)
+    dtype = shard_options.get("param_dtype") or next(p.dtype for p in model.parameters() if p.is_floating_point())
+    for fqn, choice in recipe_roles(model).items():  # the Muon recipe of the whole model, before it is split
+        p = model.get_parameter(fqn)
+        if recipe_of(p) is None:
+            tag_recipe(p, choice)
+    if shard_options.get("wrap_policy") is None and shard_options.get("config") is None:
+        shard_options["wrap_policy"] = {type(model.get_submodule(b)) for b in blocks}
+    mine = stage_indices(mesh.pp_rank, mesh.pp_size, per_rank, kind.order)
+    stages = []
+    for index in mine:
+        stage = StageModule(model, plan.stages[index], keeps[index], fam)
+        stages.append(matrix_shard(stage, mesh=mesh.dp_mesh, device=device, **shard_options))
+    device = torch.device(device) if device is not None else next(stages[0].parameters()).device
+    return PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
+
+
+def _params_of(model: nn.Module, names: Sequence[str]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for n in names:
+        try:
+            module = model.get_submodule(n)
+        except AttributeError:
+            continue
+        seen.update((id(p), p) for p in module.parameters())
+    return list(seen.values())
+
+
+def check_placement(model: nn.Module, keeps: list[list[str]]) -> None:
+    """Every parameter of ``model`` in exactly one stage: refuses one no stage holds, and a weight
+    shared by two stages (tied embeddings across the first and last stage), naming it."""
+    where: dict[int, set[int]] = {}
+    for s, names in enumerate(keeps):
+        for p in _params_of(model, names):
+            where.setdefault(id(p), set()).add(s)
+    names = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    for pid, fqns in names.items():
+        stages = sorted(where.get(pid, ()))
+        if not stages:
+            raise MatrixShardError(f"parameter {fqns[0]!r} is in no pipeline stage (the family places the "
+                                   "embeddings, the blocks, and the final norm and head); move it into one of them")
+        if len(stages) > 1:
+            raise MatrixShardError(
+                f"parameter {' = '.join(fqns)} is shared by pipeline stages {stages[0]} and {stages[-1]} (tied "
+                "embeddings); tied weights across stages are not supported yet: untie them (Hugging Face: "
+                "tie_word_embeddings=False) or train without pipeline parallelism")
+
+
+class PipelineRun:
+    """This rank's stages of a pipelined model and the schedule that runs them.
+
+    ``step(inputs, targets)`` runs forward and backward of every micro-batch and returns the
+    batch's loss (the mean over micro-batches) on every rank; the gradients then sit on their
+    owners, ready for the optimizer (built over :attr:`module`, e.g. ``Muon(run.module)``).
+    ``evaluate`` and ``predict`` are forward-only. Every rank passes the batch of its
+    data-parallel place (the first stage reads the inputs, the last stage the targets; the
+    others use only their shape)."""
+
+    def __init__(self, stages: list[StageModule], indices: list[int], plan: StagePlan, mesh: PipelineMesh,
+                 schedule: str, microbatches: int, loss_fn: LossFn, device: torch.device,
+                 activation_dtype: torch.dtype) -> None:
+        self.module = nn.ModuleList(stages)
+        self.stage_indices = tuple(indices)
+        self.plan, self.mesh, self.schedule = plan, mesh, schedule
+        self.microbatches, self.loss_fn, self.device = microbatches, loss_fn, device
+        self.activation_dtype = activation_dtype
+        #: what each micro-batch's loss is divided by (``microbatches``): the gradient scaling
+        self.loss_divisor = microbatches
+        self._schedules: dict[tuple, Any] = {}
+        self._losses: list[torch.Tensor] = []
+        self._accumulation = 1
+        order = SCHEDULES[schedule].order
+        #: the pipeline place whose rank runs the last stage
+        self.last_place = 0 if order == "v" else mesh.pp_size - 1
+
+    # ------------------------------------------------------------------ what a stage holds
+    @property
+    def stages(self) -> list[StageModule]:
+        return list(self.module)
+
+    @property
+    def pp_group(self) -> Any:
+        """The pipeline group (ranks of this data-parallel place in every stage): where per-stage
+        sums (a gradient norm's squares) are summed over stages."""
+        return self.mesh.pp_group
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def holds_last(self) -> bool:
+        return self.plan.num_stages - 1 in self.stage_indices
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's stages' parameters under their global names (the whole model's)."""
+        for stage in self.module:
+            yield from stage.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def global_names(self) -> list[str]:
+        return [n for n, _ in self.named_parameters()]
+
+    def train(self, mode: bool = True) -> "PipelineRun":
+        self.module.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ running
+    def _check_batch(self, inputs: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1:
+            raise MatrixShardError(f"a pipelined step takes the batch's inputs as one tensor (token ids), got "
+                                   f"{type(inputs).__name__}")
+        if inputs.shape[0] % self.microbatches:
+            raise MatrixShardError(f"batch size {inputs.shape[0]} is not a multiple of pipeline_microbatches="
+                                   f"{self.microbatches}; micro-batches of unequal size would weigh the mean loss "
+                                   "unevenly")
+        if targets is not None and targets.shape[0] != inputs.shape[0]:
+            raise MatrixShardError(f"targets have {targets.shape[0]} rows for {inputs.shape[0]} inputs")
+
+    def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:
+        key = (tuple(inputs.shape), inputs.dtype, train)
+        if key not in self._schedules:
+            tokens = torch.Size((inputs.shape[0] // self.microbatches, *inputs.shape[1:]))
+            stages = []
+            for stage, index in zip(self.module, self.stage_indices):
+                span = stage.pipeline.span
+                # hidden states between stages carry gradients (torch derives the gradient buffers from this)
+                meta_in = torch.empty(stage.input_shape(tokens), device="meta",
+                                      dtype=inputs.dtype if span.first else self.activation_dtype,
+                                      requires_grad=train and not span.first)
+                meta_out = torch.empty(stage.output_shape(tokens), device="meta", dtype=self.activation_dtype,
+                                       requires_grad=train)
+                stages.append(make_stage(stage, index, self.plan.num_stages, self.device, self.mesh, meta_in, meta_out))
+            self._schedules[key] = make_schedule(self.schedule, stages, self.microbatches,
+                                                 self._scaled_loss if train else None)
+        return self._schedules[key]
+
+    def _scaled_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(outputs, targets)
+        self._losses.append(loss.detach())
+        return loss / (self.loss_divisor * self._accumulation)
+
+    def _run(self, schedule: Any, inputs: torch.Tensor, targets: Optional[torch.Tensor]) -> Any:
+        args = (inputs.to(self.device),) if self.holds_first else ()
+        kwargs = {"target": targets.to(self.device)} if self.holds_last and targets is not None else {}
+        return schedule.step(*args, **kwargs)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulation: int = 1) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``(inputs, targets)``; the gradients
+        accumulate on the owners (``.grad``, added to what is there, as ``backward()`` does).
+        ``accumulation``: the batches whose gradients are summed before the optimizer steps
+        (Lightning's ``accumulate_grad_batches``): each micro-batch's loss is then divided by
+        ``microbatches * accumulation``, so the window's gradient is its mean gradient.
+        Returns the mean loss over the micro-batches (unscaled), on every rank of the pipeline group."""
+        if targets is None:
+            raise MatrixShardError("a pipelined training step needs the targets for the last stage's loss")
+        if not isinstance(accumulation, int) or accumulation < 1:
+            raise MatrixShardError(f"accumulation must be a positive int, got {accumulation!r}")
+        self._check_batch(inputs, targets)
+        schedule = self._schedule_for(inputs, train=True)
+        self._losses.clear()
+        self._accumulation = accumulation
+        self._run(schedule, inputs, targets)
+        mean = torch.stack(self._losses).mean() if self.holds_last else None
+        self._losses.clear()
+        return broadcast_from_place(mean, self.mesh, self.last_place, torch.zeros((), device=self.device))
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
+        """Forward only: the last stage's outputs (logits) of the whole batch on the ranks that run
+        it, None elsewhere."""
+        self._check_batch(inputs, None)
+        out = self._run(self._schedule_for(inputs, train=False), inputs, None)
+        return out if self.holds_last else None
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only: the mean over micro-batches of ``loss_fn`` (as ``step`` computes it, without
+        gradients), on every rank of the pipeline group."""
+        self._check_batch(inputs, targets)
+        outputs = self.predict(inputs)
+        mean = None
+        if outputs is not None:
+            with torch.no_grad():
+                pairs = zip(outputs.chunk(self.microbatches), targets.to(self.device).chunk(self.microbatches))
+                mean = torch.stack([self.loss_fn(o, t) for o, t in pairs]).mean()
+        return broadcast_from_place(mean, self.mesh, self.last_place, torch.zeros((), device=self.device))

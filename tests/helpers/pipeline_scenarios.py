@@ -1,0 +1,195 @@
+"""Pipeline parallelism against a plainly written oracle (issue 38), run inside the gloo pools.
+
+The oracle is the unsplit model on one process: for each micro-batch it runs every
+data-parallel place's slice alone (``loss / M`` backward, as the pipeline's loss function
+scales it), averages the places' gradients (summed in place order, divided by their number:
+the reduction the runtime does after each micro-batch's backward) and adds the average to the
+step's gradient, micro-batch after micro-batch (the order the schedule's backwards run in, per
+stage). Then ``torch.optim.Muon`` on the recipe's matrices and ``torch.optim.AdamW`` on the rest
+(tests/helpers/oracle.py). Every rank computes the oracle whole and compares the parameters of
+the stages it runs, gathered from their owners, bitwise (float32): with at most two
+data-parallel places the two-term sums round alike in any order, and M = 4 makes the 1/M
+scaling exact, so nothing but a wrong computation can differ.
+"""
+from __future__ import annotations
+
+import copy
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers.equiv import count_collectives, full_params, make_sharded_optimizer
+from helpers.oracle import PerExpertMuon, oracle_optimizers
+
+VOCAB, SEQ, BATCH, MICRO = 48, 8, 8, 4
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def demo_gpt(layers: int = 4) -> nn.Module:
+    from lightning_matrixfsdp.demos import GPT
+
+    return GPT(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers, n_heads=2, warmup_steps=0)
+
+
+def hf_llama(layers: int = 4, tied: bool = False) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                        tie_word_embeddings=tied, max_position_embeddings=SEQ, use_cache=False))
+
+
+def hf_qwen3_moe(layers: int = 2) -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, max_position_embeddings=SEQ, use_cache=False, tie_word_embeddings=False))
+
+
+def hf_mixtral(layers: int = 2) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+        use_cache=False, tie_word_embeddings=False))
+
+
+def litgpt_gpt(layers: int = 4) -> nn.Module:
+    from litgpt import GPT, Config
+
+    return GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=layers, n_head=2, n_embd=16,
+                      bias=False, rotary_percentage=1.0, parallel_residual=False))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"demo_gpt": demo_gpt, "hf_llama": hf_llama,
+                                               "hf_qwen3_moe": hf_qwen3_moe, "hf_mixtral": hf_mixtral,
+                                               "litgpt": litgpt_gpt}
+#: the MoE models: the oracle steps each expert of a stack as its own matrix
+MOE = ("hf_qwen3_moe", "hf_mixtral")
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def batch(step: int, place: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + place)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def oracle_step(model: nn.Module, places: int, step: int, accumulation: int = 1) -> list[torch.Tensor]:
+    """One batch's gradients on the unsplit ``model``, added to its ``.grad`` (each micro-batch's loss
+    divided by ``MICRO * accumulation``); returns each place's mean loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    losses = [[] for _ in range(places)]
+    for m in range(MICRO):
+        per_place = []
+        for place in range(places):
+            x, y = (t.chunk(MICRO)[m] for t in batch(step, place))
+            for p in params:
+                p.grad = None
+            loss = lm_loss(logits_of(model(x)), y)
+            (loss / (MICRO * accumulation)).backward()
+            losses[place].append(loss.detach())
+            per_place.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+        for i in range(len(params)):
+            reduced = per_place[0][i].clone()
+            for g in per_place[1:]:
+                reduced = reduced + g[i]
+            total[i] = total[i] + reduced / places
+    for p, g in zip(params, total):
+        p.grad = g
+    return [torch.stack(l).mean() for l in losses]
+
+
+def expert_rows(name: str, p: nn.Parameter):
+    """The oracle's cut of an expert stack: each expert a matrix, gate and up of ``gate_up_proj`` apart."""
+    if name.endswith("experts.gate_up_proj"):
+        return p.shape[1] // 2
+    return p.shape[1] if name.endswith("experts.down_proj") else None
+
+
+def run_case(rank: int, world: int, case: dict) -> dict:
+    """One pipelined training run and its oracle; a failure comes back as ``{"error": text}``."""
+    try:
+        return _run_case(rank, world, case)
+    except Exception:  # noqa: BLE001 - the test shows every rank's failure
+        return {"error": traceback.format_exc()}
+
+
+def _run_case(rank: int, world: int, case: dict) -> dict:
+    from lightning_matrixfsdp.runtime import MatrixShardError, get_comm_stats, sync_replicas
+    from lightning_matrixfsdp.runtime.pipeline import build_pipeline, pipeline_mesh
+
+    pp, steps = case["pp"], case.get("steps", 2)
+    places = world // pp
+    torch.manual_seed(0)
+    oracle = MODELS[case["model"]](**case.get("model_kw", {}))
+    model = copy.deepcopy(oracle)
+    mesh = pipeline_mesh(pp, case.get("shard_size"))
+    run = build_pipeline(model, mesh, loss_fn=lm_loss, schedule=case["schedule"], microbatches=MICRO,
+                         split=case.get("split"), stages_per_rank=case.get("stages_per_rank"))
+    if case.get("break") == "unscaled" and run.holds_last:
+        run.loss_divisor = 1  # the last stage skips the 1/M scaling of its micro-batches' losses
+    o_opts = oracle_optimizers(oracle) if case["model"] not in MOE else [PerExpertMuon(oracle, expert_rows)]
+    stepped = model if case.get("break") == "foreign" else run.module  # "foreign": the whole model's parameters
+    s_opts = make_sharded_optimizer(stepped, "ours")
+    mine = {id(p) for p in run.parameters() if p._mfsdp_owned and p.numel()}
+    routed = {id(p) for o in s_opts for g in o.param_groups for p in g["params"] if p.numel()}
+    place = rank % places
+    out: dict = {"losses": [], "oracle_losses": [], "worst": 0.0, "differs": [], "stages": list(run.stage_indices),
+                 "routed_is_mine": routed == mine, "plan": run.plan.describe()}
+    o_params = dict(oracle.named_parameters())
+    acc = case.get("accumulate", 1)
+    for step in range(steps):
+        for k in range(acc):  # accumulate_grad_batches: a window of batches, one optimizer step
+            x, y = batch(step * acc + k, place)
+            loss = run.step(x, y, accumulation=acc)
+            o_losses = oracle_step(oracle, places, step * acc + k, acc)
+            out["losses"].append(loss.item())
+            out["oracle_losses"].append(o_losses[place].item())
+        for name, p in run.named_parameters():  # gradients on the owners, before any step
+            # an owner has the gradient (under HSDP's replica_split only on the replica that steps it)
+            if p._mfsdp_owned and p.grad is not None and not torch.equal(p.grad, o_params[name].grad):
+                out["differs"].append(f"step {step}: grad {name}")
+        for o in o_opts:
+            o.step()
+            if hasattr(o, "zero_grad"):
+                o.zero_grad(set_to_none=True)
+        with count_collectives() as counter:
+            for o in s_opts:
+                o.step()
+        out.setdefault("step_collectives", 0)
+        out["step_collectives"] += counter.calls
+        for o in s_opts:
+            o.zero_grad(set_to_none=True)
+        for stage in run.stages:
+            sync_replicas(stage)  # replica_split: the stepping replica's weights reach the others
+            for name, t in full_params(stage).items():
+                d = (t - o_params[name].detach()).abs().max().item()
+                out["worst"] = max(out["worst"], d)
+                if d:
+                    out["differs"].append(f"step {step}: {name} by {d:.3e}")
+    out["step_bytes"] = sum(sum(get_comm_stats(s)["optimizer_step"].values()) for s in run.stages)
+    x, y = batch(99, place)
+    try:  # 6 rows for 4 micro-batches: refused on every rank, before any communication
+        run.step(x[:6], y[:6])
+        out["uneven"] = None
+    except MatrixShardError as err:
+        out["uneven"] = str(err)
+    out["eval"] = run.evaluate(x, y).item()
+    with torch.no_grad():
+        out["oracle_eval"] = torch.stack([lm_loss(logits_of(oracle(a)), b)
+                                          for a, b in zip(x.chunk(MICRO), y.chunk(MICRO))]).mean().item()
+    return out
