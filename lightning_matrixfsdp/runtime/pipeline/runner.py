@@ -38,7 +38,7 @@ from lightning_matrixfsdp.runtime.pipeline.comm import (
 from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_of
 from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
 from lightning_matrixfsdp.runtime.shard import matrix_shard
-from lightning_matrixfsdp.runtime.tags import recipe_of, tag_recipe
+from lightning_matrixfsdp.runtime.tags import attach_pipeline, recipe_of, tag_recipe
 
 __all__ = ["PipelineRun", "build_pipeline", "stage_indices"]
 
@@ -101,7 +101,9 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
         stage = StageModule(model, plan.stages[index], keeps[index], fam)
         stages.append(matrix_shard(stage, mesh=mesh.dp_mesh, device=device, **shard_options))
     device = torch.device(device) if device is not None else next(stages[0].parameters()).device
-    return PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
+    run = PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
+    attach_pipeline(model, run)  # checkpoints of ``model`` find this rank's stages (checkpoint/, global names)
+    return run
 
 
 def _params_of(model: nn.Module, names: Sequence[str]) -> list[nn.Parameter]:
