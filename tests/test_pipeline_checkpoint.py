@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.pipeline_ckpt_scenarios import load_at, save_and_resume, save_rogue
+from helpers.pipeline_ckpt_scenarios import load_at, pretrained_into_stages, save_and_resume, save_rogue
 
 WORLD = 4
 
@@ -44,7 +44,7 @@ def _equal(got: dict, want: dict, what: str) -> None:
 def saved(dist_pools, tmp_path_factory):
     base = tmp_path_factory.mktemp("ppckpt")
     case = {"dir": str(base / "ck"), "file": str(base / "ck.ckpt"), "async": str(base / "ck_async")}
-    res = _ok(dist_pools(WORLD).run(save_and_resume, case, timeout=150))
+    res = _ok(dist_pools(WORLD).run(save_and_resume, case, timeout=400))
     return case, res, _merged(res, "weights"), _merged(res, "state")
 
 
@@ -73,7 +73,7 @@ def test_the_sidecar_lists_every_stage(saved):
 @pytest.mark.parametrize("pp", [1, 4])
 def test_load_at_another_pipeline_size(saved, dist_pools, pp):
     case, _, weights, state = saved
-    res = _ok(dist_pools(WORLD).run(load_at, {"dir": case["dir"], "pp": pp}, timeout=150))
+    res = _ok(dist_pools(WORLD).run(load_at, {"dir": case["dir"], "pp": pp}, timeout=400))
     _equal(_merged(res, "weights"), weights, f"PP={pp} weights")
     _equal(_merged(res, "state"), state, f"PP={pp} optimizer state")
 
@@ -107,7 +107,7 @@ def test_one_process_file_export_and_plain_model(saved, tmp_path):
 
 def test_async_save_is_the_same_checkpoint(saved, dist_pools):
     case, _, weights, state = saved
-    res = _ok(dist_pools(WORLD).run(load_at, {"dir": case["async"], "pp": 1}, timeout=150))
+    res = _ok(dist_pools(WORLD).run(load_at, {"dir": case["async"], "pp": 1}, timeout=400))
     _equal(_merged(res, "weights"), weights, "async weights")
     _equal(_merged(res, "state"), state, "async optimizer state")
 
@@ -123,14 +123,27 @@ def test_a_checkpoint_without_a_stage_is_refused_on_every_rank(saved, dist_pools
     torch.save(sd, tmp_path / "partial.pt")
     file_to_dcp(tmp_path / "partial.pt", tmp_path / "partial")
     res = dist_pools(WORLD).run(load_at, {"dir": str(tmp_path / "partial"), "pp": 2, "optimizers": False},
-                                timeout=150)
+                                timeout=400)
     for rank, r in enumerate(res):
         assert "CheckpointKeyError" in r.get("error", ""), f"rank {rank}: {r}"
         assert "missing keys" in r["error"] and "pipeline stage(s) 1" in r["error"], r["error"]
 
 
 def test_stages_that_disagree_on_the_keys_are_refused_on_every_rank(dist_pools, tmp_path):
-    res = dist_pools(WORLD).run(save_rogue, {"dir": str(tmp_path / "rogue")}, timeout=150)
+    res = dist_pools(WORLD).run(save_rogue, {"dir": str(tmp_path / "rogue")}, timeout=400)
     for rank, r in enumerate(res):
         assert "disagree on the model's keys" in r.get("error", ""), f"rank {rank}: {r}"
         assert "rogue" in r["error"]
+
+
+def test_pretrained_weights_go_straight_to_each_stage(saved, dist_pools, tmp_path):
+    """A safetensors file read into PP=2 x DP=2 stages: each rank reads its own stage's tensors only."""
+    case, _, weights, _ = saved
+    from lightning_matrixfsdp.checkpoint.export import export_safetensors
+
+    export_safetensors(case["dir"], tmp_path / "hf")
+    res = _ok(dist_pools(WORLD).run(pretrained_into_stages, {"file": str(tmp_path / "hf" / "model.safetensors"),
+                                                             "pp": 2}, timeout=400))
+    _equal(_merged(res, "weights"), weights, "pretrained weights")
+    for rank, r in enumerate(res):
+        assert r["read"] and not r["foreign"], f"rank {rank} read another stage's tensors: {r['foreign'][:5]}"

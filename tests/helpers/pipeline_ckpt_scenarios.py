@@ -127,3 +127,15 @@ def save_rogue(rank: int, world: int, case: dict) -> dict:
         model.register_buffer("rogue", torch.zeros(1))
     save_sharded(model, case["dir"], opts)
     return {}
+
+
+@_guard
+def pretrained_into_stages(rank: int, world: int, case: dict) -> dict:
+    """``load_pretrained`` of a safetensors file into PP=``case["pp"]`` stages: each stage reads its own
+    layers (the bytes read are counted per rank)."""
+    from lightning_matrixfsdp.checkpoint import load_pretrained
+
+    model, run, _ = _build(case["pp"], seed=1)
+    got = load_pretrained(model, case["file"])
+    names = {n for stage in run.stages for n in stage.state_dict(keep_vars=True)}
+    return {"weights": _weights(run.stages), "foreign": sorted(set(got.read) - names), "read": len(got.read)}
