@@ -137,5 +137,5 @@ def pretrained_into_stages(rank: int, world: int, case: dict) -> dict:
 
     model, run, _ = _build(case["pp"], seed=1)
     got = load_pretrained(model, case["file"])
-    names = {n for stage in run.stages for n in stage.state_dict(keep_vars=True)}
+    names = {n for stage in run.stages for n, _ in [*stage.named_parameters(), *stage.named_buffers()]}
     return {"weights": _weights(run.stages), "foreign": sorted(set(got.read) - names), "read": len(got.read)}
