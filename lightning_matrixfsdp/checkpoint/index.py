@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_matrixfsdp.checkpoint.agree import world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointError
+from lightning_matrixfsdp.checkpoint.stages import Remote, join_stages
 from lightning_matrixfsdp.runtime.views.checkpoint import (
     Chunked,
     ExpertChunk,
@@ -81,7 +82,25 @@ class KeyIndex:
     roots: list[RootView] = field(default_factory=list)  # every sharded root, as the sidecar records it
     tp_size: int = 1                            # tensor-parallel size of the sharded roots (1: none)
     tp_mesh: Any = None                         # their 1-D TP DeviceMesh (None without TP)
+    pp_size: int = 1                            # pipeline stages' ranks (1: none)
+    pp_rank: int = 0
+    #: pipeline parallelism: the model's tensors other stages hold (their own index lists them)
+    remote: dict[str, Remote] = field(default_factory=dict)
+    #: every key of the whole model -> its position in the model's ``state_dict`` order (all stages')
+    model_order: dict[str, int] = field(default_factory=dict)
+    #: every tensor key -> the lowest global rank that holds its data (sends it to rank 0 for a file)
+    senders: dict[str, int] = field(default_factory=dict)
+    #: the non-tensor state (``get_extra_state``) other stages hold
+    remote_extra: dict[str, Any] = field(default_factory=dict)
     _aliases: dict[str, list[str]] = field(default_factory=dict, repr=False)
+
+    def position(self, key: str) -> int:
+        """``key``'s place in the whole model's ``state_dict`` order (every stage's keys)."""
+        return self.model_order[key] if key in self.model_order else self.order[key]
+
+    def all_keys(self) -> list[str]:
+        """Every tensor and object key of the model, this rank's and the other stages', in model order."""
+        return sorted(set(self.order) | set(self.remote) | set(self.remote_extra), key=self.position)
 
     def key(self, p: torch.Tensor) -> str:
         """The primary key of an optimized parameter."""
@@ -104,9 +123,10 @@ class KeyIndex:
         return e.local is not None and e.steps
 
     def mesh(self) -> dict[str, int]:
-        """The (data-parallel, tensor-parallel) mesh the sidecar records and a load compares."""
+        """The (data-parallel, tensor-parallel[, pipeline-parallel]) mesh the sidecar records and a load compares."""
         size = world()[1]
-        return {"data_parallel": size // self.tp_size, "tensor_parallel": self.tp_size}
+        out = {"data_parallel": size // (self.tp_size * self.pp_size), "tensor_parallel": self.tp_size}
+        return {**out, "pipeline_parallel": self.pp_size} if self.pp_size > 1 else out
 
     def fragment_shape(self, key: str) -> Optional[tuple[int, ...]]:
         """This TP rank's fragment shape of a TP-split ``key`` (None: not split); for an expert
@@ -178,7 +198,10 @@ def build_index(module: nn.Module) -> KeyIndex:
     extra: dict[str, Any] = {}
     first: dict[int, str] = {}
     key_of: dict[int, str] = {}
-    for key, v in local_state_dict(module, keep_vars=True).items():  # this rank's tensors, on purpose
+    full = local_state_dict(module, keep_vars=True)  # this rank's tensors, on purpose
+    for key, v in full.items():
+        if key in view.elsewhere:  # pipeline parallelism: another stage's (gathered below)
+            continue
         p = view.params.get(key)
         if p is not None:
             primary = first.setdefault(p.ident, key)
@@ -194,5 +217,20 @@ def build_index(module: nn.Module) -> KeyIndex:
             extra[key] = v
     order = {k: i for i, k in enumerate(list(entries) + list(extra))}
     tp = [r for r in view.roots if r.tp_size > 1]
-    return KeyIndex(entries, extra, order, key_of, in_group0, list(view.roots), tp[0].tp_size if tp else 1,
-                    tp[0].tp_mesh if tp else None)
+    index = KeyIndex(entries, extra, order, key_of, in_group0, list(view.roots), tp[0].tp_size if tp else 1,
+                     tp[0].tp_mesh if tp else None)
+    if view.pp_size > 1:  # collective: what the other stages hold
+        pp = view.roots[0]
+        index.pp_size, index.pp_rank = pp.pp_size, pp.pp_rank
+        index.model_order = {k: i for i, k in enumerate(full)}
+        index.remote, index.remote_extra, index.senders = join_stages(
+            list(full), {k: _described(e) for k, e in entries.items()}, extra,
+            sorted({r.stage for r in view.roots if r.stage is not None}))
+    return index
+
+
+def _described(e: Entry) -> dict[str, Any]:
+    """What other stages learn of an entry (``stages.join_stages``)."""
+    owner = e.owned.owner if e.owned is not None else None
+    return {"shape": e.shape, "dtype": e.dtype, "primary": e.primary, "role": e.role, "owner": owner,
+            "layout": e.chunk.layout.to_dict() if e.chunk is not None else None, "data": e.local is not None}

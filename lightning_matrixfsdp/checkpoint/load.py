@@ -226,7 +226,7 @@ class _DirectoryLoad:
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(f"{what}: cannot read the DCP metadata: {e}") from None
         side = read_sidecar(path) if (path / SIDECAR_NAME).exists() else None
-        ck = parse_dcp(md, list(self.index.entries))
+        ck = parse_dcp(md, list(self.index.entries) + list(self.index.remote))
         if side is not None:
             check_sidecar(side, ck, what)
         if not (path / META_NAME).is_file() and meta_required(side, ck):

@@ -237,8 +237,10 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
                 blank.append(missing[-1])
             continue
         loaded.append(pv.ident)
+    # pipeline parallelism: the other stages' keys are theirs to read (and to miss); this stage expects them
+    used.update(k[len(prefix):] for k in view.elsewhere if k.startswith(prefix))
     for key, buf in _persistent_buffers(module).items():
-        if key.startswith(prefix):
+        if key.startswith(prefix) and key not in view.elsewhere:
             name = key[len(prefix):]
             if name in layout:
                 take(name, tuple(buf.shape), buf.dtype, buf)

@@ -26,7 +26,7 @@ from lightning_matrixfsdp.runtime.tp.whole_comm import Fragments, fragment_sourc
 from lightning_matrixfsdp.runtime.views.checkpoint import Chunked, Owned, Replicated, TPFragment
 
 __all__ = ["fragments_to_rank0", "full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict",
-           "to_rank0", "tp_sources"]
+           "stages_to_rank0", "to_rank0", "tp_sources"]
 
 
 def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optional[KeyIndex] = None
@@ -40,6 +40,8 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
                                if e.primary == k and e.local is not None}
         out.update(index.extra)
         return out
+    if index.pp_size > 1:
+        return stages_to_rank0(index)
     rank = world()[0]
     device = comm_device()
     sources = tp_sources(index)
@@ -59,6 +61,42 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     if rank != 0:
         return {}
     return {k: (got[index.entries[k].primary] if k in index.entries else index.extra[k]) for k in index.order}
+
+
+def stages_to_rank0(index: KeyIndex, keys: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Pipeline parallelism: the whole model state (every stage's tensors, ``keys`` or all, in model
+    order) on rank 0's CPU, each tensor sent by the lowest rank that holds it; ``{}`` elsewhere.
+    Collective. Tensors held in chunks (tensor or expert parallelism) are refused on every rank."""
+    rank = world()[0]
+    device = comm_device()
+    keys = list(keys) if keys is not None else index.all_keys()
+    chunked = [k for k in keys if (k in index.entries and index.entries[k].chunk is not None)
+               or (k in index.remote and index.remote[k].layout is not None)]
+    if chunked:  # the same verdict on every rank: the index is joined over the stages
+        raise CheckpointError(f"a consolidated checkpoint under pipeline parallelism cannot join tensors held in "
+                              f"chunks yet ({chunked[0]!r}: tensor or expert parallelism); save a directory "
+                              "(sharded) checkpoint and consolidate it offline (python -m lightning_matrixfsdp."
+                              "consolidate)")
+    got: dict[str, Any] = {}
+    for key in keys:
+        e, r = index.entries.get(key), index.remote.get(key)
+        if e is None and r is None:
+            got[key] = index.extra.get(key, index.remote_extra.get(key))
+            continue
+        primary = e.primary if e is not None else r.primary  # type: ignore[union-attr]
+        if primary != key:
+            continue
+        src = index.senders[key]
+        local = e.local if e is not None and src == rank else None
+        shape, dtype = (e.shape, e.dtype) if e is not None else (r.shape, r.dtype)  # type: ignore[union-attr]
+        t = to_rank0(local, shape, dtype, src, True, device)
+        if rank == 0:
+            got[key] = t
+    if rank != 0:
+        return {}
+    primary_of = {k: (index.entries[k].primary if k in index.entries else index.remote[k].primary)
+                  for k in keys if k in index.entries or k in index.remote}
+    return {k: got[primary_of[k]] if k in primary_of else got[k] for k in keys}
 
 
 def tp_sources(index: KeyIndex) -> dict[str, list[Optional[int]]]:
@@ -118,7 +156,7 @@ def full_groups(index: KeyIndex, optimizer: torch.optim.Optimizer) -> list[list[
             raise CheckpointError("ranks disagree on the number of optimizer param groups")
         for s, g in zip(merged, groups):
             s.update(g)
-    return [sorted(s, key=index.order.__getitem__) for s in merged]
+    return [sorted(s, key=index.position) for s in merged]  # pipeline: every stage's keys, in model order
 
 
 def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False,
@@ -164,7 +202,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
             holders.setdefault(key, {}).setdefault(t, (r, s))
     device = comm_device()
     state: dict[str, dict[str, Any]] = {}
-    for key in sorted(holders, key=index.order.__getitem__):
+    for key in sorted(holders, key=index.position):  # pipeline: every stage's keys, in model order
         for name, how in _state_plan(index, key, holders[key]):
             if how[0] == "o":
                 value = how[1]
@@ -192,8 +230,8 @@ def _state_plan(index: KeyIndex, key: str, holders: dict[Optional[int], tuple[in
     AdamW's moments: tensors of the fragment's shape are concatenated, the others, such as a
     step count, are the same on every TP rank and taken from TP rank 0), or *whole-matrix
     state*, held by the matrix's TP stepper alone (Shampoo, SOAP: taken as it is)."""
-    e = index.entries[index.entries[key].primary]
-    chunk = e.chunk
+    e = index.entries[index.entries[key].primary] if key in index.entries else None  # None: another stage's
+    chunk = e.chunk if e is not None else None
     if None in holders or chunk is None:
         src, spec = holders[None]
         return [(n, item if item[0] == "o" else ("t", src, item[1], item[2])) for n, item in spec.items()]

@@ -40,7 +40,7 @@ from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_o
 from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
 from lightning_matrixfsdp.runtime.pipeline.ties import TiedCopies, find_ties, untie_for_last_stage
 from lightning_matrixfsdp.runtime.shard import matrix_shard
-from lightning_matrixfsdp.runtime.tags import recipe_of, tag_recipe
+from lightning_matrixfsdp.runtime.tags import attach_pipeline, recipe_of, tag_recipe
 
 __all__ = ["PipelineRun", "build_pipeline", "stage_indices"]
 
@@ -114,6 +114,7 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     run = PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
     if ties:  # collective: every rank has the same ties (from the model's structure)
         run.tied = TiedCopies(ties, dict(run.named_parameters()), mesh)
+    attach_pipeline(model, run)  # checkpoints of ``model`` find this rank's stages (checkpoint/, global names)
     return run
 
 

@@ -38,7 +38,15 @@ from torch import nn
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
 from lightning_matrixfsdp.runtime.views.state_dict import local_state_dict
-from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned, stack_of, state_of, tag_view, view_key
+from lightning_matrixfsdp.runtime.tags import (
+    expert_slice_of,
+    is_owned,
+    pipeline_of,
+    stack_of,
+    state_of,
+    tag_view,
+    view_key,
+)
 from lightning_matrixfsdp.runtime.tp.layout import TPLayout
 
 __all__ = ["Chunked", "ExpertBlock", "ExpertChunk", "ExpertSlice", "Holding", "ModelView", "Owned", "ParamView",
@@ -153,14 +161,25 @@ class RootView:
     tp_size: int = 1                # tensor-parallel size (1: none)
     tp_rank: int = 0                # this rank's place in its TP group
     tp_mesh: Any = None             # the 1-D TP DeviceMesh (None without tensor parallelism)
+    pp_size: int = 1                # pipeline stages' ranks (1: no pipeline parallelism)
+    pp_rank: int = 0                # this rank's place on the pipeline axis
+    stage: Optional[int] = None     # the pipeline stage this root is (None: not a stage)
 
 
 @dataclass(frozen=True)
 class ModelView:
-    """Every sharded root inside a module, and its sharded parameters by ``state_dict`` key."""
+    """Every sharded root inside a module, and its sharded parameters by ``state_dict`` key.
+
+    Under pipeline parallelism the roots are this rank's stages, keyed by the whole model's
+    names; ``elsewhere``: the keys of the model that other stages hold (not this rank's)."""
 
     roots: tuple[RootView, ...]
     params: Mapping[str, ParamView]  # read-only; tied names map to the same record
+    elsewhere: frozenset[str] = frozenset()
+
+    @property
+    def pp_size(self) -> int:
+        return max((r.pp_size for r in self.roots), default=1)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -226,25 +245,50 @@ def model_view_of(module: nn.Module) -> ModelView:
         paths.setdefault(id(m), []).append(name)
     roots: list[RootView] = []
     params: dict[str, ParamView] = {}
+    elsewhere: set[str] = set()
     for prefix, root in module.named_modules():
+        run = pipeline_of(root)
+        if run is not None:  # the whole model of a pipeline: this rank's stages are its roots
+            elsewhere |= _pipeline_roots(prefix, root, run, paths, roots, params)
+            continue
         st: Optional[MatrixFSDPState] = state_of(root)
+        if st is not None and not any(prefix.startswith(r.prefix + ".") for r in roots if r.stage is not None):
+            _add_root(prefix, st, paths, roots, params)
+    return ModelView(tuple(roots), MappingProxyType(params), frozenset(elsewhere))
+
+
+def _add_root(prefix: str, st: MatrixFSDPState, paths: dict[int, list[str]], roots: list[RootView],
+              params: dict[str, ParamView], **pipeline: Any) -> None:
+    """One sharded root: its record and its parameters' (keys from their registrations in the module viewed)."""
+    st.settle_replicas()
+    m = st.mesh
+    roots.append(RootView(prefix=prefix, plan=st.plan, span=st.sg.size, replicate=st.replicate_size,
+                          global_ranks=tuple(st.sg.global_ranks), tp_size=m.tp_size, tp_rank=m.tp_rank,
+                          tp_mesh=m.tp_mesh if m.tp_size > 1 else None, **pipeline))
+    for sp in st.params:
+        names = tuple(_join(mname, pname) for m, pname in sp.registrations for mname in paths.get(id(m), []))
+        view = _block_view(sp, names, st) if sp.split else _owned_view(sp, names, st)
+        params.update(dict.fromkeys(names, view))
+    if st.experts is not None:
+        params.update(_expert_views(prefix, st.experts))
+    if st.uninitialized:  # one record per parameter, tied names included
+        blank = {id(v): replace(v, initialized=False) for v in params.values() if v.ident in st.uninitialized}
+        params.update({k: blank[id(v)] for k, v in params.items() if id(v) in blank})
+
+
+def _pipeline_roots(prefix: str, model: nn.Module, run: Any, paths: dict[int, list[str]], roots: list[RootView],
+                    params: dict[str, ParamView]) -> set[str]:
+    """The stages this rank runs of ``model`` (at ``prefix`` in the module viewed) as sharded roots.
+    A stage registers the model's own modules under their global names, so its keys, read from the
+    registrations, are the whole model's; returns the model's keys that other stages hold."""
+    mine: set[str] = set()
+    for stage, index in zip(run.stages, run.stage_indices):
+        st: Optional[MatrixFSDPState] = state_of(stage)
         if st is None:
             continue
-        st.settle_replicas()
-        m = st.mesh
-        roots.append(RootView(prefix=prefix, plan=st.plan, span=st.sg.size, replicate=st.replicate_size,
-                              global_ranks=tuple(st.sg.global_ranks), tp_size=m.tp_size, tp_rank=m.tp_rank,
-                              tp_mesh=m.tp_mesh if m.tp_size > 1 else None))
-        for sp in st.params:
-            names = tuple(_join(mname, pname) for m, pname in sp.registrations for mname in paths.get(id(m), []))
-            view = _block_view(sp, names, st) if sp.split else _owned_view(sp, names, st)
-            params.update(dict.fromkeys(names, view))
-        if st.experts is not None:
-            params.update(_expert_views(prefix, st.experts))
-        if st.uninitialized:  # one record per parameter, tied names included
-            blank = {id(v): replace(v, initialized=False) for v in params.values() if v.ident in st.uninitialized}
-            params = {k: blank.get(id(v), v) for k, v in params.items()}
-    return ModelView(tuple(roots), MappingProxyType(params))
+        _add_root(prefix, st, paths, roots, params, pp_size=run.mesh.pp_size, pp_rank=run.mesh.pp_rank, stage=index)
+        mine.update(_join(prefix, k) for k in local_state_dict(stage, keep_vars=True))
+    return {_join(prefix, k) for k in local_state_dict(model, keep_vars=True)} - mine
 
 
 def note_loaded(module: nn.Module, idents: Iterable[int]) -> None:
