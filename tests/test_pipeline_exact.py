@@ -5,7 +5,8 @@ ranks, runs torch's schedule over 4 micro-batches for 2 optimizer steps, and com
 oracle of ``helpers/pipeline_scenarios.py`` (the unsplit model on one process, micro-batches
 and data-parallel places averaged as the schedule and the runtime sum them, ``torch.optim.Muon``
 / ``AdamW``): losses, every owner's gradient and every weight bitwise in float32, the evaluation
-loss too, and with gradient accumulation over two batches; each rank's optimizer holds exactly its stages' owned parameters and its step issues no
+loss too, and with gradient accumulation over two batches (tied embeddings across the first and
+last stage: within bounds set by a measured floor, below); each rank's optimizer holds exactly its stages' owned parameters and its step issues no
 collective and moves 0 bytes. Two deliberate breaks must be caught by the same checks.
 """
 from __future__ import annotations
@@ -33,6 +34,14 @@ CASES = {
     "mixtral-pp2-gpipe": (2, {"model": "hf_mixtral", "pp": 2, "schedule": "GPipe"}),
     "litgpt-pp2-interleaved": (2, {"model": "litgpt", "pp": 2, "schedule": "Interleaved1F1B"}),
 }
+#: Tied embeddings (ties.py): the tied weight's gradient is summed in another order than autograd's
+#: (one use's micro-batches, then the other's). Measured: gradients within 4.4e-8, weights within
+#: 2.7e-4 after two steps (AdamW divides each element by its own running magnitude, so rounding in
+#: near-zero gradient elements shows), losses within 3e-7, the evaluation loss within 2e-6. Bounds:
+#: 1e-6, 2e-3, 1e-5. A tie whose gradients are not summed is off by 1.4e-2 and 8e-2.
+TIED = {"grad_tol": 1e-6, "tol": 2e-3}
+CASES["llama-tied-pp2xdp2-1f1b"] = (4, {"model": "hf_llama", "pp": 2, "schedule": "1F1B", "model_kw": {"tied": True},
+                                        **TIED})
 #: which stages each rank runs, where the case says more than "rank = stage"
 STAGES = {"gpt-pp2-interleaved": [[0, 2], [1, 3]], "llama-pp2-interleaved": [[0, 2], [1, 3]],
           "litgpt-pp2-interleaved": [[0, 2], [1, 3]],
@@ -62,11 +71,14 @@ def test_pipeline_equals_the_unsplit_model(pool, name):
     pp = case["pp"]
     expected = STAGES.get(name) or [[rank // (world // pp)] for rank in range(world)]
     assert [r["stages"] for r in res] == expected, name
+    loss_tol = 1e-5 if "tol" in case else 0.0
     for rank, r in enumerate(res):
-        assert r["losses"] == r["oracle_losses"], f"{name} rank {rank}: {r['losses']} vs {r['oracle_losses']}"
+        assert all(abs(a - b) <= loss_tol for a, b in zip(r["losses"], r["oracle_losses"])), \
+            f"{name} rank {rank}: {r['losses']} vs {r['oracle_losses']}"
         assert not r["differs"], f"{name} rank {rank}: " + "; ".join(r["differs"][:8])
-        assert r["worst"] == 0.0
-        assert r["eval"] == r["oracle_eval"], f"{name} rank {rank}: evaluation {r['eval']} vs {r['oracle_eval']}"
+        assert r["worst"] <= case.get("tol", 0.0)
+        assert abs(r["eval"] - r["oracle_eval"]) <= loss_tol, \
+            f"{name} rank {rank}: evaluation {r['eval']} vs {r['oracle_eval']}"
         assert r["routed_is_mine"], f"{name} rank {rank}: the optimizer holds parameters of no stage of this rank"
         assert "not a multiple of pipeline_microbatches=4" in (r["uneven"] or ""), r["uneven"]
         assert r["step_collectives"] == 0 and r["step_bytes"] == 0, f"{name} rank {rank}: the step communicated"
@@ -83,3 +95,10 @@ def test_an_optimizer_over_other_stages_matrices_is_caught(pool):
     this rank still has in the unsplit model) is told apart from one over this rank's stages."""
     res = results(pool, 2, {"model": "demo_gpt", "pp": 2, "schedule": "GPipe", "break": "foreign"})
     assert not any(r["routed_is_mine"] for r in res)
+
+
+def test_a_tied_gradient_not_summed_is_caught(pool):
+    """The head copy's gradient never added to the embedding's: beyond the tied case's bounds."""
+    res = results(pool, 2, {"model": "hf_llama", "pp": 2, "schedule": "1F1B", "model_kw": {"tied": True},
+                            "break": "tie_unsummed", **TIED})
+    assert all(r["differs"] for r in res)

@@ -78,11 +78,19 @@ def test_bad_options_are_refused_before_sharding(kw, match):
         build_pipeline(gpt(), MESH, loss_fn=loss, **kw)
 
 
-def test_tied_embeddings_across_stages_are_refused():
+def test_ties_that_are_not_first_to_last_stage_on_two_ranks_are_refused():
+    """A tie between the first and the last stage is handled (test_pipeline_exact.py) where the two
+    stages run on different ranks; with several stages per rank, or a weight a middle stage shares,
+    it is refused."""
     model = gpt()
     model.head.weight = model.tok_emb.weight
-    with pytest.raises(MatrixShardError, match=r"head.weight = tok_emb.weight|tok_emb.weight = head.weight"):
-        build_pipeline(model, MESH, loss_fn=loss)
+    with pytest.raises(MatrixShardError, match=r"tok_emb.weight = head.weight need the first and the last stage on "
+                                               "different ranks"):
+        build_pipeline(model, MESH, loss_fn=loss, schedule="Interleaved1F1B")
+    model = gpt()
+    model.blocks[2].attn.qkv.weight = model.blocks[1].attn.qkv.weight
+    with pytest.raises(MatrixShardError, match=r"'blocks.1.attn.qkv.weight' is shared by pipeline stages \[1, 2\]"):
+        build_pipeline(model, MESH, loss_fn=loss, schedule="Interleaved1F1B")
 
 
 def test_unknown_family_is_refused():
@@ -135,6 +143,7 @@ def test_hugging_face_stages_compose_to_the_model(kind):
     assert torch.equal(h, model(x).logits)
 
 
-def test_hugging_face_tied_embeddings_across_stages_are_refused():
+def test_hugging_face_tied_embeddings_with_several_stages_per_rank_are_refused():
     with pytest.raises(MatrixShardError, match="model.embed_tokens.weight = lm_head.weight.*tie_word_embeddings=False"):
-        build_pipeline(hf("llama", tied=True), MESH, loss_fn=loss)
+        build_pipeline(hf("llama", tied=True), PipelineMesh(1, 0, None, None), loss_fn=loss,
+                       schedule="Interleaved1F1B", stages_per_rank=3)

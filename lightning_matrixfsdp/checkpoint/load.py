@@ -226,7 +226,7 @@ class _DirectoryLoad:
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(f"{what}: cannot read the DCP metadata: {e}") from None
         side = read_sidecar(path) if (path / SIDECAR_NAME).exists() else None
-        ck = parse_dcp(md, list(self.index.entries))
+        ck = parse_dcp(md, list(self.index.entries) + list(self.index.remote))
         if side is not None:
             check_sidecar(side, ck, what)
         if not (path / META_NAME).is_file() and meta_required(side, ck):
@@ -298,7 +298,7 @@ class _DirectoryLoad:
             if e.local is not None:
                 flat = ck.model[c][0]
                 m = ck.meta[flat]
-                req2[flat] = index.fragment_request(key, m.properties.dtype) if e.tp is not None else placeholder(m)
+                req2[flat] = index.fragment_request(key, m.properties.dtype) if e.chunk is not None else placeholder(m)
                 self.targets.append((e.local, flat))
         for key, c in match.objects:
             req2[ck.model[c][0]] = None

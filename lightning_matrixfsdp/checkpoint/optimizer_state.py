@@ -47,7 +47,7 @@ def whole_state(index: KeyIndex, optimizer: torch.optim.Optimizer, key: str) -> 
     keeps a split matrix's state whole on its TP stepper (for a key that is not split: the same).
     Never for an expert stack under expert parallelism: its state is per expert, in chunks."""
     e = index.entries[index.entries[key].primary]
-    return (keeps_whole_tp_state(optimizer) and e.role == "matrix" and e.part is None
+    return (keeps_whole_tp_state(optimizer) and e.role == "matrix" and e.experts is None
             and e.primary in _matrix_keys(index, optimizer))
 
 
@@ -69,11 +69,11 @@ def expert_state_layout(index: KeyIndex, key: str, shape: Sequence[int], local: 
     """For an expert stack under expert parallelism (else None): the split along the experts of
     its state tensor of ``shape``, this rank's chunk (``local``) or the global tensor on disk;
     None for a tensor without the leading expert dimension (a scalar)."""
-    e = index.entries[index.entries[key].primary]
-    if e.part is None or not len(shape):
+    experts = index.entries[index.entries[key].primary].experts
+    if experts is None or not len(shape):
         return None
-    lay = e.tp
-    if shape[0] != (lay.sizes[e.part] if local else lay.global_shape[0]):
+    lay = experts.layout
+    if shape[0] != (lay.sizes[experts.rank] if local else lay.global_shape[0]):
         return None
     return TPLayout(lay.fqn, 0, (lay.global_shape[0], *tuple(shape)[1:]), lay.sizes)
 
@@ -82,10 +82,10 @@ def state_as_saved(index: KeyIndex, optimizer: torch.optim.Optimizer, key: str, 
     """State tensor ``v`` of ``key`` as DCP gets it: whole state as it is; an expert stack's state
     with the leading expert dimension as this rank's chunk of the global tensor; a TP fragment's
     state as its chunk of the global tensor (``KeyIndex.as_saved``)."""
-    e = index.entries[index.entries[key].primary]
-    if e.part is not None:
+    experts = index.entries[index.entries[key].primary].experts
+    if experts is not None:
         lay = expert_state_layout(index, key, v.shape, local=True)
-        return v if lay is None else fragment_dtensor(v, e.part_mesh, 0, lay.global_shape)
+        return v if lay is None else fragment_dtensor(v, experts.mesh, 0, lay.global_shape)
     return v if whole_state(index, optimizer, key) else index.as_saved(key, v)
 
 
@@ -100,7 +100,7 @@ def check_joinable(index: KeyIndex, optimizer: torch.optim.Optimizer) -> None:
             frag = index.fragment_shape(key)
             if frag is None or p not in optimizer.state or not index.steps(key) or whole_state(index, optimizer, key):
                 continue
-            if index.entries[key].part is not None:
+            if index.entries[key].experts is not None:
                 _check_expert_state(index, optimizer, key, optimizer.state[p])
                 continue
             for name, v in optimizer.state[p].items():
@@ -155,9 +155,9 @@ class StateRule:
         """Whether state tensor ``name`` (saved ``shape``) of ``key`` is read as this rank's TP
         fragment; raises for fragment state of a split parameter that is not shaped like it."""
         e = self.index.entries[key]
-        if e.part is not None:  # an expert stack now: every tensor with the leading expert dimension
+        if e.experts is not None:  # an expert stack now: every tensor with the leading expert dimension
             return self._expert_sliced(key, name, shape)
-        split_now = e.tp is not None
+        split_now = e.chunk is not None
         if self.whole(key) or not (split_now or key in self.saved_split):
             return False
         if tuple(shape) == tuple(e.shape):
@@ -166,7 +166,7 @@ class StateRule:
             return False
         if not split_now and len(e.shape) > 2 and shape[0] == e.shape[0]:
             return False  # an expert stack's per-expert state [E, ...] (chunks under EP at the save): whole here
-        where = (f"split along dim {e.tp.dim} here" if split_now else "split over tensor parallelism at the save")
+        where = (f"split along dim {e.chunk.layout.dim} here" if e.chunk is not None else "split over tensor parallelism at the save")
         raise CheckpointMismatchError(
             f"{self.what}: optimizer state {name!r} of {key!r} has the shape {tuple(shape)}, but {key!r} is "
             f"{where} (global shape {tuple(e.shape)}) and {type(self.optimizer).__name__} keeps that state sliced "
@@ -195,13 +195,14 @@ class StateRule:
         if size is None or not self._sliced(key, name, tuple(size)):
             return placeholder(m)
         e = self.index.entries[self.index.entries[key].primary]
-        if e.part is None:
+        experts = e.experts
+        if experts is None:
             return self.index.fragment_request(key, m.properties.dtype)
         lay = expert_state_layout(self.index, key, tuple(size), local=False)
         assert lay is not None  # _sliced said so
         device = e.local.device if e.local is not None else torch.device("cpu")
-        local = torch.empty(lay.local_shape(e.part), dtype=m.properties.dtype, device=device)
-        return fragment_dtensor(local, e.part_mesh, 0, lay.global_shape)
+        local = torch.empty(lay.local_shape(experts.rank), dtype=m.properties.dtype, device=device)
+        return fragment_dtensor(local, experts.mesh, 0, lay.global_shape)
 
     def from_file(self, key: str, state: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's part of ``key``'s whole saved state (a consolidated file): fragments
@@ -215,11 +216,11 @@ class StateRule:
 
     def _narrow(self, key: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole state tensor: its experts of an expert stack's, else its TP fragment."""
-        e = self.index.entries[self.index.entries[key].primary]
-        if e.part is None:
+        experts = self.index.entries[self.index.entries[key].primary].experts
+        if experts is None:
             return self.index.narrow(key, whole)
-        lay = e.tp
-        return whole.narrow(0, lay.offset(e.part), lay.sizes[e.part])
+        lay = experts.layout
+        return whole.narrow(0, lay.offset(experts.rank), lay.sizes[experts.rank])
 
 
 def apply_optimizer(index: KeyIndex, optimizer: torch.optim.Optimizer, saved_groups: Sequence[Mapping[str, Any]],

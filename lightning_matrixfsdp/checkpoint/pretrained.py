@@ -36,7 +36,7 @@ from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, Check
 from lightning_matrixfsdp.checkpoint.expert_files import check_fused, file_names, find_fused, fused_reads
 from lightning_matrixfsdp.checkpoint.load import load_weights
 from lightning_matrixfsdp.checkpoint.save import PathLike
-from lightning_matrixfsdp.runtime.views.checkpoint import ModelView, model_view_of, note_loaded
+from lightning_matrixfsdp.runtime.views.checkpoint import Chunked, Holding, ModelView, model_view_of, note_loaded
 
 __all__ = ["INDEX_NAME", "SAFETENSORS_NAME", "PretrainedLoad", "load_pretrained", "meta_init", "safetensors_layout"]
 
@@ -193,7 +193,6 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
         raise CheckpointMismatchError("load_pretrained needs a module sharded by matrix_shard or the strategy "
                                       "(call it after sharding: in on_fit_start, or after fabric.setup_module)")
     reads: list[Read] = []
-    tp_rank = next((r.tp_rank for r in view.roots if r.tp_size > 1), 0)
     missing: list[str] = []
     blank: list[str] = []  # missing, and uninitialized memory (meta-built, no reset_parameters)
     loaded: list[int] = []
@@ -201,7 +200,7 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
     problems: list[str] = []
 
     def take(key: str, shape: tuple[int, ...], dtype: torch.dtype, dst: Optional[torch.Tensor],
-             tp: Any = None, at: Optional[int] = None) -> None:
+             part: Optional[tuple[int, int, int]] = None) -> None:
         e = layout[key]
         used.add(key)
         if e.shape != tuple(shape):
@@ -209,8 +208,8 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
         elif _DTYPES[e.dtype].is_floating_point != dtype.is_floating_point and _DTYPES[e.dtype] != dtype:
             problems.append(f"{key!r}: {e.dtype} in {e.file.name}, {dtype} in the model (no cast between "
                             "integer and floating point)")
-        elif dst is not None:  # a TP fragment (``shape`` is the global one) takes its slice of the whole
-            reads.append((e, key, dst, _part(tp, at, tp_rank)))
+        elif dst is not None:  # a chunk (``shape`` is the global one) takes its slice of the whole
+            reads.append((e, key, dst, part))
 
     seen: set[int] = set()
     for pv in view.params.values():
@@ -228,18 +227,20 @@ def _match(module: nn.Module, view: ModelView, layout: Mapping[str, Entry], pref
             used.update(fused.used)
             problems.extend(check_fused(fused, pv.shape, pv.dtype, layout, _DTYPES))
             if not problems and pv.local is not None:
-                reads.extend(fused_reads(fused, layout, pv.local, _part(pv.tp, pv.part, tp_rank)))
+                reads.extend(fused_reads(fused, layout, pv.local, _part(pv.holding)))
         elif found:
             used.update(found[1:])  # a tie stored twice: the first name in model order wins, as a tie does
-            take(found[0], pv.shape, pv.dtype, pv.local, pv.tp, pv.part)
+            take(found[0], pv.shape, pv.dtype, pv.local, _part(pv.holding))
         else:
             missing.append(" = ".join(names))  # tied names: any one of them in the file loads it
             if not pv.initialized:
                 blank.append(missing[-1])
             continue
         loaded.append(pv.ident)
+    # pipeline parallelism: the other stages' keys are theirs to read (and to miss); this stage expects them
+    used.update(k[len(prefix):] for k in view.elsewhere if k.startswith(prefix))
     for key, buf in _persistent_buffers(module).items():
-        if key.startswith(prefix):
+        if key.startswith(prefix) and key not in view.elsewhere:
             name = key[len(prefix):]
             if name in layout:
                 take(name, tuple(buf.shape), buf.dtype, buf)
@@ -275,13 +276,10 @@ def _refuse_keys(where: str, layout: Mapping[str, Entry], prefix: str, missing: 
         "names), or build those modules with real tensors")
 
 
-def _part(tp: Any, at: Optional[int], tp_rank: int) -> Optional[tuple[int, int, int]]:
+def _part(holding: Holding) -> Optional[tuple[int, int, int]]:
     """``(dim, start, length)`` of the whole tensor this rank holds: a TP fragment's (at its TP rank),
-    an expert slice's or a planner block's (at ``at``: its expert-parallel or shard rank); None: all."""
-    if tp is None:
-        return None
-    at = tp_rank if at is None else at
-    return tp.dim, tp.offset(at), tp.sizes[at]
+    an expert slice's or a planner block's (at its expert-parallel or shard rank); None: all."""
+    return holding.bounds() if isinstance(holding, Chunked) else None
 
 
 def _read_into(entry: Entry, dst: torch.Tensor, f: Any, part: Optional[tuple[int, int, int]] = None) -> int:

@@ -64,13 +64,12 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
         "planner": first.plan.planner if first else None,
         "plans": [{"prefix": r.prefix, "digest": r.plan.digest(), "plan": r.plan.to_dict()} for r in index.roots],
         # "stepper" (replica_split): the replica whose rank wrote the parameter's optimizer state
-        # "mesh": the (data-parallel, tensor-parallel) sizes; "tp": a TP-split key's layout (shape is global)
+        # "mesh": the (data-parallel, tensor-parallel) sizes; "tp": the layout of a key saved in chunks
+        # (shape is global): a TP fragment's, and an expert stack's chunks by expert under the same name
+        # (the format's field, kept so that older checkpoints and readers agree)
         "mesh": index.mesh(),
-        "params": {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "owner": e.owner, "role": e.role,
-                       **({"stepper": e.stepper} if e.stepper is not None else {}),
-                       **({"tp": e.tp.to_dict()} if e.tp is not None else {}),
-                       **({"alias_of": e.primary} if e.primary != k else {})}
-                   for k, e in index.entries.items()},
+        "params": _own_params(index),
+        **_pipeline(index),
         "optimizers": _optimizers(optimizers, classes),
         "versions": versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -78,6 +77,28 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
     if files is not None:
         out["files"] = dict(files)
     return out
+
+
+def _pipeline(index: KeyIndex) -> dict[str, Any]:
+    """Under pipeline parallelism: the pipeline size, and every stage's tensors in ``params`` (global
+    rank 0 writes the sidecar, and its index holds its own stage's only), in model order."""
+    if index.pp_size == 1:
+        return {}
+    remote = {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "owner": e.owner, "role": e.role,
+                  **({"tp": e.layout} if e.layout is not None else {}),
+                  **({"alias_of": e.primary} if e.primary != k else {})}
+              for k, e in index.remote.items()}
+    merged = {**_own_params(index), **remote}
+    return {"pipeline": {"size": index.pp_size}, "params": {k: merged[k] for k in sorted(merged, key=index.position)}}
+
+
+def _own_params(index: KeyIndex) -> dict[str, dict[str, Any]]:
+    return {k: {"shape": list(e.shape), "dtype": dtype_name(e.dtype),
+                "owner": e.owned.owner if e.owned is not None else None, "role": e.role,
+                **({"stepper": e.stepper} if e.stepper is not None else {}),
+                **({"tp": e.chunk.layout.to_dict()} if e.chunk is not None else {}),
+                **({"alias_of": e.primary} if e.primary != k else {})}
+            for k, e in index.entries.items()}
 
 
 def single_writer_layout(sd: Mapping[str, Any], optimizers: Sequence[Mapping[str, Any]],
@@ -157,7 +178,9 @@ def saved_mesh(side: Mapping[str, Any]) -> dict[str, Any]:
     without tensor parallelism."""
     mesh = side.get("mesh")
     if isinstance(mesh, Mapping):
-        return {"data_parallel": mesh.get("data_parallel"), "tensor_parallel": mesh.get("tensor_parallel", 1)}
+        out = {"data_parallel": mesh.get("data_parallel"), "tensor_parallel": mesh.get("tensor_parallel", 1)}
+        pp = mesh.get("pipeline_parallel", 1)
+        return {**out, "pipeline_parallel": pp} if pp != 1 else out
     return {"data_parallel": side.get("world_size"), "tensor_parallel": 1}
 
 
@@ -172,7 +195,8 @@ def layout_change(side: Mapping[str, Any], index: KeyIndex) -> str:
     first = index.roots[0] if index.roots else None
 
     def mesh(m: Mapping[str, Any]) -> str:
-        return (f"mesh (data_parallel={m['data_parallel']}, tensor_parallel={m['tensor_parallel']}) "
+        pp = f", pipeline_parallel={m['pipeline_parallel']}" if "pipeline_parallel" in m else ""
+        return (f"mesh (data_parallel={m['data_parallel']}, tensor_parallel={m['tensor_parallel']}{pp}) "
                 if saved != now else "")
 
     return (f"resharding from {mesh(saved)}world {side.get('world_size')} span {side.get('shard_span')} "

@@ -23,9 +23,10 @@ from lightning_matrixfsdp.checkpoint.optimizer_state import check_joinable, expe
 from lightning_matrixfsdp.runtime.comm.core import comm_device
 from lightning_matrixfsdp.runtime.comm.p2p import recv_tensor, send_tensor
 from lightning_matrixfsdp.runtime.tp.whole_comm import Fragments, fragment_sources, gather_fragments
+from lightning_matrixfsdp.runtime.views.checkpoint import Chunked, Owned, Replicated, TPFragment
 
 __all__ = ["fragments_to_rank0", "full_groups", "sharded_model_state_dict", "sharded_optimizer_state_dict",
-           "to_rank0", "tp_sources"]
+           "stages_to_rank0", "to_rank0", "tp_sources"]
 
 
 def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optional[KeyIndex] = None
@@ -39,6 +40,8 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
                                if e.primary == k and e.local is not None}
         out.update(index.extra)
         return out
+    if index.pp_size > 1:
+        return stages_to_rank0(index)
     rank = world()[0]
     device = comm_device()
     sources = tp_sources(index)
@@ -46,12 +49,13 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     for key, e in index.entries.items():
         if e.primary != key:
             continue
-        if e.tp is not None:  # TP-split: its T fragments, from the lowest ranks holding them
+        h = e.holding
+        if isinstance(h, Chunked):  # TP-split or experts: its chunks, from the lowest ranks holding them
             t = fragments_to_rank0(index, key, e.local, sources.get(key), e.dtype, device)
-        elif e.owner is None:
+        elif isinstance(h, Owned):
+            t = to_rank0(e.local, e.shape, e.dtype, h.owner_global, index.in_group0, device)
+        else:  # replicated
             t = e.local.cpu() if rank == 0 and e.local is not None else None
-        else:
-            t = to_rank0(e.local, e.shape, e.dtype, e.owner_global, index.in_group0, device)
         if rank == 0:
             got[key] = t  # type: ignore[assignment]
     if rank != 0:
@@ -59,15 +63,51 @@ def sharded_model_state_dict(module: nn.Module, full: bool = False, index: Optio
     return {k: (got[index.entries[k].primary] if k in index.entries else index.extra[k]) for k in index.order}
 
 
+def stages_to_rank0(index: KeyIndex, keys: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Pipeline parallelism: the whole model state (every stage's tensors, ``keys`` or all, in model
+    order) on rank 0's CPU, each tensor sent by the lowest rank that holds it; ``{}`` elsewhere.
+    Collective. Tensors held in chunks (tensor or expert parallelism) are refused on every rank."""
+    rank = world()[0]
+    device = comm_device()
+    keys = list(keys) if keys is not None else index.all_keys()
+    chunked = [k for k in keys if (k in index.entries and index.entries[k].chunk is not None)
+               or (k in index.remote and index.remote[k].layout is not None)]
+    if chunked:  # the same verdict on every rank: the index is joined over the stages
+        raise CheckpointError(f"a consolidated checkpoint under pipeline parallelism cannot join tensors held in "
+                              f"chunks yet ({chunked[0]!r}: tensor or expert parallelism); save a directory "
+                              "(sharded) checkpoint and consolidate it offline (python -m lightning_matrixfsdp."
+                              "consolidate)")
+    got: dict[str, Any] = {}
+    for key in keys:
+        e, r = index.entries.get(key), index.remote.get(key)
+        if e is None and r is None:
+            got[key] = index.extra.get(key, index.remote_extra.get(key))
+            continue
+        primary = e.primary if e is not None else r.primary  # type: ignore[union-attr]
+        if primary != key:
+            continue
+        src = index.senders[key]
+        local = e.local if e is not None and src == rank else None
+        shape, dtype = (e.shape, e.dtype) if e is not None else (r.shape, r.dtype)  # type: ignore[union-attr]
+        t = to_rank0(local, shape, dtype, src, True, device)
+        if rank == 0:
+            got[key] = t
+    if rank != 0:
+        return {}
+    primary_of = {k: (index.entries[k].primary if k in index.entries else index.remote[k].primary)
+                  for k in keys if k in index.entries or k in index.remote}
+    return {k: got[primary_of[k]] if k in primary_of else got[k] for k in keys}
+
+
 def tp_sources(index: KeyIndex) -> dict[str, list[Optional[int]]]:
     """For every TP-split key: the global rank that sends each TP fragment of its weight to rank 0
     (the same answer on every rank). ``{}`` without tensor parallelism. Collective under TP."""
     # expert stacks under expert parallelism: chunk t from the first expert-parallel group's rank t (known)
-    experts = {k: list(e.part_sources) for k, e in index.entries.items() if e.primary == k and e.part is not None}
+    experts = {k: list(e.experts.writers) for k, e in index.entries.items() if e.primary == k and e.experts is not None}
     if index.tp_size == 1:
         return experts
     held = {k: index.tp_rank for k, e in index.entries.items()
-            if e.primary == k and e.tp is not None and e.local is not None and e.part is None}
+            if e.primary == k and isinstance(e.holding, TPFragment) and e.local is not None}
     return {**fragment_sources(held, index.tp_size, current_group()), **experts}
 
 
@@ -77,7 +117,8 @@ def fragments_to_rank0(index: KeyIndex, key: str, local: Optional[torch.Tensor],
     on rank 0's CPU: fragment t from global rank ``sources[t]`` (agreed), concatenated along the
     split dimension; None elsewhere. ``local``: this rank's fragment where it is a source.
     ``layout``: the split of a state tensor of another shape (an expert stack's), else the key's."""
-    lay = layout if layout is not None else index.entries[index.entries[key].primary].tp
+    chunk = index.entries[index.entries[key].primary].chunk
+    lay = layout if layout is not None else chunk.layout if chunk is not None else None
     if sources is None or None in sources:  # the same verdict on every rank: the sources are agreed
         missing = [t for t, s in enumerate(sources or []) if s is None] or "any"
         raise CheckpointError(f"{key!r}: no rank holds TP fragment(s) {missing} "
@@ -115,7 +156,7 @@ def full_groups(index: KeyIndex, optimizer: torch.optim.Optimizer) -> list[list[
             raise CheckpointError("ranks disagree on the number of optimizer param groups")
         for s, g in zip(merged, groups):
             s.update(g)
-    return [sorted(s, key=index.order.__getitem__) for s in merged]
+    return [sorted(s, key=index.position) for s in merged]  # pipeline: every stage's keys, in model order
 
 
 def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool = False,
@@ -126,7 +167,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     optimizer = unwrap_optimizer(optimizer)
     index = index if index is not None else build_index(module)
     groups = full_groups(index, optimizer)
-    if index.tp_size > 1 or any(e.part is not None for e in index.entries.values()):  # TP or expert parallelism:
+    if index.tp_size > 1 or any(e.experts is not None for e in index.entries.values()):  # TP or expert chunks:
         agree(check_joinable, index, optimizer)  # per-fragment state a whole tensor cannot hold, refused everywhere
     if not full:
         state = {}
@@ -146,10 +187,10 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
         for p in g["params"]:
             key = index.key(p)
             e = index.entries[key]
-            mine = index.steps(key) if e.owner is not None or e.part is not None else rank == 0
+            mine = index.steps(key) if not isinstance(e.holding, Replicated) else rank == 0
             if mine and p in optimizer.state:
                 params_of[key] = p
-                desc[key] = (index.part(key) if e.tp is not None else None,
+                desc[key] = (index.part(key) if e.chunk is not None else None,
                              {n: ("t", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("o", v)
                               for n, v in optimizer.state[p].items()})
     # Each key (each TP fragment of a split one) from the first rank of global rank 0's shard
@@ -161,7 +202,7 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
             holders.setdefault(key, {}).setdefault(t, (r, s))
     device = comm_device()
     state: dict[str, dict[str, Any]] = {}
-    for key in sorted(holders, key=index.order.__getitem__):
+    for key in sorted(holders, key=index.position):  # pipeline: every stage's keys, in model order
         for name, how in _state_plan(index, key, holders[key]):
             if how[0] == "o":
                 value = how[1]
@@ -189,13 +230,15 @@ def _state_plan(index: KeyIndex, key: str, holders: dict[Optional[int], tuple[in
     AdamW's moments: tensors of the fragment's shape are concatenated, the others, such as a
     step count, are the same on every TP rank and taken from TP rank 0), or *whole-matrix
     state*, held by the matrix's TP stepper alone (Shampoo, SOAP: taken as it is)."""
-    e = index.entries[index.entries[key].primary]
-    if None in holders or e.tp is None:
+    e = index.entries[index.entries[key].primary] if key in index.entries else None  # None: another stage's
+    chunk = e.chunk if e is not None else None
+    if None in holders or chunk is None:
         src, spec = holders[None]
         return [(n, item if item[0] == "o" else ("t", src, item[1], item[2])) for n, item in spec.items()]
-    size = len(e.tp.sizes)
-    if set(holders) == {e.tp_stepper} and size > 1:
-        src, spec = holders[e.tp_stepper]
+    lay, size = chunk.layout, len(chunk.layout.sizes)
+    tp_stepper = chunk.tp_stepper if isinstance(chunk, TPFragment) else None  # expert chunks: none
+    if set(holders) == {tp_stepper} and size > 1:
+        src, spec = holders[tp_stepper]
         return [(n, item if item[0] == "o" else ("t", src, item[1], item[2])) for n, item in spec.items()]
     if set(holders) != set(range(size)):
         raise CheckpointError(
@@ -205,15 +248,15 @@ def _state_plan(index: KeyIndex, key: str, holders: dict[Optional[int], tuple[in
     out: list[tuple[str, tuple]] = []
     for name, item in specs[0].items():
         items = [s.get(name) for s in specs]
-        lay = (expert_state_layout(index, key, (e.tp.global_shape[0], *item[1][1:]), local=False)
-               if item[0] == "t" and e.part is not None and len(item[1]) else None)
+        per_expert = (expert_state_layout(index, key, (lay.global_shape[0], *item[1][1:]), local=False)
+                      if item[0] == "t" and e.experts is not None and len(item[1]) else None)
         if item[0] == "o":
             out.append((name, item))
-        elif lay is not None and all(  # an expert stack's state: each rank's experts, by expert
-                i is not None and i[0] == "t" and (i[1][0], *i[1][1:]) == (e.tp.sizes[t], *item[1][1:])
+        elif per_expert is not None and all(  # an expert stack's state: each rank's experts, by expert
+                i is not None and i[0] == "t" and (i[1][0], *i[1][1:]) == (lay.sizes[t], *item[1][1:])
                 for t, i in enumerate(items)):
-            out.append((name, ("f", tuple(holders[t][0] for t in range(size)), item[2], lay)))
-        elif all(i is not None and i[0] == "t" and tuple(i[1]) == tuple(e.tp.local_shape(t))
+            out.append((name, ("f", tuple(holders[t][0] for t in range(size)), item[2], per_expert)))
+        elif all(i is not None and i[0] == "t" and tuple(i[1]) == tuple(lay.local_shape(t))
                  for t, i in enumerate(items)):
             out.append((name, ("f", tuple(holders[t][0] for t in range(size)), item[2])))
         elif all(i is not None and i[0] == "t" and tuple(i[1]) == tuple(item[1]) for i in items):

@@ -55,7 +55,9 @@ class ModelMatch:
 
 def match_model(index: KeyIndex, specs: Mapping[str, tuple], strict: bool, what: str) -> ModelMatch:
     """Check keys, shapes and dtypes; raise the documented errors (identically on every rank)."""
-    from_ck = rebase(list(specs), list(index.entries) + list(index.extra))
+    # pipeline parallelism: a stage loads its own keys (strictly); the other stages' are expected, not loaded here
+    others = set(index.remote) | set(index.remote_extra)
+    from_ck = rebase(list(specs), list(index.entries) + list(index.extra) + sorted(others))
     to_ck = {m: c for c, m in from_ck.items()}
     known = set(index.entries) | set(index.extra)
     overlap = [k for k in known if k in to_ck]
@@ -86,7 +88,7 @@ def match_model(index: KeyIndex, specs: Mapping[str, tuple], strict: bool, what:
             objects.append((key, to_ck[key]))
         else:
             missing.append(key)
-    unexpected = sorted(c for c, m in from_ck.items() if m not in known)
+    unexpected = sorted(c for c, m in from_ck.items() if m not in known and m not in others)
     if shapes:
         raise CheckpointMismatchError(f"{what}: shape mismatch for {len(shapes)} tensor(s): " + "; ".join(shapes[:10]))
     if dtypes and strict:
@@ -95,6 +97,9 @@ def match_model(index: KeyIndex, specs: Mapping[str, tuple], strict: bool, what:
             + " (set strict_loading=False to cast to the model's dtypes)")
     if dtypes:
         warn(f"{what}: casting {len(dtypes)} tensor(s) to the model's dtypes: " + "; ".join(dtypes[:5]))
+    if missing and index.pp_size > 1 and strict:  # every stage judges its own keys: say which stage lacks them
+        missing = [f"{k} (pipeline stage(s) {', '.join(str(r.stage) for r in index.roots)})" if i == 0 else k
+                   for i, k in enumerate(missing)]
     if (missing or unexpected) and strict:
         raise CheckpointKeyError(
             f"{what} does not match the module (strict loading): missing keys {missing[:20]}"

@@ -39,8 +39,8 @@ from lightning_matrixfsdp.checkpoint.agree import all_gather_object, world
 from lightning_matrixfsdp.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from lightning_matrixfsdp.checkpoint.formats import placeholder
 from lightning_matrixfsdp.checkpoint.index import KeyIndex
-from lightning_matrixfsdp.checkpoint.state_dict import fragments_to_rank0, to_rank0, tp_sources
-from lightning_matrixfsdp.runtime.views.checkpoint import tag_view, view_key
+from lightning_matrixfsdp.checkpoint.state_dict import fragments_to_rank0, stages_to_rank0, to_rank0, tp_sources
+from lightning_matrixfsdp.runtime.views.checkpoint import Chunked, Owned, tag_view, view_key
 from lightning_matrixfsdp.runtime.comm.core import comm_device
 
 __all__ = ["REF", "VIEWS", "find_refs", "gather_views", "localize_views", "model_view", "read_refs", "refs_to_whole",
@@ -129,14 +129,32 @@ def _agreed_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> list[tuple[
             bad = f"{p} is marked as a view of {key!r}, which the model does not have"
         elif index.mine(key) and tuple(t.shape) != _local_shape(index, key) or not index.mine(key) and t.numel():
             bad = f"{p}: a view of {key!r} of shape {tuple(t.shape)} (this rank's is {_local_shape(index, key)})"
-    everyone = all_gather_object(([(p, k) for p, _, k in found], bad))
-    for r, (paths, b) in enumerate(everyone):
+    everyone = all_gather_object(([(p, k) for p, _, k in found], bad, index.pp_rank))
+    pp = index.pp_size > 1
+    for r, (paths, b, place) in enumerate(everyone):
         if b is not None:
             raise CheckpointError(f"cannot write the sharded tensors of this checkpoint: {b} (rank {r})")
-        if paths != everyone[0][0]:
-            raise CheckpointError(f"ranks 0 and {r} hold different sharded tensors in the checkpoint dict (a hook "
+        # pipeline parallelism: the ranks of one pipeline place hold the same stages, so the same views
+        r0 = next(q for q, e in enumerate(everyone) if e[2] == place) if pp else 0
+        if paths != everyone[r0][0]:
+            raise CheckpointError(f"ranks {r0} and {r} hold different sharded tensors in the checkpoint dict (a hook "
                                   "put a rank-dependent structure in it): every rank must hold the same keys")
+        outside = [p for p, _ in paths if not (len(p) == 2 and p[0] == "state_dict")]
+        if pp and outside:
+            raise CheckpointError(f"under pipeline parallelism a checkpoint holds sharded tensors only in its "
+                                  f"state_dict yet; {outside[0]} (rank {r}) is a copy of the model elsewhere (a weight-"
+                                  "averaging callback's): such callbacks are not supported with pipeline parallelism")
     return found
+
+
+def _union(checkpoint: Mapping[str, Any], index: KeyIndex) -> list[tuple[tuple, str]]:
+    """Pipeline parallelism: the ``state_dict`` views of every stage (each rank holds its stages'),
+    in model order. Collective."""
+    seen: dict[tuple, str] = {}
+    for paths in all_gather_object([(p, view_key(t)) for p, t in _find(checkpoint) if isinstance(t, torch.Tensor)]):
+        for p, k in paths:
+            seen.setdefault(tuple(p), str(k))
+    return sorted(seen.items(), key=lambda pk: index.position(pk[1]))
 
 
 # ---------------------------------------------------------------------- saving
@@ -168,6 +186,8 @@ def gather_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[s
     """File saves: (the checkpoint with every view replaced by the whole tensor on rank 0, the
     records of their paths for the layout). Collective; one tensor at a time (a TP-split one as
     its fragments, concatenated on rank 0)."""
+    if index.pp_size > 1:
+        return _gather_stages(checkpoint, index)
     rank = world()[0]
     device = comm_device()
     whole: dict[tuple, Optional[torch.Tensor]] = {}
@@ -175,17 +195,33 @@ def gather_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[s
     sources = tp_sources(index)  # TP: who sends each fragment (the owners' TP groups)
     for path, t, key in _agreed_views(checkpoint, index):
         e = index.entries[key]
-        if e.tp is not None:  # this TP rank's fragment where owned: joined on rank 0
+        h = e.holding
+        if isinstance(h, Chunked):  # this rank's chunk (a TP fragment where owned, its experts): joined on rank 0
             whole[path] = fragments_to_rank0(index, key, t if index.mine(key) else None, sources.get(key), e.dtype,
                                              device)
-        elif e.owner is None:
-            whole[path] = t.cpu() if rank == 0 else None
-        else:
-            whole[path] = to_rank0(t if index.mine(key) else None, e.shape, e.dtype, e.owner_global,
+        elif isinstance(h, Owned):
+            whole[path] = to_rank0(t if index.mine(key) else None, e.shape, e.dtype, h.owner_global,
                                    index.in_group0, device)
+        else:  # replicated
+            whole[path] = t.cpu() if rank == 0 else None
         if not (len(path) == 2 and path[0] == "state_dict"):  # the model's own entries need no record
             records.append({"path": list(path), "key": key})
     return _map(dict(checkpoint), lambda p, t: whole[p] if rank == 0 else t), records
+
+
+def _gather_stages(checkpoint: Mapping[str, Any], index: KeyIndex) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``gather_views`` under pipeline parallelism: every stage's ``state_dict`` views, whole on rank 0,
+    where its ``state_dict`` (which held its own stage's) now holds every stage's, in model order."""
+    _agreed_views(checkpoint, index)
+    union = _union(checkpoint, index)
+    whole = stages_to_rank0(index, [k for _, k in union])
+    if world()[0] != 0:
+        return dict(checkpoint), []
+    out = dict(checkpoint)
+    sd = dict(out.get("state_dict") or {})
+    others = {k: v for k, v in sd.items() if not (isinstance(v, torch.Tensor) and view_key(v) is not None)}
+    out["state_dict"] = {**{p[1]: whole[k] for p, k in union}, **index.remote_extra, **others}
+    return out, []
 
 
 # ---------------------------------------------------------------------- loading
@@ -220,7 +256,7 @@ def read_refs(meta: Any, dcp_meta: Mapping[str, Any], index: KeyIndex, what: str
         key = str(ref.get("key"))
         _check(key, size, index, f"{what} at {path}")
         if index.mine(key):  # a TP-split key: this TP rank's slice of the global tensor, whatever the save's mesh
-            split = index.entries[index.entries[key].primary].tp is not None
+            split = index.entries[index.entries[key].primary].chunk is not None
             req[flat] = index.fragment_request(key, m.properties.dtype) if split else placeholder(m)
     return req
 
@@ -290,9 +326,9 @@ def state_view(values: Mapping[str, Any], from_ck: Mapping[str, str], index: Key
             if e is None:
                 continue
             v = _empty(index, e.key)
-        elif e is not None and e.owner is not None and not index.mine(e.key):
+        elif e is not None and e.owned is not None and not index.mine(e.key):
             v = _empty(index, e.key, v.dtype)
-        elif e is not None and e.tp is not None and tuple(v.shape) == tuple(e.shape):  # a file's whole tensor
+        elif e is not None and e.chunk is not None and tuple(v.shape) == tuple(e.shape):  # a file's whole tensor
             v = index.narrow(e.key, v).contiguous()
         out[c] = v
     return out

@@ -14,6 +14,7 @@ own rule (Muon: ``ndim == 2``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 from torch import nn
@@ -221,3 +222,23 @@ def find_state(module: nn.Module) -> Optional[Any]:
 def sharded_roots(module: nn.Module) -> list[nn.Module]:
     """Every module under ``module`` (itself included) that ``matrix_shard`` sharded."""
     return [m for m in module.modules() if state_of(m) is not None]
+
+
+# ---------------------------------------------------------------------- pipelines
+# model -> the PipelineRun built from it; weak, so a model's copy or pickle carries no process group
+_PIPELINES: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def attach_pipeline(model: nn.Module, run: Any) -> None:
+    """Record that ``model`` (the whole model) was split into pipeline stages and that this rank
+    runs ``run``'s (a ``PipelineRun``): checkpoints of ``model``, or of a module holding it, read
+    this rank's stages as its sharded roots, under the whole model's names."""
+    _PIPELINES[model] = run
+
+
+def pipeline_of(model: nn.Module) -> Optional[Any]:
+    """The ``PipelineRun`` :func:`attach_pipeline` recorded for exactly this module, or None."""
+    try:
+        return _PIPELINES.get(model)
+    except TypeError:  # an unhashable module
+        return None

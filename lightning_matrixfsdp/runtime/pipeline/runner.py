@@ -15,7 +15,8 @@ last backward to switch it back, so it is not used here).
 
 The optimizer steps each stage's parameters where their owners are: nothing crosses stages, so
 ``optimizer.step()`` moves 0 bytes. A norm for clipping sums the squares of each stage's owned
-gradients over its data-parallel group, then over ``pp_group`` (each parameter lives in one stage).
+gradients over its data-parallel group, then over ``pp_group`` (each parameter lives in one stage;
+a tied weight's head copy holds no gradient once ``reduce_tied_grads`` ran, so clip after it).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from lightning_matrixfsdp.runtime.pipeline.comm import (
 )
 from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_of
 from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
+from lightning_matrixfsdp.runtime.pipeline.ties import TiedCopies, find_ties, untie_for_last_stage
 from lightning_matrixfsdp.runtime.shard import matrix_shard
-from lightning_matrixfsdp.runtime.tags import recipe_of, tag_recipe
+from lightning_matrixfsdp.runtime.tags import attach_pipeline, recipe_of, tag_recipe
 
 __all__ = ["PipelineRun", "build_pipeline", "stage_indices"]
 
@@ -87,7 +89,8 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     plan = plan_stages([(b, count([b])) for b in blocks], count(fam.pre), count(fam.post), mesh.pp_size * per_rank,
                        split, modules)
     keeps = [fam.keep(model, span) for span in plan.stages]
-    check_placement(model, keeps)
+    ties = find_ties(model, keeps, mesh, per_rank)
+    check_placement(model, keeps, {id(model.get_parameter(t.first)) for t in ties})
     dtype = shard_options.get("param_dtype") or next(p.dtype for p in model.parameters() if p.is_floating_point())
     for fqn, choice in recipe_roles(model).items():  # the Muon recipe of the whole model, before it is split
         p = model.get_parameter(fqn)
@@ -101,12 +104,18 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     elif config is None and shard_options.get("wrap_policy") is None:
         shard_options["wrap_policy"] = blocks_policy
     mine = stage_indices(mesh.pp_rank, mesh.pp_size, per_rank, kind.order)
+    if ties and plan.num_stages - 1 in mine:
+        untie_for_last_stage(model, ties)  # the head's own copy; the embedding's owner steps the weight
     stages = []
     for index in mine:
         stage = StageModule(model, plan.stages[index], keeps[index], fam)
         stages.append(matrix_shard(stage, mesh=mesh.dp_mesh, device=device, **shard_options))
     device = torch.device(device) if device is not None else next(stages[0].parameters()).device
-    return PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
+    run = PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
+    if ties:  # collective: every rank has the same ties (from the model's structure)
+        run.tied = TiedCopies(ties, dict(run.named_parameters()), mesh)
+    attach_pipeline(model, run)  # checkpoints of ``model`` find this rank's stages (checkpoint/, global names)
+    return run
 
 
 def _params_of(model: nn.Module, names: Sequence[str]) -> list[nn.Parameter]:
@@ -120,9 +129,9 @@ def _params_of(model: nn.Module, names: Sequence[str]) -> list[nn.Parameter]:
     return list(seen.values())
 
 
-def check_placement(model: nn.Module, keeps: list[list[str]]) -> None:
-    """Every parameter of ``model`` in exactly one stage: refuses one no stage holds, and a weight
-    shared by two stages (tied embeddings across the first and last stage), naming it."""
+def check_placement(model: nn.Module, keeps: list[list[str]], tied: set[int] = frozenset()) -> None:
+    """Every parameter of ``model`` in exactly one stage, but the ``tied`` ones (ids: shared by the
+    first and the last stage, ties.py): refuses one no stage holds and one two stages share."""
     where: dict[int, set[int]] = {}
     for s, names in enumerate(keeps):
         for p in _params_of(model, names):
@@ -135,7 +144,7 @@ def check_placement(model: nn.Module, keeps: list[list[str]]) -> None:
         if not stages:
             raise MatrixShardError(f"parameter {fqns[0]!r} is in no pipeline stage (the family places the "
                                    "embeddings, the blocks, and the final norm and head); move it into one of them")
-        if len(stages) > 1:
+        if len(stages) > 1 and pid not in tied:
             raise MatrixShardError(
                 f"parameter {' = '.join(fqns)} is shared by pipeline stages {stages[0]} and {stages[-1]} (tied "
                 "embeddings); tied weights across stages are not supported yet: untie them (Hugging Face: "
@@ -165,6 +174,8 @@ class PipelineRun:
         self._schedules: dict[tuple, Any] = {}
         self._losses: list[torch.Tensor] = []
         self._accumulation = 1
+        #: weights tied between the first and the last stage (ties.py), None without
+        self.tied: Optional[TiedCopies] = None
         order = SCHEDULES[schedule].order
         #: the pipeline place whose rank runs the last stage
         self.last_place = 0 if order == "v" else mesh.pp_size - 1
@@ -203,6 +214,17 @@ class PipelineRun:
     def train(self, mode: bool = True) -> "PipelineRun":
         self.module.train(mode)
         return self
+
+    def reduce_tied_grads(self) -> None:
+        """Before ``optimizer.step()``: each weight tied between the first and the last stage gets
+        the sum of both copies' gradients on the embedding's owner (ties.py). No-op without ties."""
+        if self.tied is not None:
+            self.tied.reduce_grads()
+
+    def sync_tied_weights(self) -> None:
+        """After ``optimizer.step()``: the stepped tied weights reach the last stage's copies. No-op without ties."""
+        if self.tied is not None:
+            self.tied.sync_weights()
 
     # ------------------------------------------------------------------ running
     def _check_batch(self, inputs: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
