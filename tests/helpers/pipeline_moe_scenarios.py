@@ -9,6 +9,7 @@ stages, gathered from their owners, and its own experts (the rows of the oracle'
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import traceback
 
@@ -22,7 +23,8 @@ from helpers.pipeline_scenarios import MICRO, MODELS, batch, expert_rows, lm_los
 def run_moe_case(rank: int, world: int, case: dict) -> dict:
     """One pipelined expert-parallel run and its oracle; a failure comes back as ``{"error": text}``."""
     try:
-        return _run(rank, world, case)
+        with _world_groups(case.get("break") == "world_groups"):
+            return _run(rank, world, case)
     except Exception:  # noqa: BLE001 - the test shows every rank's failure
         return {"error": traceback.format_exc()}
 
@@ -44,17 +46,23 @@ def refusal(rank: int, world: int, case: dict) -> dict:
     return {"refused": None}
 
 
-def _break_world_groups() -> None:
-    """The deliberate break: the expert-parallel groups of a record without the pipeline axis (the
-    whole world one data-parallel group, as before pipelines), for the stage of every rank."""
+@contextlib.contextmanager
+def _world_groups(on: bool):
+    """The deliberate break (``on``): the expert-parallel groups of a record without the pipeline axis
+    (the whole world one data-parallel group, as before pipelines), for the stage of every rank; the
+    pool's worker gets the real function back afterwards."""
     import dataclasses
 
     from lightning_matrixfsdp.runtime.mesh.comm import expert_groups
     from lightning_matrixfsdp.runtime.pipeline import comm
 
-    def world_groups(dims):
-        return expert_groups(dataclasses.replace(dims, pipeline=1, shard=dims.world, replicate=1))
-    comm.expert_groups = world_groups
+    if on:
+        comm.expert_groups = lambda dims: expert_groups(dataclasses.replace(dims, pipeline=1, shard=dims.world,
+                                                                            replicate=1))
+    try:
+        yield
+    finally:
+        comm.expert_groups = expert_groups
 
 
 def _gathered(stage) -> dict[str, torch.Tensor]:
@@ -90,13 +98,18 @@ def _run(rank: int, world: int, case: dict) -> dict:
     from lightning_matrixfsdp.runtime.pipeline import build_pipeline, pipeline_mesh
     from lightning_matrixfsdp.runtime.tags import expert_slice_of, is_owned
 
-    if case.get("break") == "world_groups":
-        _break_world_groups()
     pp, ep, steps = case["pp"], case["ep"], case.get("steps", 2)
     places = world // pp
     torch.manual_seed(0)
     oracle = MODELS[case["model"]]()
+    if case.get("skew"):  # every router zero: the first step routes every token to the same two experts (a tie)
+        for name, p in oracle.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.data.zero_()
     model = copy.deepcopy(oracle)
+    routed_to: list[int] = []  # the experts the oracle's first step routed tokens to
+    hooks = [m.register_forward_pre_hook(lambda _, args: routed_to.extend(args[1].unique().tolist()))
+             for n, m in oracle.named_modules() if n.endswith("mlp.experts")]
     run = build_pipeline(model, pipeline_mesh(pp), loss_fn=lm_loss, schedule=case["schedule"], microbatches=MICRO,
                          expert_parallel_size=ep)
     o_opt = PerExpertMuon(oracle, expert_rows)
@@ -114,6 +127,10 @@ def _run(rank: int, world: int, case: dict) -> dict:
         x, y = batch(step, place)
         out["losses"].append(run.step(x, y).item())
         out["oracle_losses"].append(oracle_step(oracle, places, step)[place].item())
+        if step == 0:
+            out["first_step_experts"] = sorted(set(routed_to))
+            for h in hooks:
+                h.remove()
         for name, p in run.named_parameters():  # gradients where they are stepped, before any step
             if (name in experts or is_owned(p)) and p.grad is not None:
                 d = (p.grad - _rows(p, o_params[name].grad)).abs().max().item()
