@@ -16,7 +16,7 @@ Newton-Schulz (measured: a router weight off by 6.3e-4 after two steps of Interl
 differences flip none. Measured (torch 2.13): losses and the evaluation loss bitwise equal, gradients
 within 2.8e-19, weights within 1.2e-16 after two steps. Bounds below: 1e-12 (losses), 1e-15
 (gradients), 1e-12 (weights). Deliberate break, checked once: a second stage whose experts start from
-global rank 0's (the first stage's, as before pipelines) gives losses off by 1.7e-4 (float32) from the
+global rank 0's (the first stage's, as before pipelines) gives losses off by 1.7e-4 from the
 first step.
 """
 from __future__ import annotations
