@@ -30,6 +30,7 @@ TABLE = [
     (8, 4, {"pipeline_parallel": 2, "tensor_parallel": 2}, (2, 1, 2, 2, 1)),
     (8, 4, {"pipeline_parallel": 2, "shard_size": 2, "expert_parallel": 2}, (2, 2, 2, 1, 2)),
     (16, 8, {"pipeline_parallel": 2, "tensor_parallel": 2, "shard_size": 2}, (2, 2, 2, 2, 1)),
+    (4, 4, {"pipeline_parallel": 2, "expert_parallel": 2}, (2, 1, 2, 1, 2)),
     # refused: tensor parallelism
     (4, 4, {"tensor_parallel": 3}, "tensor_parallel_size=3 must divide the world size 4"),
     (6, 4, {"tensor_parallel": "auto"}, "tensor_parallel_size=4 must divide the world size 6"),
@@ -53,6 +54,9 @@ TABLE = [
     (8, 4, {"expert_parallel": 4, "pipeline_parallel": 4},
      "expert_parallel_size=4 must divide the data-parallel world size 2"),
     (3, 3, {"expert_parallel": 2, "shard_size": 3}, "expert_parallel_size=2 must divide"),
+    (4, 4, {"pipeline_parallel": 2, "expert_parallel": 4},
+     "expert_parallel_size=4 must divide the data-parallel world size 2 (world 4 (devices=D x num_nodes=N) / "
+     "pipeline_parallel_size 2)"),
     # refused: pipeline parallelism
     (6, 6, {"pipeline_parallel": 4}, "pipeline_parallel_size=4 must divide the world size 6"),
     (4, 4, {"pipeline_parallel": 0}, "pipeline_parallel_size=0 must be a positive int"),
@@ -98,6 +102,14 @@ def test_groups_follow_the_layout_with_the_pipeline_axis_outermost():
     assert ep.groups("ep_replica") == [[0, 2, 4, 6], [1, 3, 5, 7]]  # the ranks holding the same experts
     with pytest.raises(KeyError, match="no parallel axis"):
         ep.groups("sequence")
+
+
+def test_expert_groups_stay_inside_each_pipeline_stage():
+    """pp=2 x (replicate=2, shard=2) x ep=2: stage 0 is ranks 0-3, stage 1 ranks 4-7, written out by hand."""
+    dims = ParallelDims.from_options(8, 4, pipeline_parallel=2, shard_size=2, expert_parallel=2)
+    assert dims.groups("dp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.groups("ep_replica") == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 def test_experts_that_expert_parallelism_cannot_split_are_refused_through_the_record():

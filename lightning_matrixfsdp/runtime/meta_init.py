@@ -134,9 +134,9 @@ def _replay(m: nn.Module, reset: Any, own: list[tuple[str, ShardedParam]], stack
         with torch.no_grad():
             for name, sp in mine:
                 sp.resident.data.copy_(whole[name])
-    rank0 = dist.get_rank() == 0 if stacks else False
-    for name, p, s in stacks:  # global rank 0's experts to every rank (a one-process init under its seed)
-        local = rank0_slices(whole[name] if rank0 else None, s.global_shape, p.dtype, s.groups,
+    for name, p, s in stacks:  # the stage's first rank's experts to every rank (one process's init, its seed)
+        source = dist.get_rank() == s.groups.source  # global rank 0 without pipeline parallelism
+        local = rank0_slices(whole[name] if source else None, s.global_shape, p.dtype, s.groups,
                              stats if stats is not None else CommStats())
         with torch.no_grad():
             p.copy_(local)

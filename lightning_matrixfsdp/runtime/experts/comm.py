@@ -33,22 +33,23 @@ def expert_mesh(groups: ExpertGroups) -> object:
 
 def rank0_slices(full: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, groups: ExpertGroups,
                  stats: CommStats) -> torch.Tensor:
-    """This rank's experts of global rank 0's stack ``full`` (``[E, ...]``; only rank 0's is read):
-    one scatter over the world, rank ``g`` receiving experts ``[(g % EP) * E/EP, (g % EP + 1) * E/EP)``,
-    as DDP gives every rank rank 0's parameters when it wraps a model (counted under ``init_sync``).
-    Returns the slice on the communication device."""
+    """This rank's experts of the stage's first rank's stack ``full`` (``[E, ...]``; only
+    ``groups.source``'s is read: global rank 0 without pipeline parallelism): one scatter over the
+    stage (the world without pipeline parallelism), the rank at stage place ``g`` receiving experts
+    ``[(g % EP) * E/EP, (g % EP + 1) * E/EP)``, as DDP gives every rank rank 0's parameters when it
+    wraps a model (counted under ``init_sync``). Returns the slice on the communication device."""
     device = comm_device()
     count = shape[0] // groups.ep_size
     out = torch.empty((count, *shape[1:]), dtype=dtype, device=device)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    source = dist.get_rank() == groups.source
     pieces = None
-    if rank == 0:
+    if source:
         src = full.detach().to(device)
         pieces = [src[(g % groups.ep_size) * count:(g % groups.ep_size + 1) * count].contiguous()
-                  for g in range(world)]
-    dist.scatter(out, pieces, src=0)
+                  for g in range(len(groups.stage))]
+    dist.scatter(out, pieces, src=groups.source, group=groups.stage_group)
     sent = sum(nbytes(p) for g, p in enumerate(pieces) if g != 0) if pieces is not None else 0
-    stats.add("init_sync", sent, 0 if rank == 0 else nbytes(out))
+    stats.add("init_sync", sent, 0 if source else nbytes(out))
     return out
 
 

@@ -110,11 +110,12 @@ class ExpertParallel:
         return hook
 
     def split(self, stacks: dict[str, Any]) -> None:
-        """Keep this rank's experts of global rank 0's stacks (collective: one scatter per stack),
+        """Keep this rank's experts of the stage's first rank's stacks (global rank 0's without pipeline
+        parallelism; collective over the stage: one scatter per stack),
         on the sharding device, each marked with its whole stack's declaration (``stacks``: fqn ->
         ``ExpertStack`` or None, from the roles ``classify`` gave the whole tensors), so the
         optimizers step the ``E/EP`` local experts as matrices of their own."""
-        rank0 = dist.get_rank() == 0
+        rank0 = dist.get_rank() == self.groups.source
         self.mesh = expert_mesh(self.groups)
         for fqn, p in list(self.params.items()):
             s = expert_slice_of(p)
@@ -164,7 +165,7 @@ class ExpertParallel:
                  "table above; the experts each global rank keeps:"]
         sizes = sorted(set(self.modules.values()))
         for place in range(g.ep_size):
-            ranks = list(range(place, g.dp_size, g.ep_size))
+            ranks = list(g.stage[place::g.ep_size])
             held = ", ".join(f"[{place * e // g.ep_size}, {(place + 1) * e // g.ep_size})"
                              + (f" of the {e}-expert modules" if len(sizes) > 1 else "") for e in sizes)
             who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
@@ -210,10 +211,12 @@ def _agree(ep: int, seams: list[ExpertSeam], mesh: MeshInfo) -> ParallelDims:
         raise MatrixShardError(f"expert_parallel_size={ep} needs an initialized process group")
     world = dist.get_world_size()
     dims = dims_of(mesh, ep)  # refuses EP with TP, or not dividing the data-parallel size (the same on every rank)
-    if mesh.dp_size != world:
+    if dims.world != world or mesh.dp_size != dims.data_parallel:
         raise MatrixShardError(f"expert_parallel_size={ep} needs the model sharded over the whole world "
-                               f"({world} ranks); its data-parallel size is {mesh.dp_size}")
-    every = gather_objects(_describe(seams))  # the agreement: one gather, every rank reads every view
+                               f"({world} ranks), or over a pipeline stage's data-parallel ranks as build_pipeline "
+                               f"shards each stage; its data-parallel size is {mesh.dp_size}")
+    # the agreement: one gather over the ranks that split these experts (the stage's), each reads every view
+    every = gather_objects(_describe(seams), mesh.experts.stage_group if mesh.experts is not None else None)
     for r, theirs in enumerate(every):
         if theirs != every[0]:
             raise MatrixShardError(f"expert_parallel_size={ep}: the experts modules differ across ranks (rank 0: "

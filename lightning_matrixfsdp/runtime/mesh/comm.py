@@ -193,15 +193,19 @@ def dims_of(mesh: MeshInfo, expert_parallel: int = 1) -> ParallelDims:
 
 def expert_groups(dims: ParallelDims) -> ExpertGroups:
     """Create every expert-parallel and expert-replica group of ``dims`` (``ParallelDims.groups``:
-    ``"ep"``, then ``"ep_replica"`` when there is more than one copy of each expert; every rank
-    creates every group in the same order, as torch requires) and return this rank's."""
+    ``"ep"``, then ``"ep_replica"`` when there is more than one copy of each expert, then with
+    pipeline parallelism ``"dp"``, each stage's data-parallel ranks; every rank creates every group
+    of every stage in the same order, as torch requires) and return this rank's. The groups stay
+    inside a pipeline stage: each stage splits its own experts over its own ranks."""
     rank = dist.get_rank()
-    mine: dict[str, Optional[dist.ProcessGroup]] = {"ep": None, "ep_replica": None}
-    for name in ("ep", "ep_replica") if dims.data_parallel > dims.expert else ("ep",):
+    mine: dict[str, Optional[dist.ProcessGroup]] = {"ep": None, "ep_replica": None, "dp": None}
+    names = ("ep", "ep_replica") if dims.data_parallel > dims.expert else ("ep",)
+    for name in names + (("dp",) if dims.pipeline > 1 else ()):
         for ranks in dims.groups(name):
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine[name] = group
-    ep = dims.expert
-    return ExpertGroups(mine["ep"], rank % ep, ep, mine["ep_replica"], rank // ep, dims.data_parallel // ep,
-                        dims.data_parallel)
+    stage = next(ranks for ranks in dims.groups("dp") if rank in ranks)
+    place, ep = stage.index(rank), dims.expert  # this rank's place among its stage's data-parallel ranks
+    return ExpertGroups(mine["ep"], place % ep, ep, mine["ep_replica"], place // ep, dims.data_parallel // ep,
+                        dims.data_parallel, tuple(stage) if dims.pipeline > 1 else (), mine["dp"])

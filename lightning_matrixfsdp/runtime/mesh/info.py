@@ -28,9 +28,10 @@ __all__ = ["ExpertGroups", "MeshInfo"]
 @dataclass(frozen=True, eq=False)
 class ExpertGroups:
     """This rank's expert-parallel group (the ranks that split the experts of a stack) and its
-    expert-replica group (the ranks that hold the same experts), over a data-parallel world of
-    ``dp_size`` ranks: global rank ``g`` is in expert-parallel group ``g // EP`` at place
-    ``g % EP``, and in replica group ``g % EP`` at place ``g // EP`` (``ParallelDims.groups``'s
+    expert-replica group (the ranks that hold the same experts), over the ``dp_size`` data-parallel
+    ranks of its pipeline stage (the world without pipeline parallelism): the rank at place ``i``
+    of its stage (``stage_ranks[i]``) is in the stage's expert-parallel group ``i // EP`` at place
+    ``i % EP``, and in its replica group ``i % EP`` at place ``i // EP`` (``ParallelDims.groups``'s
     ``"ep"`` and ``"ep_replica"``)."""
 
     ep_group: Optional[dist.ProcessGroup]
@@ -40,12 +41,27 @@ class ExpertGroups:
     replica_rank: int
     replica_size: int
     dp_size: int
+    #: global ranks of this rank's stage, in data-parallel order (empty: the world, ``range(dp_size)``)
+    stage_ranks: tuple[int, ...] = ()
+    #: the group of ``stage_ranks`` (None: the world): where the experts' agreement and first values travel
+    stage_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def stage(self) -> tuple[int, ...]:
+        """Global ranks of this rank's stage (the data-parallel ranks the experts are split over)."""
+        return self.stage_ranks or tuple(range(self.dp_size))
+
+    @property
+    def source(self) -> int:
+        """The global rank whose experts every rank of the stage starts from (global rank 0 without
+        pipeline parallelism, as DDP's first values)."""
+        return self.stage[0]
 
     @property
     def ep_ranks(self) -> list[int]:
         """Global ranks of this rank's expert-parallel group."""
         first = self.replica_rank * self.ep_size
-        return list(range(first, first + self.ep_size))
+        return list(self.stage[first:first + self.ep_size])
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,9 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
+from lightning_matrixfsdp.runtime.mesh.comm import expert_groups, mesh_info
+from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
+from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
 
 __all__ = ["PipelineMesh", "SCHEDULES", "ScheduleKind", "broadcast_from_place", "make_schedule", "make_stage",
-           "pipeline_mesh", "recv_from", "schedule_class", "send_to", "tie_owners"]
+           "pipeline_mesh", "recv_from", "schedule_class", "send_to", "stage_mesh_info", "tie_owners"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,16 @@ class PipelineMesh:
         """This rank's global rank."""
         return dist.get_rank() if dist.is_initialized() else 0
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of a stage (replicas x shard span)."""
+        return self.dp_mesh.size() if self.dp_mesh is not None else 1
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks of a stage's shard group (the data-parallel size without HSDP)."""
+        return self.dp_mesh.size(self.dp_mesh.ndim - 1) if self.dp_mesh is not None else 1
+
     def global_rank_of(self, pp_rank: int) -> int:
         """The global rank at pipeline place ``pp_rank`` with this rank's data-parallel place."""
         if self.pp_group is None:
@@ -107,6 +120,17 @@ def pipeline_mesh(pp: int, shard_size: Optional[int] = None, device_type: str = 
                                 mesh_dim_names=("pp", "replicate", "shard"))
         dp_mesh = mesh["replicate", "shard"]
     return PipelineMesh(pp, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), dp_mesh, mesh)
+
+
+def stage_mesh_info(mesh: PipelineMesh, dims: ParallelDims) -> MeshInfo:
+    """The ``MeshInfo`` each of this rank's stages is sharded over: its stage's data-parallel mesh,
+    the run's record ``dims`` (pipeline axis included) and, with ``dims.expert > 1``, the
+    expert-parallel groups of every stage (created on every rank in the same order, as torch
+    requires; this rank keeps its stage's). Collective: every rank calls it once, with the same ``dims``."""
+    import dataclasses
+
+    experts = expert_groups(dims) if dims.expert > 1 else None
+    return dataclasses.replace(mesh_info(mesh.dp_mesh), dims=dims, experts=experts)
 
 
 def make_stage(module: nn.Module, index: int, num_stages: int, device: torch.device, mesh: PipelineMesh,

@@ -35,7 +35,9 @@ from lightning_matrixfsdp.runtime.pipeline.comm import (
     make_schedule,
     make_stage,
     schedule_class,
+    stage_mesh_info,
 )
+from lightning_matrixfsdp.runtime.pipeline.combine import check_no_tensor_parallel, option_of, stage_dims
 from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_of
 from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
 from lightning_matrixfsdp.runtime.pipeline.ties import TiedCopies, find_ties, untie_for_last_stage
@@ -65,8 +67,13 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     ``loss_fn(outputs, targets)``: the mean loss of one micro-batch (logits of the last stage).
     ``split``: the first block of each stage after the first (None: balanced by parameter count).
     ``stages_per_rank``: 1 for GPipe / 1F1B, 2 by default for the multi-stage schedules.
+    ``expert_parallel_size`` (in ``shard_options``): each stage's experts split over that many of
+    the stage's data-parallel ranks (combine.py); tensor parallelism is refused.
     Every check runs before anything is sharded, alike on every rank."""
     kind = SCHEDULES.get(schedule)
+    check_no_tensor_parallel(mesh.pp_size, shard_options)
+    ep = option_of(shard_options, "expert_parallel_size", 1)
+    dims = stage_dims(mesh.pp_size, mesh.dp_size, mesh.shard_size, ep) if ep != 1 else None
     schedule_class(schedule)  # unknown, or missing in this torch: refused here
     per_rank = stages_per_rank or (2 if kind.multi else 1)
     if not kind.multi and per_rank != 1:
@@ -106,10 +113,12 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     mine = stage_indices(mesh.pp_rank, mesh.pp_size, per_rank, kind.order)
     if ties and plan.num_stages - 1 in mine:
         untie_for_last_stage(model, ties)  # the head's own copy; the embedding's owner steps the weight
+    # expert parallelism: every stage's groups, created once on every rank (all stages of a rank share them)
+    shard_mesh = stage_mesh_info(mesh, dims) if dims is not None else mesh.dp_mesh
     stages = []
     for index in mine:
         stage = StageModule(model, plan.stages[index], keeps[index], fam)
-        stages.append(matrix_shard(stage, mesh=mesh.dp_mesh, device=device, **shard_options))
+        stages.append(matrix_shard(stage, mesh=shard_mesh, device=device, **shard_options))
     device = torch.device(device) if device is not None else next(stages[0].parameters()).device
     run = PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
     if ties:  # collective: every rank has the same ties (from the model's structure)
