@@ -11,7 +11,9 @@ optimizer holds exactly its stages' owned parameters, and every parameter is com
 from __future__ import annotations
 
 import pytest
+import torch
 
+from helpers.pipeline_lightning_resume import resume_case
 from helpers.pipeline_lightning_scenarios import refusals, run_case, run_fabric
 
 CASES = {  # name -> (world, case)
@@ -66,6 +68,26 @@ def test_fabric_pipeline_equals_the_unsplit_oracle(dist_pools, clip):
     assert set(res[0]["compared"]) | set(res[1]["compared"]) == set(res[0]["names"])
 
 
+def test_trainer_checkpoint_resumes_bitwise_and_reshards_to_one_stage(dist_pools, tmp_path):
+    """``Trainer.save_checkpoint`` at PP=2 after 2 steps, ``ckpt_path`` resume to 4 steps: losses,
+    weights and optimizer state equal to 4 steps in one go; the same checkpoint restored at PP=1
+    (owner sharding over both ranks): every weight equal to what the saving run held, by name."""
+    res = results(dist_pools, 2, str(tmp_path), resume_case)
+    saved = {n: w for r in res for n, w in r["saved"].items()}
+    restored = {n: w for r in res for n, w in r["pp1"].items()}
+    assert set(saved) == set(restored) and saved, (sorted(saved), sorted(restored))
+    assert all(torch.equal(saved[n], restored[n]) for n in saved), [n for n in saved if not torch.equal(saved[n], restored[n])]
+    for rank, r in enumerate(res):
+        whole, resumed = r["whole"], r["resumed"]
+        assert resumed["losses"] == whole["losses"][2:], (rank, resumed["losses"], whole["losses"])
+        assert resumed["weights"].keys() == whole["weights"].keys() and resumed["weights"]
+        bad = [n for n in whole["weights"] if not torch.equal(whole["weights"][n], resumed["weights"][n])]
+        assert not bad, f"rank {rank}: weights differ after the resume: {bad}"
+        assert resumed["state"].keys() == whole["state"].keys() and resumed["state"]
+        bad = [k for k in whole["state"] if not torch.equal(whole["state"][k], resumed["state"][k])]
+        assert not bad, f"rank {rank}: optimizer state differs after the resume: {bad}"
+
+
 #: bad use -> (what the message must say); every rank raises it
 REFUSED = {
     "manual": "manual optimization",
@@ -75,7 +97,6 @@ REFUSED = {
     "more_stages_than_layers": "2 pipeline stages for a model of 1 blocks",
     "split_names_nothing": "blocks.9",
     "predict": "predict with pipeline_parallel_size=1",
-    "checkpoints": "Trainer(enable_checkpointing=False)",
 }
 
 

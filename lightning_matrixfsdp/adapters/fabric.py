@@ -282,6 +282,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             load_sharded(state, path, (), strict=strict, weights_only=weights_only, verify=self.verify_checkpoints)
             return {}
         module, optimizers, others = self._split_state(state, "load")
+        refuse_checkpoint(module, "fabric.load")
         meta = load_sharded(module, path, optimizers, strict=strict, weights_only=weights_only,
                             verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
         rest = {k: v for k, v in (meta or {}).items() if k not in _RESTORED_KEYS}

@@ -32,13 +32,13 @@ CONTRACT = ("define loss_fn(self, outputs, targets) on the LightningModule and c
             "(docs/pipeline-parallel.md, 'Pipeline parallelism in Lightning: the contract')")
 
 
-NO_CHECKPOINTS = ("pass Trainer(enable_checkpointing=False) (no ModelCheckpoint callback) and save no checkpoint, "
-                  "or train with pipeline_parallel_size=1 (docs/pipeline-parallel.md)")
+NO_CHECKPOINTS = ("the Trainer saves and resumes pipelined models (Trainer.save_checkpoint, ModelCheckpoint, "
+                  "ckpt_path), or train with pipeline_parallel_size=1 (docs/pipeline-parallel.md)")
 
 
 def refuse_checkpoint(module: Optional[nn.Module], what: str) -> None:
-    """Checkpoints under pipeline parallelism: not yet (the save path reads the sharded models of
-    the module, which a pipelined module's stages are not): refused, on every rank alike."""
+    """Fabric's save and load under pipeline parallelism: not yet (untested there; the Trainer's
+    path is): refused, on every rank alike."""
     if pipeline_of(module) is not None:
         raise MatrixShardError(f"{what} is not supported under pipeline parallelism yet: {NO_CHECKPOINTS}")
 
@@ -101,14 +101,13 @@ def check_pipeline_world(config: MatrixFSDPConfig, world: int, tp: int, where: s
 
 def check_pipelined_trainer(module: Any, trainer: Any) -> None:
     """What the Trainer cannot do under pipeline parallelism, refused before the split (on every
-    rank alike: each reads the same module and Trainer): manual optimization, predicting."""
+    rank alike: each reads the same module and Trainer): manual optimization, predicting.
+    Checkpoints work (the model's global names; docs/pipeline-parallel.md)."""
     if not module.automatic_optimization:
         raise MatrixShardError("manual optimization (automatic_optimization = False) is not supported under "
                                "pipeline parallelism: the backward runs inside the pipeline schedule, not in "
                                f"manual_backward; use automatic optimization and {CONTRACT}, or set "
                                "pipeline_parallel_size=1")
-    if trainer.state.fn == "fit" and trainer.checkpoint_callbacks:
-        raise MatrixShardError(f"checkpoints are not supported under pipeline parallelism yet: {NO_CHECKPOINTS}")
     if trainer.state.fn == "predict":
         raise MatrixShardError("trainer.predict is not supported under pipeline parallelism yet (the outputs "
                                "live on the last stage's ranks); predict with pipeline_parallel_size=1")

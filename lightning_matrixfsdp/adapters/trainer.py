@@ -31,7 +31,7 @@ from lightning_matrixfsdp.adapters.compat import (
 from lightning_matrixfsdp.adapters.param_groups import (
     full_finetuning_state, install_toggles, restore_finetuning_groups, uninstall_toggles)
 from lightning_matrixfsdp.adapters.pipeline import (
-    check_pipelined_trainer, pipeline_of, refuse_checkpoint, setup_pipeline)
+    check_pipelined_trainer, pipeline_of, setup_pipeline)
 from lightning_matrixfsdp.adapters.replacement import replace_optimizer
 from lightning_matrixfsdp.adapters.shared import (
     MatrixFSDPAdapter,
@@ -351,7 +351,6 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         module = self._checkpoint_module()
-        refuse_checkpoint(module, "saving a checkpoint")
         self._checkpoint_index = build_index(module)
         return model_view(self._checkpoint_index)  # whole where owned; save_checkpoint writes the owners' data
 
@@ -384,7 +383,6 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         as Lightning does under DDP; validate/test/predict load its weights."""
         self.wait_checkpoints()  # a resume reads completed checkpoints only
         module = self._checkpoint_module()
-        refuse_checkpoint(module, "loading a checkpoint")
         fitting = getattr(module, "_trainer", None) is not None and module.trainer.state.fn == "fit"
         rest = load_sharded(module, checkpoint_path, self.optimizers,
                             strict=bool(getattr(module, "strict_loading", True)), weights_only=weights_only,
