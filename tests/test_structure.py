@@ -377,6 +377,9 @@ def test_matrix_shard_error_is_imported_from_errors():
 STYLE_ROOMS = ("experts", "tp", "replicas")
 #: Rooms every style may use; they use no style.
 SHARED_ROOMS = ("comm", "mesh")
+#: The room above the core: pipeline parallelism splits a model into stages and shards each with
+#: ``matrix_shard``; no style or shared room reads it.
+ABOVE_ROOMS = ("pipeline",)
 #: The runtime's top level holds the core (units, placement, planner, roles, state, the assembly).
 MAX_TOP_FILES = 26
 
@@ -402,6 +405,8 @@ def test_runtime_rooms_keep_to_themselves():
                 bad.append(f"{a} -> {b}: one style reads another")
             if ra in SHARED_ROOMS and rb in STYLE_ROOMS:
                 bad.append(f"{a} -> {b}: a shared room reads a style")
+            if rb in ABOVE_ROOMS and ra in STYLE_ROOMS + SHARED_ROOMS:
+                bad.append(f"{a} -> {b}: a style or shared room reads the pipeline above it")
     assert not bad, "\n".join(bad)
     top = sorted(f.name for f in (PKG / "runtime").glob("*.py"))
     assert len(top) <= MAX_TOP_FILES, f"runtime/ has {len(top)} top-level files: {top}"
