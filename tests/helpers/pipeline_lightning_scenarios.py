@@ -77,10 +77,13 @@ def forward_loss_value(module: nn.Module, batch: Any) -> float:
 
 def place_batches(samples: list, places: int, place: int, shuffle: bool = True) -> list[tuple[torch.Tensor, ...]]:
     """The batches Lightning's sampler gives ``place`` (torch's DistributedSampler, which it shuffles
-    for training with seed 0, epoch 0; not for evaluation)."""
+    for training, epoch 0, with the seed of the last ``seed_everything`` in this process, the
+    ``PL_GLOBAL_SEED`` variable, else 0: a test before this one in a shared pool may have set it;
+    not shuffled for evaluation)."""
     from torch.utils.data.distributed import DistributedSampler
 
-    mine = [samples[i] for i in DistributedSampler(samples, num_replicas=places, rank=place, shuffle=shuffle, seed=0)]
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    mine = [samples[i] for i in DistributedSampler(samples, num_replicas=places, rank=place, shuffle=shuffle, seed=seed)]
     return [tuple(torch.stack(z) for z in zip(*mine[i:i + BATCH])) for i in range(0, len(mine), BATCH)]
 
 
