@@ -109,7 +109,6 @@ def test_bad_uses_are_refused_on_every_rank(dist_pools):
 
 @pytest.mark.parametrize("options, devices, needle", [
     ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, "with tensor_parallel_size=2"),
-    ({"pipeline_parallel_size": 2, "expert_parallel_size": 2}, 4, "with expert_parallel_size=2"),
     ({"pipeline_parallel_size": 2, "data_parallel_size": 2}, 4, 'leave data_parallel_size="auto"'),
     ({"pipeline_schedule": "Bogus"}, 2, "choose one of GPipe, 1F1B"),
     ({"pipeline_split": "blocks.2"}, 2, "a list of module names"),

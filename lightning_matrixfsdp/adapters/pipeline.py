@@ -82,7 +82,8 @@ def microbatches_of(config: MatrixFSDPConfig) -> int:
 def check_pipeline_world(config: MatrixFSDPConfig, world: int, tp: int, where: str) -> Optional[int]:
     """Each stage's data-parallel size for ``world`` processes (None without pipeline parallelism);
     refuses a pipeline size that does not divide the world, a ``shard_size`` that does not divide
-    a stage's ranks, and tensor parallelism ("auto" resolved) beside it. Pure."""
+    a stage's ranks, an ``expert_parallel_size`` that does not divide them, and tensor parallelism
+    ("auto" resolved) beside it. Pure."""
     pp = config.pipeline_parallel_size
     if pp == 1:
         return None
@@ -96,6 +97,11 @@ def check_pipeline_world(config: MatrixFSDPConfig, world: int, tp: int, where: s
     if config.shard_size is not None and dp % config.shard_size:
         raise MatrixShardError(f"shard_size={config.shard_size} must divide each pipeline stage's data-parallel size "
                                f"{dp} (world {world} / pipeline_parallel_size {pp}, {where})")
+    ep = config.expert_parallel_size
+    if dp % ep:  # each stage splits its own experts over its own ranks (tokens never cross stages)
+        raise MatrixShardError(f"expert_parallel_size={ep} must divide each pipeline stage's data-parallel size {dp} "
+                               f"(world {world} / pipeline_parallel_size {pp}, {where}); use a divisor of {dp}, or "
+                               f"a world of pipeline_parallel_size x a multiple of {ep} processes")
     return dp
 
 

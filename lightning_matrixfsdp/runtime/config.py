@@ -243,9 +243,11 @@ class MatrixFSDPConfig:
             raise MatrixShardError(f"expert_parallel_size={ep} with tensor parallelism (tensor_parallel_size={tp}) "
                                    "is not supported yet; use one of them")
         pp = self.pipeline_parallel_size
-        if pp > 1 and ((tp != "auto" and tp > 1) or ep > 1):  # pipeline parallelism: one block of checks
-            other = f"tensor_parallel_size={tp}" if tp != "auto" and tp > 1 else f"expert_parallel_size={ep}"
-            raise MatrixShardError(f"pipeline_parallel_size={pp} with {other} is not supported yet; use one of them")
+        # pipeline parallelism: one block of checks (with expert parallelism each stage splits its own
+        # experts over its ranks: the strategies check the sizes against the world)
+        if pp > 1 and tp != "auto" and tp > 1:
+            raise MatrixShardError(f"pipeline_parallel_size={pp} with tensor_parallel_size={tp} is not supported "
+                                   "yet; use one of them")
         if pp > 1 and dp != "auto":
             raise MatrixShardError(f"pipeline_parallel_size={pp} with data_parallel_size={dp}: under pipeline "
                                    "parallelism each stage's data-parallel size is world / pipeline_parallel_size; "

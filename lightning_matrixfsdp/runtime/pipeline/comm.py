@@ -155,8 +155,8 @@ def make_schedule(name: str, stages: Sequence[Any], microbatches: int, loss_fn: 
 def broadcast_from_place(value: Optional[torch.Tensor], mesh: PipelineMesh, place: int,
                          like: torch.Tensor) -> torch.Tensor:
     """``value`` (held by the rank at pipeline place ``place``) on every rank of this pipeline
-    group; ``like``: its shape and dtype on the other ranks."""
-    out = value.detach().clone() if value is not None else torch.empty_like(like)
+    group, in ``like``'s shape and dtype (``value`` cast to it: every rank sends and receives alike)."""
+    out = value.detach().to(like.dtype, copy=True) if value is not None else torch.empty_like(like)
     if mesh.pp_group is not None and mesh.pp_size > 1:
         dist.broadcast(out, src=mesh.global_rank_of(place), group=mesh.pp_group)
     return out

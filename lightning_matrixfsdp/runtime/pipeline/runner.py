@@ -293,7 +293,13 @@ class PipelineRun:
         self._run(schedule, inputs, targets)
         mean = torch.stack(self._losses).mean() if self.holds_last else None
         self._losses.clear()
-        return broadcast_from_place(mean, self.mesh, self.last_place, torch.zeros((), device=self.device))
+        return broadcast_from_place(mean, self.mesh, self.last_place, self._loss_like())
+
+    def _loss_like(self) -> torch.Tensor:
+        """The reported loss on every rank: float64 whatever the last stage's loss dtype (which the
+        other ranks cannot know; torch's default dtype, which Lightning's 64-true / bf16-true change
+        around a step, need not be it), so the broadcast is exact and alike on every rank."""
+        return torch.zeros((), dtype=torch.float64, device=self.device)
 
     @torch.no_grad()
     def predict(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
@@ -313,4 +319,4 @@ class PipelineRun:
             with torch.no_grad():
                 pairs = zip(outputs.chunk(self.microbatches), targets.to(self.device).chunk(self.microbatches))
                 mean = torch.stack([self.loss_fn(o, t) for o, t in pairs]).mean()
-        return broadcast_from_place(mean, self.mesh, self.last_place, torch.zeros((), device=self.device))
+        return broadcast_from_place(mean, self.mesh, self.last_place, self._loss_like())
