@@ -204,7 +204,8 @@ class MatrixFSDPConfig:
     expert_parallel_size: int = _opt(1, check_positive_int, doc=(
         "expert parallelism: each rank keeps `E/EP` experts of every experts module (Hugging Face's, or declared "
         "with `parallelize_experts`) for good, and the tokens travel to them; attention, routers and dense "
-        "matrices stay owner-sharded; must divide the world and each `E` ([moe.md](moe.md#expert-parallelism))"))
+        "matrices stay owner-sharded; must divide the world (with `pipeline_parallel_size`: each stage's ranks) "
+        "and each `E` ([moe.md](moe.md#expert-parallelism))"))
     split_stacks: bool = _opt(True, check_bool, doc=(
         "the planner may split an expert stack into contiguous blocks of experts, one per owner, when the stack "
         "whole would be more than an even share of its unit ([moe.md](moe.md#split-expert-stacks)); `False` keeps "
