@@ -197,7 +197,12 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step, then (``replica_split``) the updated weights start towards the other replicas."""
         route_optimizers([getattr(optimizer, "optimizer", optimizer)])  # a group added through a wrapper
+        sessions = [s for m in self._modules if (s := pipeline_of(m)) is not None]
+        for session in sessions:  # tied weights across stages: summed (if no clip did it), stepped, copied back
+            session.before_step()
         out = super().optimizer_step(optimizer, **kwargs)
+        for session in sessions:
+            session.after_step()
         for module in self._modules:
             replicas_after_step(module, getattr(optimizer, "optimizer", optimizer))
         if self.async_saver is not None and len(self._modules) == 1:  # once: the first save's host buffer
@@ -224,6 +229,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         session = pipeline_of(module)
         if session is not None:  # each stage's owners, then over the stages
+            session.before_step()  # a tied weight counted once: its head copy's gradient joins the embedding's
             group, stats = clip_group(session.run.stages[0])
             return clip_grad_norm_pipeline_(full_params(optimizer), max_norm, norm_type, group=group,
                                             pp_group=session.run.pp_group, error_if_nonfinite=error_if_nonfinite,

@@ -212,8 +212,13 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
         route_optimizer(optimizer)  # a group added since (add_param_group on a LightningOptimizer)
+        session = pipeline_of(self.lightning_module)
+        if session is not None:  # tied weights across stages: summed after the closure's backward, before the clip
+            closure = session.then_before_step(closure)
         out = super().optimizer_step(optimizer, self._telemetry.timed_closure(closure, self.root_device), model,
                                      **kwargs)
+        if session is not None:  # the stepped tied weights to the last stage's copies
+            session.after_step()
         module = self.lightning_module
         if module is not None:  # replica_split: updated weights on their way, after the step
             replicas_after_step(module, optimizer)
