@@ -207,7 +207,7 @@ def _run_fabric(rank: int, world: int, case: dict) -> dict:
 
     pp, steps, micro, clip = case["pp"], case.get("steps", 2), case.get("micro", 4), case.get("clip")
     places = world // pp
-    lit = make_module(sgd=case.get("sgd", False))
+    lit = make_module(sgd=case.get("sgd", False), hf=case.get("hf", False), tied=case.get("tied", False))
     oracle = copy.deepcopy(lit)
     samples = data(places * BATCH * steps)
     strategy = mf.MatrixFSDPFabricStrategy(pipeline_parallel_size=pp, pipeline_schedule=case["schedule"],
@@ -230,7 +230,7 @@ def _run_fabric(rank: int, world: int, case: dict) -> dict:
         sched.step()
         losses.append(loss.item())
     o_losses = oracle_fit(oracle, samples, places, steps, 1, micro, clip, shuffle=False)
-    o_params = dict(oracle.named_parameters())
+    o_params = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
     compared = [n for n, p in lit.named_parameters() if held(p)]
     worst = max((lit.get_parameter(n).detach() - o_params[n].detach()).abs().max().item() for n in compared)
     return {"losses": losses, "oracle_losses": o_losses[place], "compared": compared, "worst": worst,
