@@ -203,8 +203,10 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         out = super().optimizer_step(optimizer, **kwargs)
         for session in sessions:
             session.after_step()
-        for module in self._modules:
-            replicas_after_step(module, getattr(optimizer, "optimizer", optimizer))
+        for module in self._modules:  # pipelined: this rank's stages (not submodules of the module)
+            session = pipeline_of(module)
+            for root in [module] if session is None else session.run.stages:
+                replicas_after_step(root, getattr(optimizer, "optimizer", optimizer))
         if self.async_saver is not None and len(self._modules) == 1:  # once: the first save's host buffer
             self.async_saver.reserve(self._modules[0], [optimizer])
         return out

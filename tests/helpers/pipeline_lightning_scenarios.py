@@ -77,10 +77,12 @@ def forward_loss_value(module: nn.Module, batch: Any) -> float:
 
 def place_batches(samples: list, places: int, place: int, shuffle: bool = True) -> list[tuple[torch.Tensor, ...]]:
     """The batches Lightning's sampler gives ``place`` (torch's DistributedSampler, which it shuffles
-    for training with seed 0, epoch 0; not for evaluation)."""
+    for training with ``PL_GLOBAL_SEED`` or 0, epoch 0; not for evaluation)."""
     from torch.utils.data.distributed import DistributedSampler
 
-    mine = [samples[i] for i in DistributedSampler(samples, num_replicas=places, rank=place, shuffle=shuffle, seed=0)]
+    # Lightning's sampler seed: PL_GLOBAL_SEED, which seed_everything in an earlier test of the same worker sets
+    seed = int(os.getenv("PL_GLOBAL_SEED", 0))
+    mine = [samples[i] for i in DistributedSampler(samples, num_replicas=places, rank=place, shuffle=shuffle, seed=seed)]
     return [tuple(torch.stack(z) for z in zip(*mine[i:i + BATCH])) for i in range(0, len(mine), BATCH)]
 
 
