@@ -82,7 +82,8 @@ def place_batches(samples: list, places: int, place: int, shuffle: bool = True) 
 
     # Lightning's sampler seed: PL_GLOBAL_SEED, which seed_everything in an earlier test of the same worker sets
     seed = int(os.getenv("PL_GLOBAL_SEED", 0))
-    mine = [samples[i] for i in DistributedSampler(samples, num_replicas=places, rank=place, shuffle=shuffle, seed=seed)]
+    sampler = DistributedSampler(samples, num_replicas=places, rank=place, shuffle=shuffle, seed=seed)
+    mine = [samples[i] for i in sampler]
     return [tuple(torch.stack(z) for z in zip(*mine[i:i + BATCH])) for i in range(0, len(mine), BATCH)]
 
 
