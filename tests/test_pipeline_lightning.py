@@ -22,6 +22,12 @@ CASES = {  # name -> (world, case)
     "pp2-interleaved-clip": (2, {"pp": 2, "schedule": "Interleaved1F1B", "clip": 0.05, "sgd": True}),
     "hf-llama-pp2-1f1b": (2, {"pp": 2, "schedule": "1F1B", "hf": True, "validate": True}),
     "pp2xdp2-1f1b": (4, {"pp": 2, "schedule": "1F1B", "validate": True, "clip": 0.05, "sgd": True}),
+    "pp4-gpipe": (4, {"pp": 4, "schedule": "GPipe", "validate": True}),
+    "pp2xhsdp-1f1b": (4, {"pp": 2, "schedule": "1F1B", "options": {"shard_size": 1}, "accumulate": 2}),
+    # tied embeddings: the strategy sums both copies' gradients before the clip and the step; the
+    # bounds of test_pipeline_exact.py's tied case (weights 2e-3, losses 1e-5: a measured floor)
+    "hf-llama-tied-pp2-1f1b": (2, {"pp": 2, "schedule": "1F1B", "hf": True, "tied": True, "validate": True,
+                                   "tol": 2e-3, "loss_tol": 1e-5}),
 }
 
 
@@ -42,16 +48,20 @@ def results(dist_pools, world: int, case: dict, fn=run_case) -> list[dict]:
 def test_trainer_pipeline_equals_the_unsplit_oracle(pools, name):
     world, case = CASES[name]
     res = results(lambda w: pools(w, case), world, case)
-    tol = 1e-6 if case.get("clip") else 0.0
+    tol = case.get("tol", 1e-6 if case.get("clip") else 0.0)
+    loss_tol = case.get("loss_tol", tol)
     covered = set()
     for rank, r in enumerate(res):
-        if tol:
-            assert max(abs(a - b) for a, b in zip(r["losses"], r["oracle_losses"])) <= tol, (rank, r["losses"])
+        if loss_tol:
+            assert max(abs(a - b) for a, b in zip(r["losses"], r["oracle_losses"])) <= loss_tol, (rank, r["losses"])
         else:
             assert r["losses"] == r["oracle_losses"], (rank, r["losses"], r["oracle_losses"])
         assert r["worst"] <= tol, f"{name} rank {rank}: weights differ from the oracle by {r['worst']:.3e}"
         assert r["stepped_is_mine"], f"{name} rank {rank}: the optimizer holds parameters of another stage"
-        assert r.get("val") == r.get("oracle_val"), (rank, r.get("val"), r.get("oracle_val"))
+        if "loss_tol" in case:  # the evaluation loss within the case's bound
+            assert max(abs(a - b) for a, b in zip(r["val"], r["oracle_val"])) <= loss_tol, (rank, r["val"])
+        else:
+            assert r.get("val") == r.get("oracle_val"), (rank, r.get("val"), r.get("oracle_val"))
         covered |= set(r["compared"])
     assert covered == set(res[0]["names"])
 
@@ -65,6 +75,17 @@ def test_fabric_pipeline_equals_the_unsplit_oracle(dist_pools, clip):
     for rank, r in enumerate(res):
         assert max(abs(a - b) for a, b in zip(r["losses"], r["oracle_losses"])) <= tol, (rank, r["losses"])
         assert r["worst"] <= tol, f"Fabric rank {rank}: weights differ from the oracle by {r['worst']:.3e}"
+    assert set(res[0]["compared"]) | set(res[1]["compared"]) == set(res[0]["names"])
+
+
+def test_fabric_tied_embeddings_equal_the_unsplit_oracle(hf_pool):
+    """A tiny Llama with tied embeddings through Fabric with a clip (the tied gradients summed before
+    the norm, each counted once): within the tied Trainer case's bounds (measured: 4e-9, losses equal)."""
+    case = {"pp": 2, "schedule": "1F1B", "hf": True, "tied": True, "clip": 0.05, "sgd": True}
+    res = results(lambda w: hf_pool, 2, case, run_fabric)
+    for rank, r in enumerate(res):
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["oracle_losses"])) <= 1e-5, (rank, r["losses"])
+        assert r["worst"] <= 2e-3, f"Fabric rank {rank}: weights differ from the oracle by {r['worst']:.3e}"
     assert set(res[0]["compared"]) | set(res[1]["compared"]) == set(res[0]["names"])
 
 

@@ -197,9 +197,16 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """The step, then (``replica_split``) the updated weights start towards the other replicas."""
         route_optimizers([getattr(optimizer, "optimizer", optimizer)])  # a group added through a wrapper
+        sessions = [s for m in self._modules if (s := pipeline_of(m)) is not None]
+        for session in sessions:  # tied weights across stages: summed (if no clip did it), stepped, copied back
+            session.before_step()
         out = super().optimizer_step(optimizer, **kwargs)
-        for module in self._modules:
-            replicas_after_step(module, getattr(optimizer, "optimizer", optimizer))
+        for session in sessions:
+            session.after_step()
+        for module in self._modules:  # pipelined: this rank's stages (not submodules of the module)
+            session = pipeline_of(module)
+            for root in [module] if session is None else session.run.stages:
+                replicas_after_step(root, getattr(optimizer, "optimizer", optimizer))
         if self.async_saver is not None and len(self._modules) == 1:  # once: the first save's host buffer
             self.async_saver.reserve(self._modules[0], [optimizer])
         return out
@@ -224,6 +231,7 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         session = pipeline_of(module)
         if session is not None:  # each stage's owners, then over the stages
+            session.before_step()  # a tied weight counted once: its head copy's gradient joins the embedding's
             group, stats = clip_group(session.run.stages[0])
             return clip_grad_norm_pipeline_(full_params(optimizer), max_norm, norm_type, group=group,
                                             pp_group=session.run.pp_group, error_if_nonfinite=error_if_nonfinite,

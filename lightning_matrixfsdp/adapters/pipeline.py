@@ -142,6 +142,8 @@ class PipelineSession:
         self.pending: Optional[torch.Tensor] = None
         #: the gradients the schedule produced in this step, (parameter, gradient), added in ``take_backward``
         self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+        #: a backward ran since the tied weights' gradients were last summed (``before_step``)
+        self._ties_due = False
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.training():
@@ -182,6 +184,29 @@ class PipelineSession:
         with torch.no_grad():
             for p, g in grads:  # as backward() adds into .grad
                 p.grad = g if p.grad is None else p.grad.add_(g)
+        self._ties_due = True
+
+    def before_step(self) -> None:
+        """After the backward(s) of a step, before the clip and ``optimizer.step()``: each weight tied
+        between the first and the last stage gets both copies' gradients on the embedding's owner
+        (once per step, however many batches were accumulated: the sum is linear). Every rank of
+        the pipeline calls it at the same point of its loop (a collective between tie owners)."""
+        if self._ties_due:
+            self._ties_due = False
+            self.run.reduce_tied_grads()
+
+    def then_before_step(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """Lightning's closure (the step's forward and backward), then :meth:`before_step`: inside
+        the optimizer's step, before Lightning clips the gradients."""
+        def run() -> Any:
+            out = closure()
+            self.before_step()
+            return out
+        return run
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: the stepped tied weights reach the last stage's copies."""
+        self.run.sync_tied_weights()
 
 
 def _guard(name: str) -> Callable[..., Any]:

@@ -212,11 +212,17 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Time the optimizer's own step (after the closure's forward/backward) and log traffic."""
         route_optimizer(optimizer)  # a group added since (add_param_group on a LightningOptimizer)
+        session = pipeline_of(self.lightning_module)
+        if session is not None:  # tied weights across stages: summed after the closure's backward, before the clip
+            closure = session.then_before_step(closure)
         out = super().optimizer_step(optimizer, self._telemetry.timed_closure(closure, self.root_device), model,
                                      **kwargs)
+        if session is not None:  # the stepped tied weights to the last stage's copies
+            session.after_step()
         module = self.lightning_module
         if module is not None:  # replica_split: updated weights on their way, after the step
-            replicas_after_step(module, optimizer)
+            for root in [module] if session is None else session.run.stages:  # pipelined: this rank's stages
+                replicas_after_step(root, optimizer)
             if self.async_saver is not None:  # once: the first save's host buffer, in the background
                 self.async_saver.reserve(module, self.optimizers)
         self._telemetry.end_step(self.root_device)
@@ -256,9 +262,12 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def on_test_start(self) -> None:
         """``replica_split``: evaluation and the end of fit see every replica's weights current
         (Lightning's own hooks here do nothing); a forward left without backward is released."""
-        if self.lightning_module is not None:
-            release_unfinished(self.lightning_module)
-            settle_replicas(self.lightning_module)
+        module = self.lightning_module
+        if module is not None:
+            session = pipeline_of(module)  # pipelined: this rank's stages (not submodules of the module)
+            for root in [module] if session is None else session.run.stages:
+                release_unfinished(root)
+                settle_replicas(root)
 
     on_predict_start = on_test_start
 

@@ -32,7 +32,7 @@ def data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(t[:, :-1], t[:, 1:]))
 
 
-def make_module(layers: int = 4, sgd: bool = False, hf: bool = False) -> nn.Module:
+def make_module(layers: int = 4, sgd: bool = False, hf: bool = False, tied: bool = False) -> nn.Module:
     from lightning_matrixfsdp.demos import GPT, HFCausalLM
 
     class User(HFCausalLM if hf else GPT):
@@ -62,7 +62,7 @@ def make_module(layers: int = 4, sgd: bool = False, hf: bool = False) -> nn.Modu
     if hf:  # the demos' Hugging Face module around a tiny Llama
         lit = User(model_type="llama", warmup_steps=0, config=dict(
             vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=SEQ, tie_word_embeddings=False))
+            num_key_value_heads=1, max_position_embeddings=SEQ, tie_word_embeddings=tied))
     else:
         lit = User(vocab_size=VOCAB, max_seq_len=SEQ, d_model=32, n_layers=layers, n_heads=2, warmup_steps=0)
     lit.recorded, lit.val_recorded, lit.seen, lit.sgd = [], [], [], sgd
@@ -163,7 +163,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     pp, steps, acc, micro = case["pp"], case.get("steps", 2), case.get("accumulate", 1), case.get("micro", 4)
     places = world // pp
     clip = case.get("clip")
-    lit = make_module(sgd=case.get("sgd", False), hf=case.get("hf", False))
+    lit = make_module(sgd=case.get("sgd", False), hf=case.get("hf", False), tied=case.get("tied", False))
     oracle = copy.deepcopy(lit)
     samples = data(places * BATCH * steps * acc)
     loader = torch.utils.data.DataLoader(samples, batch_size=BATCH)
@@ -176,7 +176,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     opt = trainer.optimizers[0]
     stepped = {id(p) for g in opt.param_groups for p in g["params"]}
     mine = {id(p) for p in session.run.parameters() if held(p)}
-    o_params = dict(oracle.named_parameters())
+    o_params = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
     compared, worst = [], 0.0
     for name, p in lit.named_parameters():
         if held(p):
@@ -210,7 +210,7 @@ def _run_fabric(rank: int, world: int, case: dict) -> dict:
 
     pp, steps, micro, clip = case["pp"], case.get("steps", 2), case.get("micro", 4), case.get("clip")
     places = world // pp
-    lit = make_module(sgd=case.get("sgd", False))
+    lit = make_module(sgd=case.get("sgd", False), hf=case.get("hf", False), tied=case.get("tied", False))
     oracle = copy.deepcopy(lit)
     samples = data(places * BATCH * steps)
     strategy = mf.MatrixFSDPFabricStrategy(pipeline_parallel_size=pp, pipeline_schedule=case["schedule"],
@@ -233,7 +233,7 @@ def _run_fabric(rank: int, world: int, case: dict) -> dict:
         sched.step()
         losses.append(loss.item())
     o_losses = oracle_fit(oracle, samples, places, steps, 1, micro, clip, shuffle=False)
-    o_params = dict(oracle.named_parameters())
+    o_params = dict(oracle.named_parameters(remove_duplicate=False))  # a tied weight under both names
     compared = [n for n, p in lit.named_parameters() if held(p)]
     worst = max((lit.get_parameter(n).detach() - o_params[n].detach()).abs().max().item() for n in compared)
     return {"losses": losses, "oracle_losses": o_losses[place], "compared": compared, "worst": worst,
