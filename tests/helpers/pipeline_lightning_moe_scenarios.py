@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from helpers.oracle import ADAMW_DEFAULTS, MUON_DEFAULTS, PerExpertMuon
-from helpers.pipeline_lightning_scenarios import BATCH, VOCAB, SEQ, _trainer, data, place_batches
+from helpers.pipeline_lightning_scenarios import BATCH, VOCAB, SEQ, _trainer, data, oracle_fit
 from helpers.pipeline_scenarios import expert_rows
 
 
@@ -55,40 +55,8 @@ def make_moe_module() -> nn.Module:
 
 
 def oracle_fit_moe(model: nn.Module, samples: list, places: int, steps: int, micro: int) -> list[list[float]]:
-    """The unsplit ``model`` trained as described above; returns each place's per-batch losses."""
-    per_place = [place_batches(samples, places, p) for p in range(places)]
-    opt = PerExpertMuon(model, expert_rows)
-    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opt.opts]
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses: list[list[float]] = [[] for _ in range(places)]
-    for step in range(steps):
-        total = [torch.zeros_like(p) for p in params]
-        mb_losses: list[list[torch.Tensor]] = [[] for _ in range(places)]
-        for m in range(micro):
-            grads = []
-            for place in range(places):
-                x, y = (t.chunk(micro)[m] for t in per_place[place][step])
-                for p in params:
-                    p.grad = None
-                loss = model.loss_fn(model(x), y)
-                (loss / micro).backward()
-                mb_losses[place].append(loss.detach())
-                grads.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
-            for i in range(len(params)):
-                reduced = grads[0][i].clone()
-                for g in grads[1:]:
-                    reduced = reduced + g[i]
-                total[i] = total[i] + reduced / places
-        for place in range(places):
-            losses[place].append(torch.stack(mb_losses[place]).mean().item())
-        for p, g in zip(params, total):
-            p.grad = g
-        opt.step()
-        for o in opt.opts:
-            o.zero_grad(set_to_none=True)
-        for s in scheds:
-            s.step()
-    return losses
+    """The unsplit ``model`` trained as ``oracle_fit`` trains it, stepped by a per-expert Muon."""
+    return oracle_fit(model, samples, places, steps, 1, micro, None, optimizer=PerExpertMuon(model, expert_rows))
 
 
 def run_moe_trainer(rank: int, world: int, case: dict) -> dict:

@@ -88,10 +88,16 @@ def place_batches(samples: list, places: int, place: int, shuffle: bool = True) 
 
 
 def oracle_fit(model: nn.Module, samples: list, places: int, steps: int, accumulate: int, micro: int,
-               clip: float | None, shuffle: bool = True) -> list[list[float]]:
-    """The unsplit ``model`` trained as described above; returns each place's per-batch losses."""
+               clip: float | None, shuffle: bool = True, optimizer: Any = None) -> list[list[float]]:
+    """The unsplit ``model`` trained as described above; returns each place's per-batch losses.
+    ``optimizer``: one object whose ``step()`` steps the model and whose ``opts`` are the torch
+    optimizers the schedule follows (a per-expert Muon); default SGD, or torch's Muon and AdamW."""
     per_place = [place_batches(samples, places, p, shuffle) for p in range(places)]
-    opts = [torch.optim.SGD(model.parameters(), lr=0.5)] if model.sgd else oracle_optimizers(model)
+    if optimizer is None:
+        opts = [torch.optim.SGD(model.parameters(), lr=0.5)] if model.sgd else oracle_optimizers(model)
+        step_all = lambda: [o.step() for o in opts]  # noqa: E731
+    else:
+        opts, step_all = optimizer.opts, optimizer.step
     scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opts]
     params = [p for p in model.parameters() if p.requires_grad]
     losses: list[list[float]] = [[] for _ in range(places)]
@@ -123,8 +129,8 @@ def oracle_fit(model: nn.Module, samples: list, places: int, steps: int, accumul
             p.grad = g
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params, clip)
+        step_all()
         for o in opts:
-            o.step()
             o.zero_grad(set_to_none=True)
         for s in scheds:
             s.step()
