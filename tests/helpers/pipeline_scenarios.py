@@ -120,6 +120,36 @@ def expert_rows(name: str, p: nn.Parameter):
     return p.shape[1] if name.endswith("experts.down_proj") else None
 
 
+#: matrix optimizers beside Muon: ours (class, kwargs) and, written out independently, the
+#: pytorch-optimizer class and kwargs it wraps, with torch's AdamW on the recipe's tail
+LIBRARY = {
+    "soap": ("SOAP", dict(lr=0.01, precondition_frequency=2),
+             "SOAP", dict(lr=0.01, precondition_frequency=2), dict(lr=0.01, weight_decay=0.01)),
+    "shampoo": ("Shampoo", dict(lr=0.01, start_preconditioning_step=1, preconditioning_compute_steps=1, block_size=8,
+                                graft_type="rmsprop", use_svd=True),
+                "ScalableShampoo", dict(lr=0.01, start_preconditioning_step=1, preconditioning_compute_steps=1,
+                                        block_size=8, graft_type=3, use_svd=True, shape_interpretation=False),
+                dict(lr=0.01, weight_decay=0.0)),
+}
+
+
+def library_optimizers(oracle: nn.Module, stepped: nn.Module, name: str) -> tuple[list, list]:
+    """(the oracle's optimizers, ours): the library per recipe matrix of the whole model and AdamW
+    on the rest, against our wrapper built from this rank's stages (the recipe applied per stage)."""
+    import pytorch_optimizer
+
+    import lightning_matrixfsdp as mf
+    from helpers.oracle import recipe_matrix
+
+    ours, kw, lib, lib_kw, adamw_kw = LIBRARY[name]
+    is_matrix = recipe_matrix(oracle)
+    named = list(oracle.named_parameters())
+    mats = [p for n, p in named if is_matrix(n, p)]
+    rest = [p for n, p in named if not is_matrix(n, p)]
+    o_opts = [getattr(pytorch_optimizer, lib)(mats, **lib_kw), torch.optim.AdamW(rest, foreach=False, **adamw_kw)]
+    return o_opts, [mf.route_optimizer(getattr(mf, ours)(stepped, **kw))]
+
+
 def run_case(rank: int, world: int, case: dict) -> dict:
     """One pipelined training run and its oracle; a failure comes back as ``{"error": text}``."""
     try:
@@ -142,9 +172,12 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
                          split=case.get("split"), stages_per_rank=case.get("stages_per_rank"))
     if case.get("break") == "unscaled" and run.holds_last:
         run.loss_divisor = 1  # the last stage skips the 1/M scaling of its micro-batches' losses
-    o_opts = oracle_optimizers(oracle) if case["model"] not in MOE else [PerExpertMuon(oracle, expert_rows)]
     stepped = model if case.get("break") == "foreign" else run.module  # "foreign": the whole model's parameters
-    s_opts = make_sharded_optimizer(stepped, "ours")
+    if "optimizer" in case:  # Shampoo / SOAP: the library on the recipe's matrices, built per stage from the module
+        o_opts, s_opts = library_optimizers(oracle, stepped, case["optimizer"])
+    else:
+        o_opts = oracle_optimizers(oracle) if case["model"] not in MOE else [PerExpertMuon(oracle, expert_rows)]
+        s_opts = make_sharded_optimizer(stepped, "ours")
     mine = {id(p) for p in run.parameters() if p._mfsdp_owned and p.numel()}
     routed = {id(p) for o in s_opts for g in o.param_groups for p in g["params"] if p.numel()}
     place = rank % places
