@@ -25,6 +25,7 @@ from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.pipeline import FAMILIES, PipelineMesh, PipelineRun, build_pipeline, family_of
 from lightning_matrixfsdp.runtime.pipeline.outputs_comm import check_places_agree, outputs_everywhere
+from lightning_matrixfsdp.runtime.queries import wait_replicas
 from lightning_matrixfsdp.runtime.tags import is_owned
 from lightning_matrixfsdp.runtime.tags import pipeline_of as run_of
 
@@ -277,6 +278,10 @@ def setup_pipeline(module: nn.Module, config: MatrixFSDPConfig, mesh: PipelineMe
             setattr(p, "_mfsdp_owned", False)
     assert all(not is_owned(p) or id(p) in mine for p in module.parameters())
     sub.register_forward_pre_hook(_guard(name))
+    # replica_split (HSDP in a stage): the stages are roots outside the model, so their own state_dict
+    # hooks do not run for the model's; a state read (model.state_dict(), on any ranks) waits here for
+    # the stepped weights in flight to the other replicas (local: every rank started them after the step)
+    sub.register_state_dict_pre_hook(lambda m, prefix, keep_vars: wait_replicas(m))
     session = PipelineSession(run, name, accumulation, lambda: module.training)
     module.__dict__[_ATTR] = session
     return session
