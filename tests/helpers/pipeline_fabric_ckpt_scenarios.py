@@ -102,9 +102,9 @@ def _fabric_resume(rank: int, world: int, case: dict) -> dict:
     fabric = _fabric(world, pp, options)  # one Fabric per run, as a user's script has
     lit, oracle, model, opt, sched = _setup(fabric)  # the uninterrupted run, and its one-process oracle
     out["whole_losses"] = _train(fabric, model, opt, sched, batches)
-    sd = lit.state_dict()  # a state read right after the loop, nothing in between
+    sd = {k: v.clone() for k, v in lit.state_dict().items()}  # a state read right after the loop
     out["whole"] = _held(lit, opt)
-    out["whole_sd"] = {n: sd[n].clone() for n in out["whole"]["weights"]}
+    out["whole_sd"] = {n: sd[n] for n in out["whole"]["weights"]}
     out["oracle_losses"] = oracle_fit(oracle, samples, places, 4, 1, 4, None, shuffle=False)[rank % places]
     o_params = dict(oracle.named_parameters())
     out["oracle_worst"] = {what: max((w - o_params[n].detach()).abs().max().item() for n, w in got.items())
