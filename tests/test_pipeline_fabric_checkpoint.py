@@ -37,9 +37,9 @@ def _equal(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("world, case", [
-    (2, {"pp": 2}),
-    (4, {"pp": 2, "options": {"shard_size": 1}}),
-], ids=["pp2", "pp2xhsdp"])
+    (2, {"pp": 2, "options": {"save_distributed_checkpoint": False}}),  # one consolidated file
+    (4, {"pp": 2, "options": {"shard_size": 1}}),  # the directory
+], ids=["pp2-file", "pp2xhsdp-directory"])
 def test_fabric_save_load_resumes_bitwise_and_reshards(dist_pools, tmp_path, world, case):
     from helpers.pipeline_lightning_scenarios import make_module
 

@@ -151,17 +151,17 @@ class PipelineSession:
     """The pipelined run of one LightningModule and the state of its current step."""
 
     def __init__(self, run: PipelineRun, name: str, accumulation: Callable[[], int],
-                 training: Callable[[], bool]) -> None:
+                 training: Callable[[], bool], last_batch: Callable[[], Optional[bool]] = lambda: None) -> None:
         self.run, self.name, self.accumulation, self.training = run, name, accumulation, training
+        #: whether the running evaluation loop's batch is its last (None: unknown, as under Fabric):
+        #: ``forward_outputs`` refuses places whose batch counts differ before any schedule runs
+        self.last_batch = last_batch
         #: the loss of the step whose backward the schedule already ran (the strategy's backward takes it)
         self.pending: Optional[torch.Tensor] = None
         #: the gradients the schedule produced in this step, (parameter, gradient), added in ``take_backward``
         self._grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         #: a backward ran since the tied weights' gradients were last summed (``before_step``)
         self._ties_due = False
-        #: whether the running evaluation loop's batch is its last (set by the Trainer's strategy
-        #: before each step; None: unknown, as under Fabric): places whose counts differ are refused
-        self.last_batch: Optional[bool] = None
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.training():
@@ -199,7 +199,7 @@ class PipelineSession:
         if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1:
             raise MatrixShardError(f"forward_outputs under pipeline parallelism takes the batch's inputs as one "
                                    f"tensor (token ids), got {type(inputs).__name__}")
-        check_places_agree(self.run, int(inputs.shape[0]), self.last_batch)
+        check_places_agree(self.run, int(inputs.shape[0]), self.last_batch())
         return outputs_everywhere(self.run, inputs)
 
     def take_backward(self, loss: Optional[torch.Tensor] = None) -> None:
@@ -282,9 +282,26 @@ def setup_pipeline(module: nn.Module, config: MatrixFSDPConfig, mesh: PipelineMe
     # hooks do not run for the model's; a state read (model.state_dict(), on any ranks) waits here for
     # the stepped weights in flight to the other replicas (local: every rank started them after the step)
     sub.register_state_dict_pre_hook(lambda m, prefix, keep_vars: wait_replicas(m))
-    session = PipelineSession(run, name, accumulation, lambda: module.training)
+    session = PipelineSession(run, name, accumulation, lambda: module.training, lambda: _last_batch(module))
     module.__dict__[_ATTR] = session
     return session
+
+
+def _last_batch(module: nn.Module) -> Optional[bool]:
+    """Whether the Trainer's running evaluation loop is at its last batch (Lightning sets the flag
+    before the step); None outside a Trainer's evaluation loop (Fabric, training)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return None
+    if trainer.predicting:
+        loop = trainer.predict_loop
+    elif trainer.testing:
+        loop = trainer.test_loop
+    elif trainer.validating or trainer.sanity_checking:
+        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == "fit" else trainer.validate_loop
+    else:
+        return None
+    return bool(loop.batch_progress.is_last_batch)
 
 
 def _inside(param: str, name: str) -> bool:

@@ -324,17 +324,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def _joined_step(self, name: str, loop: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
-        session = pipeline_of(module)
-        if session is None:
-            return self._uneven.run_step(module, self.world_size,
-                                         lambda: call_as_forward(module, name, *args, **kwargs),
-                                         lambda: loop.batch_progress.is_last_batch)
-        # pipelined: forward_outputs refuses places whose batch counts differ (known before the step)
-        session.last_batch = bool(loop.batch_progress.is_last_batch)
-        try:
-            return call_as_forward(module, name, *args, **kwargs)
-        finally:
-            session.last_batch = None
+        return self._uneven.run_step(module, self.world_size, lambda: call_as_forward(module, name, *args, **kwargs),
+                                     lambda: loop.batch_progress.is_last_batch)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
