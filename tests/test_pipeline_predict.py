@@ -1,7 +1,7 @@
 """Prediction under pipeline parallelism (issue 38, item 3): ``forward_outputs(self, inputs)``.
 
-Through the Trainer (``trainer.predict``, the demos' GPT with a ``predict_step`` that returns
-``forward_outputs``) at PP=2 and, after a one-step ``fit``, at PP=2 x DP=2, and through a Fabric
+Through the Trainer (``trainer.predict``, the demos' GPT, and ``HFCausalLM`` around a tiny Llama,
+with a ``predict_step`` that returns ``forward_outputs``) at PP=2 and, after a one-step ``fit``, at PP=2 x DP=2, and through a Fabric
 loop at PP=2: every rank of every stage returns, for each batch of its data-parallel place, the
 unsplit model's outputs on one process, float32-bitwise (``helpers/pipeline_predict_scenarios.py``:
 the oracle runs micro-batch by micro-batch, as the schedule does). Refused on every rank, naming
@@ -34,9 +34,12 @@ def _same(res: list) -> None:
 @pytest.mark.parametrize("world, case", [
     (2, {"pp": 2, "schedule": "GPipe", "samples": 16, "batch": 8}),
     (4, {"pp": 2, "schedule": "1F1B", "samples": 24, "batch": 4, "fit": 1}),
-], ids=["pp2", "pp2xdp2-after-fit"])
-def test_trainer_predict_equals_the_unsplit_model(dist_pools, world, case):
-    _same(_ok(dist_pools(world).run(run_predict, case, timeout=300)))
+    (2, {"pp": 2, "schedule": "1F1B", "samples": 8, "batch": 8, "hf": True}),
+], ids=["pp2", "pp2xdp2-after-fit", "hf-llama-pp2"])
+def test_trainer_predict_equals_the_unsplit_model(request, dist_pools, world, case):
+    """The Hugging Face module on the pool that imported transformers."""
+    pool = request.getfixturevalue("hf_pool") if case.get("hf") else dist_pools(world)
+    _same(_ok(pool.run(run_predict, case, timeout=300)))
 
 
 def test_fabric_forward_outputs_equals_the_unsplit_model(dist_pools):

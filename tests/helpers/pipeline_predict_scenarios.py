@@ -1,7 +1,7 @@
 """Prediction under pipeline parallelism (issue 38, items 3): ``forward_outputs`` through the
 Trainer and Fabric against the unsplit model on one process.
 
-The user's module is the demos' GPT whose ``predict_step`` returns
+The user's module is the demos' GPT (or ``HFCausalLM`` around a tiny Llama) whose ``predict_step`` returns
 ``forward_outputs(self, inputs)``. The oracle is a copy of the module taken before the strategy
 split it (or trained by ``oracle_fit``, as the pipeline's Trainer tests train it): for each batch
 of the data-parallel place a rank reads (Lightning's prediction sampler: place ``p`` gets samples
@@ -58,7 +58,7 @@ def _run_predict(rank: int, world: int, case: dict) -> dict:
     pp, micro, fit = case["pp"], case.get("micro", 4), case.get("fit", 0)
     places = world // pp
     place = rank % places
-    lit = predicting(make_module())
+    lit = predicting(make_module(hf=case.get("hf", False)))
     oracle = copy.deepcopy(lit)
     if fit:
         train = data(places * BATCH * fit)
