@@ -1,8 +1,8 @@
 """Prediction under pipeline parallelism (issue 38, item 3): ``forward_outputs(self, inputs)``.
 
 Through the Trainer (``trainer.predict``, the demos' GPT, and ``HFCausalLM`` around a tiny Llama,
-with a ``predict_step`` that returns ``forward_outputs``) at PP=2 and, after a one-step ``fit``, at PP=2 x DP=2, and through a Fabric
-loop at PP=2: every rank of every stage returns, for each batch of its data-parallel place, the
+with a ``predict_step`` that returns ``forward_outputs``) at PP=2 and, after a one-step ``fit``,
+at PP=2 x DP=2, and through a Fabric loop at PP=2: every rank of every stage returns, for each batch of its data-parallel place, the
 unsplit model's outputs on one process, float32-bitwise (``helpers/pipeline_predict_scenarios.py``:
 the oracle runs micro-batch by micro-batch, as the schedule does). Refused on every rank, naming
 what to change: Lightning's default ``predict_step`` (``self(batch)``), a batch the micro-batches do

@@ -94,7 +94,8 @@ def fabric_resume(rank: int, world: int, case: dict) -> dict:
 
 def _fabric_resume(rank: int, world: int, case: dict) -> dict:
     pp, options = case["pp"], case.get("options", {})
-    path = os.path.join(case["dir"], "fabric_pp.ckpt" if options.get("save_distributed_checkpoint") is False else "fabric_pp")
+    one_file = options.get("save_distributed_checkpoint") is False
+    path = os.path.join(case["dir"], "fabric_pp.ckpt" if one_file else "fabric_pp")
     places = world // pp
     samples = data(places * BATCH * 4)
     batches = place_batches(samples, places, rank % places, shuffle=False)
