@@ -39,7 +39,10 @@ def _same(res: list) -> None:
 def test_trainer_predict_equals_the_unsplit_model(request, dist_pools, world, case):
     """The Hugging Face module on the pool that imported transformers."""
     pool = request.getfixturevalue("hf_pool") if case.get("hf") else dist_pools(world)
-    _same(_ok(pool.run(run_predict, case, timeout=300)))
+    res = _ok(pool.run(run_predict, case, timeout=300))
+    _same(res)
+    for rank, r in enumerate(res):  # a prediction writer gets this place's sample indices, as under DDP
+        assert r["written"] == r["want_indices"] and r["written_same"], (rank, r["written"], r["want_indices"])
 
 
 def test_fabric_forward_outputs_equals_the_unsplit_model(dist_pools):

@@ -66,9 +66,31 @@ def _run_predict(rank: int, world: int, case: dict) -> dict:
         oracle_fit(oracle, train, places, fit, 1, micro, None)
     samples = data(case["samples"])
     loader = torch.utils.data.DataLoader(samples, batch_size=case["batch"])
-    got = _trainer(world, case, {}).predict(lit, loader)
+    writer = _Writer()
+    got = _trainer(world, case, {}, callbacks=[writer]).predict(lit, loader)
     want = [oracle_outputs(oracle, x, micro) for x in prediction_batches(samples, places, place, case["batch"])]
-    return {"got": [g.clone() for g in got], "want": want}
+    indices = list(range(place, len(samples), places))  # what DDP's writer gets at this place
+    return {"got": [g.clone() for g in got], "want": want, "written": writer.written,
+            "want_indices": [indices[i:i + case["batch"]] for i in range(0, len(indices), case["batch"])],
+            "written_same": all(torch.equal(w, g) for w, g in zip(writer.outputs, got))}
+
+
+def _Writer() -> Any:
+    """A prediction writer (``write_interval="batch"``) that keeps what Lightning hands it."""
+    from lightning.pytorch.callbacks import BasePredictionWriter
+
+    class Writer(BasePredictionWriter):  # noqa: D101
+        def __init__(self) -> None:
+            super().__init__(write_interval="batch")
+            self.written: list[list[int]] = []
+            self.outputs: list[torch.Tensor] = []
+
+        def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,  # noqa: D102
+                               dataloader_idx) -> None:
+            self.written.append(list(batch_indices))
+            self.outputs.append(prediction.clone())
+
+    return Writer()
 
 
 def run_fabric_predict(rank: int, world: int, case: dict) -> dict:
