@@ -24,13 +24,14 @@ from torch import nn
 from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.pipeline import FAMILIES, PipelineMesh, PipelineRun, build_pipeline, family_of
-from lightning_matrixfsdp.runtime.pipeline.outputs_comm import check_places_agree, outputs_everywhere
+from lightning_matrixfsdp.runtime.pipeline.outputs_comm import NO_BATCH, check_places_agree, outputs_everywhere
 from lightning_matrixfsdp.runtime.queries import wait_replicas
 from lightning_matrixfsdp.runtime.tags import is_owned
 from lightning_matrixfsdp.runtime.tags import pipeline_of as run_of
 
 __all__ = ["PipelineSession", "check_pipeline_world", "check_pipelined_trainer", "find_pipelined", "forward_loss",
-           "forward_outputs", "holds_pipeline", "microbatches_of", "pipeline_of", "setup_pipeline"]
+           "forward_outputs", "holds_pipeline", "microbatches_of", "pipeline_of", "predicting_loader",
+           "setup_pipeline"]
 
 _ATTR = "_mfsdp_pipeline"
 CONTRACT = ("define loss_fn(self, outputs, targets) on the LightningModule and compute the loss in training_step / "
@@ -302,6 +303,42 @@ def _last_batch(module: nn.Module) -> Optional[bool]:
     else:
         return None
     return bool(loop.batch_progress.is_last_batch)
+
+
+def predicting_loader(loader: Any, module: Optional[nn.Module]) -> Any:
+    """``loader`` as the Trainer's prediction loop gets it: under pipeline parallelism with several
+    data-parallel places, wrapped so that a place whose loader yields no batch at all (Lightning's
+    prediction sampler gives a place none when the dataset has fewer samples than places) still
+    meets the others' first check, which then refuses on every rank instead of leaving them waiting."""
+    session = pipeline_of(module)
+    trainer = getattr(module, "_trainer", None)
+    if session is None or session.run.mesh.dp_size == 1 or trainer is None or not trainer.predicting:
+        return loader
+    return _PlacesLoader(loader, session)
+
+
+class _PlacesLoader:
+    """A prediction dataloader, passed through; its length at least 1, so that Lightning does not
+    skip the loop of a place without a batch, which then joins the places' check once."""
+
+    def __init__(self, loader: Any, session: PipelineSession) -> None:
+        self.loader, self.session = loader, session
+
+    def __iter__(self) -> Any:
+        yielded = False
+        for batch in self.loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            check_places_agree(self.session.run, 0, NO_BATCH)
+
+    def __len__(self) -> int:
+        return max(1, len(self.loader))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("loader", "session"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 def _inside(param: str, name: str) -> bool:

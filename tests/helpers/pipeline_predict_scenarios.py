@@ -130,21 +130,24 @@ def _run_fabric_predict(rank: int, world: int, case: dict) -> dict:
     return {"got": got, "want": want, "refused": refused}
 
 
-def predict_refusals(rank: int, world: int, micro: int = 4) -> dict:
+def predict_refusals(rank: int, world: int) -> dict:
     """Each bad prediction under ``pipeline_parallel_size=2``: every rank's message (None: not refused)."""
-    cases = {  # name -> (module, samples, batch size)
-        "calls_self": (make_module(), 8, 4),  # Lightning's default predict_step: self(batch)
-        # two places: a last batch of 3 on one place only (15 samples: 8 and 7), and batch counts that differ (9: 5, 4)
-        "not_a_multiple": (predicting(make_module()), 15 if world == 4 else 6, 4),
-        "uneven_places": (predicting(make_module()), 9, 4),
+    cases = {  # name -> (module, samples, batch size, micro-batches)
+        "calls_self": (make_module(), 8, 4, 4),  # Lightning's default predict_step: self(batch)
+        # two places: a last batch of 3 on one place only (15 samples: 8 and 7), batch counts that differ
+        # (9: 5 and 4), a place whose own loader (no distributed sampler) has no batch at all
+        "not_a_multiple": (predicting(make_module()), 15 if world == 4 else 6, 4, 4),
+        "uneven_places": (predicting(make_module()), 9, 4, 4),
+        "place_without_batch": (predicting(make_module()), 0 if rank % 2 else 4, 4, 1),
     }
     out = {}
-    for name, (lit, n, batch) in cases.items():
-        if name == "uneven_places" and world == 2:
+    for name, (lit, n, batch, micro) in cases.items():
+        if name in ("uneven_places", "place_without_batch") and world == 2:
             continue
-        loader = torch.utils.data.DataLoader(data(n), batch_size=batch)
+        loader = torch.utils.data.DataLoader(data(n) if n else [], batch_size=batch)
+        kw = {"use_distributed_sampler": False} if name == "place_without_batch" else {}
         try:
-            _trainer(world, {"pp": 2, "schedule": "1F1B", "micro": micro}, {}).predict(lit, loader)
+            _trainer(world, {"pp": 2, "schedule": "1F1B", "micro": micro}, {}, **kw).predict(lit, loader)
             out[name] = None
         except Exception as e:  # noqa: BLE001
             out[name] = f"{type(e).__name__}: {e}"

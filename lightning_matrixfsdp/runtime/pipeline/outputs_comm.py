@@ -8,14 +8,14 @@ other stages cannot know: a head may compute in another dtype than the hidden st
 the tensor itself, bit for bit. Data-parallel places never exchange outputs: each keeps its own batch's.
 
 Before the schedule runs, with more than one data-parallel place, every rank of the world learns
-every rank's batch size and whether it is its loop's last batch (one all-gather of three
-integers): a batch that the micro-batches do not divide, or places whose batch counts differ,
-would leave some ranks in a schedule or an all-gather the others never join; both are refused on
-every rank alike, naming the ranks.
+every rank's batch size and whether it is its loop's last batch (one all-gather of two integers;
+a place whose loop has no batch at all joins it once, with none): a batch that the micro-batches
+do not divide, or places whose batch counts differ, would leave some ranks in a schedule or an
+all-gather the others never join; both are refused on every rank alike, naming the ranks.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,19 +23,22 @@ import torch.distributed as dist
 from lightning_matrixfsdp.runtime.comm.small import gather_ints
 from lightning_matrixfsdp.runtime.errors import MatrixShardError, UnevenInputsError
 
-__all__ = ["check_places_agree", "outputs_everywhere"]
+__all__ = ["NO_BATCH", "check_places_agree", "outputs_everywhere"]
 
 #: the dtypes an output may have (their index is the header's code)
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16, torch.complex64, torch.complex128)
 _MAX_DIMS = 8
+#: the ``last`` a place passes whose loop has no batch at all (it meets the others' check once)
+NO_BATCH = 2
 
 
-def check_places_agree(run: Any, rows: int, last: Optional[bool]) -> None:
+def check_places_agree(run: Any, rows: int, last: Optional[Union[bool, int]]) -> None:
     """Refuse, on every rank of the world, a batch of ``rows`` the run's micro-batches do not
-    divide on any rank, and (``last`` known: a loop's last-batch flag) places whose loops end at
-    different batches. Collective over the world when the run has more than one data-parallel
-    place (each place its own batch); local otherwise (the pipeline group shares one batch)."""
+    divide on any rank, and (``last`` known: a loop's last-batch flag, or ``NO_BATCH``) places
+    whose loops end at different batches. Collective over the world when the run has more than
+    one data-parallel place (each place its own batch); local otherwise (the pipeline group
+    shares one batch)."""
     m = run.microbatches
     if run.mesh.dp_size == 1:
         everyone = [[rows, -1]]
@@ -51,13 +54,14 @@ def check_places_agree(run: Any, rows: int, last: Optional[bool]) -> None:
                                "drop_last=True, or another pipeline_microbatches")
     flags = {f for _, f in everyone if f >= 0}
     if len(flags) > 1:
-        ending = ", ".join(str(r) for r, (_, f) in enumerate(everyone) if f == 1)
+        said = {0: "have more batches", 1: "are at their last batch", NO_BATCH: "have no batch at all"}
+        state = "; ".join(f"rank(s) {', '.join(str(r) for r, (_, g) in enumerate(everyone) if g == f)} {said[f]}"
+                          for f in sorted(flags))
         raise UnevenInputsError(
-            f"under pipeline parallelism the data-parallel places have different numbers of batches (rank(s) "
-            f"{ending} are at their last batch, the others are not); each place's stages run their forward "
-            "together, so every place needs the same number of batches: use a dataset whose size is a multiple "
-            "of the data-parallel size x the batch size (Lightning's prediction sampler does not pad), or "
-            "limit_predict_batches to at most the smallest count")
+            f"under pipeline parallelism the data-parallel places have different numbers of batches ({state}); "
+            "each place's stages run their forward together, so every place needs the same number of batches: "
+            "use a dataset whose size is a multiple of the data-parallel size x the batch size (Lightning's "
+            "prediction sampler does not pad), or limit_predict_batches to at most the smallest count")
 
 
 def outputs_everywhere(run: Any, inputs: torch.Tensor) -> torch.Tensor:
