@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from helpers.pipeline_lightning_scenarios import BATCH, _trainer, data, make_module, oracle_fit, place_batches
+from helpers.pipeline_lightning_scenarios import BATCH, _trainer, data, make_module, oracle_fit
 
 
 def _predict_step(self: nn.Module, batch: Any, batch_idx: int) -> torch.Tensor:
