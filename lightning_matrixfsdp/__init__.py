@@ -46,7 +46,7 @@ from lightning_matrixfsdp.adapters import (
     register_fabric,
 )
 from lightning_matrixfsdp.adapters.console import show_routing_lines
-from lightning_matrixfsdp.adapters.pipeline import forward_loss
+from lightning_matrixfsdp.adapters.pipeline import forward_loss, forward_outputs
 from lightning_matrixfsdp.adapters.double_precision import install_double_precision
 from lightning_matrixfsdp.adapters.from_checkpoint import install_directory_loading
 from lightning_matrixfsdp.qkclip import QKClipError, QKClipper
@@ -63,7 +63,7 @@ __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointKeyError", "C
            "CheckpointNotResumableError", "DirectoryCheckpointIO", "load_from_checkpoint", "load_pretrained", "load_sharded", "load_weights", "meta_init", "PretrainedWeights", "QKClip", "QKClipError", "QKClipper", "save_sharded",
            "MatrixFSDPConfig", "MatrixFSDPStrategy", "MatrixShard", "Muon", "SOAP", "Shampoo", "MatrixShardError", "Plan",
            "RankDivergenceError", "UnevenInputsError", "MatrixFSDPFabricStrategy", "CollectiveInterrupted",
-           "LoneForwardError", "clip_grad_norm_", "forward_loss", "full_model", "parallelize_experts", "get_comm_stats", "get_expert_stats", "get_plan", "grad_norm",
+           "LoneForwardError", "clip_grad_norm_", "forward_loss", "forward_outputs", "full_model", "parallelize_experts", "get_comm_stats", "get_expert_stats", "get_plan", "grad_norm",
            "hsdp_mesh", "is_matrix_sharded", "local_state_dict", "matrix_shard", "param_groups", "PartialStateDictError", "route_optimizer", "set_requires_gradient_sync"]
 
 from lightning_matrixfsdp.optim.groups import param_groups

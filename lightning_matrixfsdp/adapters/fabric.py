@@ -48,7 +48,7 @@ from lightning_matrixfsdp.adapters.shared import (
     set_gradient_sync,
 )
 from lightning_matrixfsdp.checkpoint import load_sharded, meta_init, save_sharded
-from lightning_matrixfsdp.adapters.pipeline import pipeline_of, refuse_checkpoint, setup_pipeline
+from lightning_matrixfsdp.adapters.pipeline import holds_pipeline, pipeline_of, setup_pipeline
 from lightning_matrixfsdp.optim.norms import clip_grad_norm_pipeline_
 from lightning_matrixfsdp.optim.routing import full_params
 from lightning_matrixfsdp.runtime import is_matrix_sharded
@@ -216,7 +216,9 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def backward(self, tensor: torch.Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         """Under pipeline parallelism the schedule ran the backward inside ``forward_loss``: the
         loss must be the one it returned (a scaled copy would scale nothing); the hooks run."""
-        session = next((s for m in self._modules if (s := pipeline_of(m)) is not None), None)
+        sessions = [s for m in self._modules if (s := pipeline_of(m)) is not None]
+        # the model whose forward_loss ran this step (several models set up: not necessarily the first)
+        session = next((s for s in sessions if s.pending is not None), sessions[0] if sessions else None)
         if session is None:
             return super().backward(tensor, module, *args, **kwargs)
         session.take_backward(tensor)
@@ -242,7 +244,8 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     @staticmethod
     def _split_state(state: Mapping[str, Any], verb: str) -> tuple[nn.Module, list[Optimizer], list[str]]:
         """(the one sharded model, the optimizers in state order, the other keys)."""
-        models = [k for k, v in state.items() if isinstance(v, nn.Module) and is_matrix_sharded(v)]
+        models = [k for k, v in state.items()
+                  if isinstance(v, nn.Module) and (is_matrix_sharded(v) or holds_pipeline(v))]
         if len(models) != 1:
             found = f"found {len(models)} ({', '.join(map(repr, models))})" if models else "found none"
             raise ValueError(
@@ -263,7 +266,6 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             raise NotImplementedError(f"{type(self).__name__} does not save filtered checkpoints (filter="
                                       f"{sorted(filter)}); save the whole state")
         module, optimizers, others = self._split_state(state, "save")
-        refuse_checkpoint(module, "fabric.save")
         clash = [k for k in others if k in _RESTORED_KEYS]
         if clash:
             raise ValueError(f"fabric.save: the state keys {clash} are reserved by the checkpoint layout; rename them")
@@ -290,7 +292,6 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
             load_sharded(state, path, (), strict=strict, weights_only=weights_only, verify=self.verify_checkpoints)
             return {}
         module, optimizers, others = self._split_state(state, "load")
-        refuse_checkpoint(module, "fabric.load")
         meta = load_sharded(module, path, optimizers, strict=strict, weights_only=weights_only,
                             verify=self.verify_checkpoints, reset_changed_roles=self.reset_changed_roles)
         rest = {k: v for k, v in (meta or {}).items() if k not in _RESTORED_KEYS}

@@ -8,7 +8,10 @@ Under ``pipeline_parallel_size > 1`` the strategy has attached a :class:`Pipelin
 module: in training ``forward_loss`` runs the schedule (forward and backward of every
 micro-batch) and returns the batch's mean loss, detached, the same on every rank of the pipeline
 group; the strategy's ``backward`` then runs none of its own. In evaluation it runs the forward
-only. The session also guards the pipelined model's whole forward, which no rank can run.
+only. Outputs (a ``predict_step``'s) come from ``forward_outputs(self, inputs)``: exactly
+``self(inputs)`` without pipeline parallelism; under it the forward schedule, whose last stage's
+outputs reach every rank of the pipeline group. The session also guards the pipelined model's
+whole forward, which no rank can run.
 """
 
 from __future__ import annotations
@@ -21,26 +24,20 @@ from torch import nn
 from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.pipeline import FAMILIES, PipelineMesh, PipelineRun, build_pipeline, family_of
+from lightning_matrixfsdp.runtime.pipeline.outputs_comm import NO_BATCH, check_places_agree, outputs_everywhere
+from lightning_matrixfsdp.runtime.queries import wait_replicas
 from lightning_matrixfsdp.runtime.tags import is_owned
+from lightning_matrixfsdp.runtime.tags import pipeline_of as run_of
 
-__all__ = ["PipelineSession", "check_pipeline_world", "check_pipelined_trainer", "find_pipelined", "forward_loss", "microbatches_of", "refuse_checkpoint",
-           "pipeline_of", "setup_pipeline"]
+__all__ = ["PipelineSession", "check_pipeline_world", "check_pipelined_trainer", "find_pipelined", "forward_loss",
+           "forward_outputs", "holds_pipeline", "microbatches_of", "pipeline_of", "predicting_loader",
+           "setup_pipeline"]
 
 _ATTR = "_mfsdp_pipeline"
 CONTRACT = ("define loss_fn(self, outputs, targets) on the LightningModule and compute the loss in training_step / "
             "validation_step as `loss = lightning_matrixfsdp.forward_loss(self, inputs, targets)` "
             "(docs/pipeline-parallel.md, 'Pipeline parallelism in Lightning: the contract')")
-
-
-NO_CHECKPOINTS = ("the Trainer saves and resumes pipelined models (Trainer.save_checkpoint, ModelCheckpoint, "
-                  "ckpt_path), or train with pipeline_parallel_size=1 (docs/pipeline-parallel.md)")
-
-
-def refuse_checkpoint(module: Optional[nn.Module], what: str) -> None:
-    """Fabric's save and load under pipeline parallelism: not yet (untested there; the Trainer's
-    path is): refused, on every rank alike."""
-    if pipeline_of(module) is not None:
-        raise MatrixShardError(f"{what} is not supported under pipeline parallelism yet: {NO_CHECKPOINTS}")
+OUTPUTS = "for the model's outputs (predict_step) call `outputs = lightning_matrixfsdp.forward_outputs(self, inputs)`"
 
 
 def _loss_fn(module: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -68,9 +65,31 @@ def forward_loss(module: nn.Module, inputs: torch.Tensor, targets: torch.Tensor)
     return session.loss(inputs, targets)
 
 
+def forward_outputs(module: nn.Module, inputs: torch.Tensor) -> Any:
+    """The outputs of ``module`` on ``inputs`` (a ``predict_step``'s), the same code under every strategy.
+
+    Without pipeline parallelism: exactly ``module(inputs)``. Under
+    ``MatrixFSDPStrategy(pipeline_parallel_size=PP > 1)`` (or the Fabric strategy): runs the
+    forward schedule over the batch (its size must be a multiple of ``pipeline_microbatches``)
+    and returns the last stage's outputs (the pipelined model's: logits), the same tensor on every
+    rank of the pipeline group; each data-parallel place gets those of its own batch, as DDP
+    would. Forward only: call it where gradients are off (validation, test and predict steps, or
+    under ``torch.no_grad()``); a training loss comes from :func:`forward_loss`."""
+    session = pipeline_of(module)
+    if session is None:
+        return module(inputs)
+    return session.outputs(inputs)
+
+
 def pipeline_of(module: Optional[nn.Module]) -> Optional["PipelineSession"]:
     """The pipeline session the strategy attached to ``module`` (None: no pipeline parallelism)."""
     return None if module is None else getattr(module, _ATTR, None)  # also through Fabric's module wrapper
+
+
+def holds_pipeline(module: nn.Module) -> bool:
+    """Whether ``module`` is, or holds, a model split into pipeline stages on this rank (a checkpoint
+    of it covers every stage under the whole model's names)."""
+    return any(run_of(m) is not None for m in module.modules())
 
 
 def microbatches_of(config: MatrixFSDPConfig) -> int:
@@ -107,16 +126,13 @@ def check_pipeline_world(config: MatrixFSDPConfig, world: int, tp: int, where: s
 
 def check_pipelined_trainer(module: Any, trainer: Any) -> None:
     """What the Trainer cannot do under pipeline parallelism, refused before the split (on every
-    rank alike: each reads the same module and Trainer): manual optimization, predicting.
-    Checkpoints work (the model's global names; docs/pipeline-parallel.md)."""
+    rank alike: each reads the same module and Trainer): manual optimization. Prediction
+    (``forward_outputs``) and checkpoints (the model's global names) work; docs/pipeline-parallel.md."""
     if not module.automatic_optimization:
         raise MatrixShardError("manual optimization (automatic_optimization = False) is not supported under "
                                "pipeline parallelism: the backward runs inside the pipeline schedule, not in "
                                f"manual_backward; use automatic optimization and {CONTRACT}, or set "
                                "pipeline_parallel_size=1")
-    if trainer.state.fn == "predict":
-        raise MatrixShardError("trainer.predict is not supported under pipeline parallelism yet (the outputs "
-                               "live on the last stage's ranks); predict with pipeline_parallel_size=1")
 
 
 def find_pipelined(module: nn.Module) -> tuple[str, nn.Module]:
@@ -136,8 +152,11 @@ class PipelineSession:
     """The pipelined run of one LightningModule and the state of its current step."""
 
     def __init__(self, run: PipelineRun, name: str, accumulation: Callable[[], int],
-                 training: Callable[[], bool]) -> None:
+                 training: Callable[[], bool], last_batch: Callable[[], Optional[bool]] = lambda: None) -> None:
         self.run, self.name, self.accumulation, self.training = run, name, accumulation, training
+        #: whether the running evaluation loop's batch is its last (None: unknown, as under Fabric):
+        #: ``forward_outputs`` refuses places whose batch counts differ before any schedule runs
+        self.last_batch = last_batch
         #: the loss of the step whose backward the schedule already ran (the strategy's backward takes it)
         self.pending: Optional[torch.Tensor] = None
         #: the gradients the schedule produced in this step, (parameter, gradient), added in ``take_backward``
@@ -168,6 +187,21 @@ class PipelineSession:
                     p.grad = g
             return self.pending
         return self.run.evaluate(inputs, targets)
+
+    def outputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``forward_outputs`` under pipeline parallelism: the last stage's outputs on every rank
+        of the pipeline group. Every rank checks the batch sizes (and, in a Trainer loop, the
+        places' batch counts) before any schedule runs, so a refusal reaches every rank."""
+        if torch.is_grad_enabled():
+            raise MatrixShardError("forward_outputs under pipeline parallelism runs the forward only and returns "
+                                   "outputs without gradients; call it where gradients are off (validation, test "
+                                   "and predict steps, or under torch.no_grad()), and compute a training loss "
+                                   f"with forward_loss: {CONTRACT}")
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1:
+            raise MatrixShardError(f"forward_outputs under pipeline parallelism takes the batch's inputs as one "
+                                   f"tensor (token ids), got {type(inputs).__name__}")
+        check_places_agree(self.run, int(inputs.shape[0]), self.last_batch())
+        return outputs_everywhere(self.run, inputs)
 
     def take_backward(self, loss: Optional[torch.Tensor] = None) -> None:
         """The strategy's backward: the schedule ran it; refuses a loss that did not come from
@@ -213,8 +247,8 @@ def _guard(name: str) -> Callable[..., Any]:
     def refuse(module: nn.Module, args: Any) -> None:
         where = f"the pipelined model ({name or 'the LightningModule itself'}, {type(module).__name__})"
         raise MatrixShardError(f"under pipeline parallelism no rank holds the whole model, so {where} cannot run "
-                               f"its forward (self(...) in a step, or a hook); {CONTRACT}. Predicting, and "
-                               "reading intermediate activations, need pipeline_parallel_size=1")
+                               f"its forward (self(...) in a step, or a hook); {CONTRACT}; {OUTPUTS}. "
+                               "Reading intermediate activations needs pipeline_parallel_size=1")
     return refuse
 
 
@@ -245,9 +279,66 @@ def setup_pipeline(module: nn.Module, config: MatrixFSDPConfig, mesh: PipelineMe
             setattr(p, "_mfsdp_owned", False)
     assert all(not is_owned(p) or id(p) in mine for p in module.parameters())
     sub.register_forward_pre_hook(_guard(name))
-    session = PipelineSession(run, name, accumulation, lambda: module.training)
+    # replica_split (HSDP in a stage): the stages are roots outside the model, so their own state_dict
+    # hooks do not run for the model's; a state read (model.state_dict(), on any ranks) waits here for
+    # the stepped weights in flight to the other replicas (local: every rank started them after the step)
+    sub.register_state_dict_pre_hook(lambda m, prefix, keep_vars: wait_replicas(m))
+    session = PipelineSession(run, name, accumulation, lambda: module.training, lambda: _last_batch(module))
     module.__dict__[_ATTR] = session
     return session
+
+
+def _last_batch(module: nn.Module) -> Optional[bool]:
+    """Whether the Trainer's running evaluation loop is at its last batch (Lightning sets the flag
+    before the step); None outside a Trainer's evaluation loop (Fabric, training)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return None
+    if trainer.predicting:
+        loop = trainer.predict_loop
+    elif trainer.testing:
+        loop = trainer.test_loop
+    elif trainer.validating or trainer.sanity_checking:
+        loop = trainer.fit_loop.epoch_loop.val_loop if trainer.state.fn == "fit" else trainer.validate_loop
+    else:
+        return None
+    return bool(loop.batch_progress.is_last_batch)
+
+
+def predicting_loader(loader: Any, module: Optional[nn.Module]) -> Any:
+    """``loader`` as the Trainer's prediction loop gets it: under pipeline parallelism with several
+    data-parallel places, wrapped so that a place whose loader yields no batch at all (Lightning's
+    prediction sampler gives a place none when the dataset has fewer samples than places) still
+    meets the others' first check, which then refuses on every rank instead of leaving them waiting."""
+    session = pipeline_of(module)
+    trainer = getattr(module, "_trainer", None)
+    if session is None or session.run.mesh.dp_size == 1 or trainer is None or not trainer.predicting:
+        return loader
+    return _PlacesLoader(loader, session)
+
+
+class _PlacesLoader:
+    """A prediction dataloader, passed through; its length at least 1, so that Lightning does not
+    skip the loop of a place without a batch, which then joins the places' check once."""
+
+    def __init__(self, loader: Any, session: PipelineSession) -> None:
+        self.loader, self.session = loader, session
+
+    def __iter__(self) -> Any:
+        yielded = False
+        for batch in self.loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            check_places_agree(self.session.run, 0, NO_BATCH)
+
+    def __len__(self) -> int:
+        return max(1, len(self.loader))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("loader", "session"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 def _inside(param: str, name: str) -> bool:

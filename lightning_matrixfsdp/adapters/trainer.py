@@ -31,7 +31,7 @@ from lightning_matrixfsdp.adapters.compat import (
 from lightning_matrixfsdp.adapters.param_groups import (
     full_finetuning_state, install_toggles, restore_finetuning_groups, uninstall_toggles)
 from lightning_matrixfsdp.adapters.pipeline import (
-    check_pipelined_trainer, pipeline_of, setup_pipeline)
+    check_pipelined_trainer, pipeline_of, predicting_loader, setup_pipeline)
 from lightning_matrixfsdp.adapters.replacement import replace_optimizer
 from lightning_matrixfsdp.adapters.shared import (
     MatrixFSDPAdapter,
@@ -304,7 +304,8 @@ class MatrixFSDPStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         training = self.lightning_module is not None and \
             self.lightning_module.trainer.state.stage == RunningStage.TRAINING
-        return self._uneven.wrap(dataloader, self.lightning_module, self.world_size, training)
+        loader = self._uneven.wrap(dataloader, self.lightning_module, self.world_size, training)
+        return predicting_loader(loader, self.lightning_module)  # pipelined: a place without batches is heard
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -25,7 +25,7 @@ from lightning_matrixfsdp.runtime.experts.stats import summarize
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.comm.small import sum_counts
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import find_state, sharded_roots, state_of, tp_of
+from lightning_matrixfsdp.runtime.tags import find_state, pipeline_of, sharded_roots, state_of, tp_of
 
 
 def _state(module: nn.Module) -> MatrixFSDPState:
@@ -103,8 +103,25 @@ def start_replica_sync(module: nn.Module, optimizer: Optional[Any] = None) -> No
 def sync_replicas(module: nn.Module) -> None:
     """``replica_split``: every replica holds the current weights when this returns (sends
     what may have changed, waits for every transfer in flight). Collective over the
-    replicas: call it on every rank. No-op without ``replica_split``."""
+    replicas: call it on every rank. No-op without ``replica_split``. Under pipeline
+    parallelism ``module`` may be (or hold) the whole model: this rank's stages are synced."""
+    stages = _stages_in(module)
+    if stages:
+        for stage in stages:
+            state_of(stage).settle_replicas()
+        return
     _state(module).settle_replicas()
+
+
+def _stages_in(module: nn.Module) -> list[nn.Module]:
+    """The sharded pipeline stages this rank runs of every model inside ``module`` split by
+    ``build_pipeline`` (a stage is a root of its own, not a submodule of the model)."""
+    out: list[nn.Module] = []
+    for m in module.modules():
+        run = pipeline_of(m)
+        if run is not None:
+            out.extend(s for s in run.stages if state_of(s) is not None and all(s is not o for o in out))
+    return out
 
 
 def watch_lone_forwards(module: nn.Module) -> None:
@@ -196,8 +213,8 @@ def release_unfinished(module: nn.Module) -> None:
 
 def wait_replicas(module: nn.Module) -> None:
     """``replica_split``: finish the weight transfers in flight of every sharded model inside
-    ``module`` (local). No-op without ``replica_split``."""
-    for root in sharded_roots(module):
+    ``module``, pipeline stages included (local). No-op without ``replica_split``."""
+    for root in sharded_roots(module) + _stages_in(module):
         state_of(root).wait_replicas()
 
 
