@@ -21,7 +21,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 from torch import nn
 
 from lightning_matrixfsdp.runtime import get_comm_stats, get_expert_stats
-from lightning_matrixfsdp.runtime.tags import global_numel
+from lightning_matrixfsdp.runtime.queries import expert_stats_of, stage_comm_stats
+from lightning_matrixfsdp.runtime.tags import global_numel, is_stage
 
 __all__ = ["MatrixFSDPLayerSummary", "MatrixFSDPSummary", "StepTelemetry"]
 
@@ -34,7 +35,7 @@ class StepTelemetry:
 
     def __init__(self) -> None:
         self._marks: list[tuple[Any, Any]] = []  # (start, end) of recent optimizer steps
-        self._last_stats: dict[str, dict[str, int]] = {}
+        self._last_stats: dict[Any, dict[str, dict[str, int]]] = {}  # counters at the last log, per root / stage
         self._start: Any = None  # the running step's start, set when its closure returned
         self._steps = 0  # optimizer steps since the last log (the experts' per-step figures)
 
@@ -78,7 +79,9 @@ class StepTelemetry:
 
     def log(self, trainer: Any, roots: Iterable[nn.Module], global_zero: bool) -> None:
         """Log at the Trainer's interval. Call on every rank after each optimizer step: the experts'
-        counts are summed over the world at a log step; rank 0 (``global_zero``) logs."""
+        counts are summed over the world at a log step; rank 0 (``global_zero``) logs. Under
+        pipeline parallelism (``roots``: this rank's stages) also each stage's traffic, as
+        ``matrix_fsdp/stage<k>/<phase>_MB`` (the stage's lowest rank's, gathered at the log step)."""
         self._steps += 1
         if trainer is None or trainer.logger is None:
             return
@@ -86,9 +89,15 @@ class StepTelemetry:
         if trainer.log_every_n_steps <= 0 or (step + 1) % trainer.log_every_n_steps:
             return
         roots = list(roots)
+        pipelined = any(is_stage(r) for r in roots)
         metrics: dict[str, float] = {}
-        for root in roots:  # collective, the same on every rank (the same model, the same interval)
-            metrics.update(get_expert_stats(root, steps=self._steps))
+        # collective, the same on every rank (the same model, the same interval)
+        if pipelined:  # every stage's experts, each counted over its own stage's ranks
+            metrics.update(expert_stats_of(roots, steps=self._steps))
+        else:
+            for root in roots:
+                metrics.update(get_expert_stats(root, steps=self._steps))
+        stages = stage_comm_stats(roots) if pipelined else {}
         self._steps = 0
         if not global_zero:
             self._marks = []
@@ -97,14 +106,20 @@ class StepTelemetry:
             times = [self._elapsed_ms(a, b) for a, b in self._marks]
             metrics["matrix_fsdp/optimizer_step_ms"] = sum(times) / len(times)
             self._marks = []
-        for root in roots:
-            now = get_comm_stats(root)
-            for phase, d in now.items():
-                prev = self._last_stats.get(phase, {"sent": 0, "recv": 0})
-                moved = d["sent"] + d["recv"] - prev["sent"] - prev["recv"]
-                metrics[f"matrix_fsdp/{phase}_MB"] = metrics.get(f"matrix_fsdp/{phase}_MB", 0.0) + moved / 2**20
-            self._last_stats = now
+        for i, root in enumerate(roots):  # this rank's traffic, summed over its roots
+            self._add_moved(metrics, "matrix_fsdp/", ("root", i), get_comm_stats(root))
+        for index, now in stages.items():
+            self._add_moved(metrics, f"matrix_fsdp/stage{index}/", ("stage", index), now)
         trainer.logger.log_metrics(metrics, step=step)
+
+    def _add_moved(self, metrics: dict[str, float], prefix: str, key: Any, now: dict[str, dict[str, int]]) -> None:
+        """Add the megabytes each phase moved since the last log of the counters ``key``."""
+        last = self._last_stats.get(key, {})
+        for phase, d in now.items():
+            prev = last.get(phase, {"sent": 0, "recv": 0})
+            moved = d["sent"] + d["recv"] - prev["sent"] - prev["recv"]
+            metrics[f"{prefix}{phase}_MB"] = metrics.get(f"{prefix}{phase}_MB", 0.0) + moved / 2**20
+        self._last_stats[key] = now
 
 
 # ---------------------------------------------------------------- model summary
