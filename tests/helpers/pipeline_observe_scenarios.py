@@ -1,0 +1,132 @@
+"""What watches and reports the model sees its pipeline stages (issue 38 follow-ups).
+
+One Trainer fit of the demos' GPT (4 blocks, each given a persistent buffer so that a stage's
+share of a save differs from the whole model's) under ``pipeline_parallel_size=2`` with a declared
+split (blocks 0-1 on stage 0, 2-3 on stage 1), a metrics-capturing logger at every step,
+``log_plan=True``, ``async_save=True``, then a validation and a save. Each rank returns what the
+strategy reported and plainly computed counts to judge it by (from an unsplit copy of the model).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import traceback
+from typing import Any
+
+import torch
+
+from helpers.pipeline_lightning_scenarios import BATCH, _trainer, data, make_module
+
+BUFFER = 1000  # elements of each block's extra buffer
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _metrics_logger() -> Any:
+    from lightning.pytorch.loggers.logger import Logger
+
+    class Metrics(Logger):
+        """Keeps every logged metric."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[dict] = []
+
+        name, version = "metrics", 0
+
+        @property
+        def experiment(self) -> None:  # noqa: D102
+            return None
+
+        def log_metrics(self, metrics: dict, step: Any = None) -> None:  # noqa: D102
+            self.rows.append(dict(metrics))
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:  # noqa: D102
+            pass
+
+    return Metrics()
+
+
+def observe_case(rank: int, world: int, path: str) -> dict:
+    try:
+        return _observe(rank, world, path)
+    except Exception:  # noqa: BLE001 - the test shows every rank's failure
+        return {"error": traceback.format_exc()}
+
+
+def _aligned(tensors: list[torch.Tensor]) -> int:
+    return sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
+
+
+def _observe(rank: int, world: int, path: str) -> dict:
+    from lightning.pytorch import Trainer  # noqa: F401 - imported before the strategy (Lightning's order)
+
+    from lightning_matrixfsdp.adapters.pipeline import pipeline_of
+    from lightning_matrixfsdp.runtime.tags import state_of
+
+    lit = make_module()
+    for i, block in enumerate(lit.blocks):
+        block.register_buffer("extra", torch.full((BUFFER,), float(i)))
+    plain = copy.deepcopy(lit)  # the unsplit model: the independent counts
+    places = world // 2
+    samples = data(places * BATCH * 2)
+    loader = torch.utils.data.DataLoader(samples, batch_size=BATCH)
+    capture = _Capture()
+    import lightning_utilities.core.rank_zero as rank_zero
+
+    info = rank_zero.log  # where rank_zero_info writes (Lightning's packages each set it)
+    level = info.level
+    info.addHandler(capture)
+    info.setLevel(logging.INFO)
+    try:
+        trainer = _trainer(world, {"pp": 2, "schedule": "1F1B"}, {"pipeline_split": ["blocks.2"],
+                                                                  "async_save": True},
+                           max_steps=2, log_every_n_steps=1)
+        trainer.strategy.config = trainer.strategy.config.updated(log_plan=True)
+        trainer.loggers = [_metrics_logger()]
+        trainer.fit(lit, loader)
+        trainer.validate(lit, loader, verbose=False)
+        trainer.save_checkpoint(os.path.join(path, "ckpt"))
+        trainer.strategy.wait_checkpoints()
+    finally:
+        info.removeHandler(capture)
+        info.setLevel(level)
+    session = pipeline_of(lit)
+    stage = session.run.stage_indices[0]
+    mine = [f"blocks.{i}" for i in ((0, 1) if stage == 0 else (2, 3))]
+    held = [p for n, p in plain.named_parameters() if any(n.startswith(b + ".") for b in mine)
+            or (stage == 0 and n.startswith(("tok_emb.", "pos_emb."))) or (stage == 1 and not n.startswith(
+                ("tok_emb.", "pos_emb.", "blocks.")))]
+    buffers = [b for n, b in plain.named_buffers() if any(n.startswith(x + ".") for x in mine)]
+    opt_state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    out = {
+        "stage": stage,
+        "metrics": trainer.loggers[0].rows,
+        "log": capture.lines,
+        "reserved": trainer.strategy.async_saver.staging.buffer.numel(),
+        # this rank's stage owned whole on one of its ranks: a rank holds at most the stage's tensors
+        "stage_bytes": _aligned(held) + _aligned(buffers),
+        "all_buffer_bytes": _aligned([b for _, b in plain.named_buffers()]),
+        "opt_bytes": _aligned(opt_state),
+        "local_param_bytes": _aligned([p.detach() for p in lit.parameters()]),
+        "watched": [state_of(s).schedule.peer_check is not None for s in session.run.stages],
+        "stage_params": sum(p.numel() for p in held),
+        "block_params": [sum(p.numel() for p in b.parameters()) for b in plain.blocks],
+        "head_params": sum(p.numel() for n, p in plain.named_parameters()
+                           if not n.startswith(("tok_emb.", "pos_emb.", "blocks."))),
+        "emb_params": sum(p.numel() for n, p in plain.named_parameters() if n.startswith(("tok_emb.", "pos_emb."))),
+    }
+    if rank == 0:
+        side = os.path.join(path, "ckpt", "matrix_fsdp_layout.json")
+        with open(side) as f:
+            out["sidecar_plans"] = json.load(f)["plans"]
+    return out

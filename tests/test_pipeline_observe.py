@@ -1,0 +1,101 @@
+"""What watches and reports the model sees the pipeline stages (issue 38 follow-ups): under
+``pipeline_parallel_size=2`` x 2 data-parallel ranks (4 gloo processes, the shared pool), one fit
+(``helpers/pipeline_observe_scenarios.py``) whose reports are judged against counts taken plainly
+from an unsplit copy of the model: the per-stage telemetry, the plan log naming each stage's units,
+the time and memory shares, the lone-forward watch on the stages (and no false alarm from the
+schedule's forwards), ``AsyncCheckpointer.reserve`` sized to this rank's stage, and the sidecar's
+plans of both stages. In-process: the record the strategies build under pipeline parallelism.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers.pipeline_observe_scenarios import observe_case
+
+
+@pytest.fixture(scope="module")
+def observed(dist_pools, tmp_path_factory):
+    res = dist_pools(4).run(observe_case, str(tmp_path_factory.mktemp("observe")), timeout=300)
+    for rank, r in enumerate(res):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    return res
+
+
+def test_telemetry_reports_every_stage(observed):
+    rows = [row for row in observed[0]["metrics"] if "matrix_fsdp/optimizer_step_ms" in row]
+    assert len(rows) == 2, rows  # log_every_n_steps=1, two steps
+    for row in rows:
+        for stage in (0, 1):
+            keys = [k for k in row if k.startswith(f"matrix_fsdp/stage{stage}/")]
+            assert keys, (stage, sorted(row))
+            assert all(row[k] >= 0 for k in keys)
+        assert row["matrix_fsdp/optimizer_step_ms"] > 0
+    # rank 0 is stage 0's lowest rank: its own traffic is stage 0's
+    for row in rows:
+        for k, v in row.items():
+            if k.startswith("matrix_fsdp/stage0/"):
+                assert v == pytest.approx(row["matrix_fsdp/" + k.split("/", 2)[2]])
+    # each stage moves about its own parameters' bytes per phase (float32, two ranks): the stages differ
+    # as their sizes do, and a stage never moves less than a quarter of one copy of its parameters
+    by_stage = {r["stage"]: r["stage_params"] for r in observed}
+    for stage, params in by_stage.items():
+        moved = sum(v for k, v in rows[-1].items() if k.startswith(f"matrix_fsdp/stage{stage}/")) * 2 ** 20
+        assert moved >= params * 4 / 4, (stage, moved, params)
+
+
+def test_plan_log_names_every_stage_and_its_parameters(observed):
+    log = "\n".join(observed[0]["log"])
+    assert "split declared" in log
+    at = log.index("pipeline stage 0:"), log.index("pipeline stage 1:")
+    end = log.find("pipeline stage 0:", at[1])  # validate's setup logs the plans again
+    stage0, stage1 = log[at[0]:at[1]], log[at[1]:end if end > 0 else len(log)]
+    assert "units=3" in stage0 and "units=3" in stage1  # each stage: its two blocks and its root
+    assert "tok_emb.weight" in stage0 and "ln_f.weight" not in stage0, stage0
+    assert "ln_f.weight" in stage1 and "tok_emb.weight" not in stage1, stage1
+
+
+def test_plan_reports_memory_and_estimated_time_shares(observed):
+    r = observed[0]
+    blocks, head, emb = r["block_params"], r["head_params"], r["emb_params"]
+    total = emb + sum(blocks) + head
+    memory = [(emb + blocks[0] + blocks[1]) / total, (blocks[2] + blocks[3] + head) / total]
+    flops = sum(blocks) + head  # 2 x matmul parameters per token; the embeddings are a lookup
+    time = [(blocks[0] + blocks[1]) / flops, (blocks[2] + blocks[3] + head) / flops]
+    log = "\n".join(r["log"])
+    for stage in (0, 1):
+        assert (f"(memory {100 * memory[stage]:.1f}%), time ~{100 * time[stage]:.1f}% (estimate)"
+                in log), (stage, memory, time, log)
+    assert "time (estimate)" in log
+
+
+def test_lone_forward_watch_covers_the_stages(observed):
+    # installed on each stage, and the schedule's forwards in training and validation raised nothing
+    assert all(r["watched"] == [True] for r in observed)
+
+
+def test_async_reserve_is_this_ranks_stage(observed):
+    for rank, r in enumerate(observed):
+        # at most this rank's stage (params owned here, its blocks' buffers) and its optimizer state
+        assert r["reserved"] <= r["stage_bytes"] + r["opt_bytes"], (rank, r)
+        assert r["reserved"] >= r["local_param_bytes"] + r["opt_bytes"], (rank, r)
+        # the other stage's buffers are not reserved
+        assert r["reserved"] < r["local_param_bytes"] + r["all_buffer_bytes"] + r["opt_bytes"], (rank, r)
+
+
+def test_sidecar_names_both_stages(observed):
+    plans = observed[0]["sidecar_plans"]
+    assert [p["stage"] for p in plans] == [0, 1], plans
+    text = [str(p["plan"]) for p in plans]
+    assert "blocks.0" in text[0] and "blocks.3" in text[1] and "blocks.3" not in text[0], text
+
+
+def test_pipeline_builds_no_whole_world_expert_groups():
+    """What ``setup_environment`` builds under pipeline parallelism: only the world's DeviceMesh record,
+    without the shard size or the experts (each stage builds its own)."""
+    import dataclasses
+
+    from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
+
+    dims = ParallelDims.from_options(4, 4, shard_size=1, expert_parallel=2)
+    assert dataclasses.replace(dims, shard=dims.data_parallel, replicate=1, expert=1).expert == 1
+
