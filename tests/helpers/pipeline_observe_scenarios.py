@@ -31,6 +31,19 @@ class _Capture(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _Reserved(seen: list) -> Any:
+    """A callback noting the size of the host buffer ``reserve`` made after the first step (before a
+    save could resize it; the end of fit frees it)."""
+    from lightning.pytorch import Callback
+
+    class Reserved(Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:  # noqa: D102
+            buffer = trainer.strategy.async_saver.staging.buffer
+            seen.append(buffer.numel() if buffer is not None else -1)
+
+    return Reserved()
+
+
 def _metrics_logger() -> Any:
     from lightning.pytorch.loggers.logger import Logger
 
@@ -93,7 +106,10 @@ def _observe(rank: int, world: int, path: str) -> dict:
                            max_steps=2, log_every_n_steps=1)
         trainer.strategy.config = trainer.strategy.config.updated(log_plan=True)
         trainer.loggers = [_metrics_logger()]
+        seen: list[int] = []
+        trainer.callbacks.append(_Reserved(seen))
         trainer.fit(lit, loader)
+        reserved = seen[-1]
         trainer.validate(lit, loader, verbose=False)
         trainer.save_checkpoint(os.path.join(path, "ckpt"))
         trainer.strategy.wait_checkpoints()
@@ -112,7 +128,7 @@ def _observe(rank: int, world: int, path: str) -> dict:
         "stage": stage,
         "metrics": trainer.loggers[0].rows,
         "log": capture.lines,
-        "reserved": trainer.strategy.async_saver.staging.buffer.numel(),
+        "reserved": reserved,
         # this rank's stage owned whole on one of its ranks: a rank holds at most the stage's tensors
         "stage_bytes": _aligned(held) + _aligned(buffers),
         "all_buffer_bytes": _aligned([b for _, b in plain.named_buffers()]),
