@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.pipeline_observe_scenarios import observe_case
+from helpers.pipeline_observe_scenarios import observe_case, observe_moe_case
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +99,31 @@ def test_pipeline_builds_no_whole_world_expert_groups():
     dims = ParallelDims.from_options(4, 4, shard_size=1, expert_parallel=2)
     assert dataclasses.replace(dims, shard=dims.data_parallel, replicate=1, expert=1).expert == 1
 
+
+
+def test_pipeline_x_experts_setup_and_expert_stats(hf_pool4):
+    """PP=2 x EP=2 (4 ranks): ``setup_environment`` creates no expert group (the whole-world record's
+    would span both stages' ranks, and nothing uses them), each stage still creates its own, the run
+    trains, and the logged experts' load equals the unsplit model's own router choices per layer
+    (layer 0 on stage 0, layer 1 on stage 1)."""
+    import math
+
+    pytest.importorskip("transformers")
+    res = hf_pool4.run(observe_moe_case, {}, timeout=300)
+    for rank, r in enumerate(res):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    for rank, r in enumerate(res):
+        in_setup = [c for c in r["calls"] if c[0] == "expert_groups" and c[2]]
+        assert not in_setup, (rank, in_setup)
+        assert any(c[0] == "expert_groups" and not c[2] for c in r["calls"]), (rank, r["calls"])
+        assert len(r["losses"]) == 1 and math.isfinite(r["losses"][0])
+    metrics = res[0]["metrics"]
+    assert len(metrics) == 1, metrics
+    row = metrics[0]
+    for layer, counts in res[0]["oracle_counts"].items():
+        keys = [k for k in row if k.startswith(f"matrix_fsdp/experts/{layer}/")]  # short names: the layer
+        mean = sum(counts) / len(counts)
+        cv = math.sqrt(sum((c - mean) ** 2 for c in counts) / len(counts)) / mean
+        want = {"tokens_min": min(counts), "tokens_max": max(counts), "tokens_cv": cv}
+        got = {k.rsplit("/", 1)[1]: row[k] for k in keys}
+        assert got == pytest.approx(want), (layer, got, want, sorted(row))

@@ -146,3 +146,76 @@ def _observe(rank: int, world: int, path: str) -> dict:
         with open(side) as f:
             out["sidecar_plans"] = json.load(f)["plans"]
     return out
+
+
+def observe_moe_case(rank: int, world: int, case: dict) -> dict:
+    try:
+        return _observe_moe(rank, world, case)
+    except Exception:  # noqa: BLE001 - the test shows every rank's failure
+        return {"error": traceback.format_exc()}
+
+
+def _counting_new_group(calls: list, inside: list) -> Any:
+    """``dist.new_group`` that records (the calling function, its ranks, whether ``setup_environment`` runs)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    real = dist.new_group
+
+    def new_group(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        calls.append((inspect.stack()[1].function, list(ranks or []), bool(inside)))
+        return real(ranks, *args, **kwargs)
+
+    return real, new_group
+
+
+def _observe_moe(rank: int, world: int, case: dict) -> dict:
+    """A tiny Mixtral under ``pipeline_parallel_size=2`` x ``expert_parallel_size=2`` (4 ranks), one step
+    logged: the groups ``setup_environment`` creates, and the experts' load against the unsplit model's
+    own router choices on the step's batches (float64, the initial weights)."""
+    import torch.distributed as dist
+
+    import lightning_matrixfsdp as mf
+    from helpers.pipeline_lightning_moe_scenarios import make_moe_module
+    from helpers.pipeline_lightning_scenarios import place_batches
+
+    lit = make_moe_module()
+    plain = copy.deepcopy(lit).to(torch.float64)
+    places = world // 2
+    samples = data(places * BATCH)
+    calls: list = []
+    inside: list = []
+    real, counting = _counting_new_group(calls, inside)
+    setup = mf.MatrixFSDPStrategy.setup_environment
+
+    def watched(self: Any) -> None:
+        inside.append(True)
+        try:
+            setup(self)
+        finally:
+            inside.clear()
+
+    dist.new_group, mf.MatrixFSDPStrategy.setup_environment = counting, watched
+    try:
+        trainer = _trainer(world, {"pp": 2, "schedule": "1F1B"}, {"expert_parallel_size": 2}, max_steps=1,
+                           precision="64-true", log_every_n_steps=1)
+        trainer.loggers = [_metrics_logger()]
+        trainer.fit(lit, torch.utils.data.DataLoader(samples, batch_size=BATCH))
+    finally:
+        dist.new_group, mf.MatrixFSDPStrategy.setup_environment = real, setup
+    chosen: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda m, a, out, i=i: chosen.__setitem__(i, chosen.get(i, torch.zeros(4, dtype=torch.int64))
+                                                  + torch.bincount(out[2].reshape(-1), minlength=4)))
+        for i, layer in enumerate(plain.model.model.layers)]
+    plain.train()
+    with torch.no_grad():
+        for place in range(places):
+            x, _ = place_batches(samples, places, place)[0]
+            plain.model(input_ids=x)
+    for h in hooks:
+        h.remove()
+    rows = [r for r in trainer.loggers[0].rows if any(k.startswith("matrix_fsdp/experts/") for k in r)]
+    return {"calls": calls, "metrics": rows, "oracle_counts": {i: c.tolist() for i, c in chosen.items()},
+            "losses": lit.recorded}
