@@ -4,7 +4,8 @@
 from an unsplit copy of the model: the per-stage telemetry, the plan log naming each stage's units,
 the time and memory shares, the lone-forward watch on the stages (and no false alarm from the
 schedule's forwards), ``AsyncCheckpointer.reserve`` sized to this rank's stage, and the sidecar's
-plans of both stages. In-process: the record the strategies build under pipeline parallelism.
+plans of both stages, uneven evaluation refused on every rank. Then PP=2 x EP=2 on a tiny Mixtral
+(the 4-process Hugging Face pool): no whole-world expert group, and the experts' load of both stages.
 """
 from __future__ import annotations
 
@@ -89,16 +90,16 @@ def test_sidecar_names_both_stages(observed):
     assert "blocks.0" in text[0] and "blocks.3" in text[1] and "blocks.3" not in text[0], text
 
 
-def test_pipeline_builds_no_whole_world_expert_groups():
-    """What ``setup_environment`` builds under pipeline parallelism: only the world's DeviceMesh record,
-    without the shard size or the experts (each stage builds its own)."""
-    import dataclasses
+def test_model_summary_counts_every_stage(observed):
+    for rank, r in enumerate(observed):
+        assert r["summary_total"] == r["plain_total"], (rank, r["summary_total"], r["plain_total"])
+        assert r["summary_layers"] == r["plain_layers"], (rank, r["summary_layers"], r["plain_layers"])
+        assert len(r["summary_layers"]) > 2
 
-    from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 
-    dims = ParallelDims.from_options(4, 4, shard_size=1, expert_parallel=2)
-    assert dataclasses.replace(dims, shard=dims.data_parallel, replicate=1, expert=1).expert == 1
-
+def test_uneven_evaluation_is_refused_on_every_rank(observed):
+    for rank, r in enumerate(observed):
+        assert r["uneven"].startswith("UnevenInputsError") and "pipeline parallelism" in r["uneven"], (rank, r["uneven"])
 
 
 def test_pipeline_x_experts_setup_and_expert_stats(hf_pool4):

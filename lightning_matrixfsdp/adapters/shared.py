@@ -48,7 +48,7 @@ from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
 from lightning_matrixfsdp.runtime.comm.small import any_rank
 from lightning_matrixfsdp.runtime.queries import by_stage
-from lightning_matrixfsdp.runtime.tags import sharded_roots
+from lightning_matrixfsdp.runtime.tags import is_stage, sharded_roots
 from lightning_matrixfsdp.runtime.comm.waits import stop_waiter
 from lightning_matrixfsdp.runtime.pipeline import PipelineMesh, pipeline_mesh
 from lightning_matrixfsdp.adapters.pipeline import check_pipeline_world
@@ -183,9 +183,11 @@ def route_optimizers(optimizers: Iterable[Optimizer]) -> None:
 
 def set_gradient_sync(module: nn.Module, value: bool) -> None:
     """Switch gradient reduction of every sharded model inside ``module`` (``False``: no-sync
-    micro-batches accumulate full gradients locally)."""
+    micro-batches accumulate full gradients locally). Not pipeline stages: their schedule reduces
+    every micro-batch (``runtime/pipeline/runner.py`` says why), exact either way."""
     for root in sharded_roots(module):
-        set_requires_gradient_sync(root, value)
+        if not is_stage(root):
+            set_requires_gradient_sync(root, value)
 
 
 def replicas_after_step(module: nn.Module, optimizer: Optimizer) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary, ModelSummary
@@ -22,7 +22,8 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime import get_comm_stats, get_expert_stats
 from lightning_matrixfsdp.runtime.queries import expert_stats_of, stage_comm_stats
-from lightning_matrixfsdp.runtime.tags import global_numel, is_stage
+from lightning_matrixfsdp.runtime.comm.small import gather_objects
+from lightning_matrixfsdp.runtime.tags import expert_slice_of, global_numel, is_stage, pipelines_in, shard_of
 
 __all__ = ["MatrixFSDPLayerSummary", "MatrixFSDPSummary", "StepTelemetry"]
 
@@ -123,15 +124,42 @@ class StepTelemetry:
 
 
 # ---------------------------------------------------------------- model summary
+def whole_counts(model: nn.Module) -> dict[int, int]:
+    """Under pipeline parallelism: id(parameter) -> its whole element count, for every parameter of
+    ``model`` (the stage that holds one knows it; this rank keeps the others' emptied), gathered over
+    the world by name; ``{}`` without (then local). Collective under pipeline parallelism."""
+    if not pipelines_in(model):
+        return {}
+    mine = {n: global_numel(p) for n, p in model.named_parameters()
+            if shard_of(p) is not None or expert_slice_of(p) is not None or p.numel()}
+    whole: dict[str, int] = {}
+    for rows in gather_objects(mine):
+        for n, count in rows.items():
+            whole[n] = max(whole.get(n, 0), count)
+    return {id(p): whole.get(n, p.numel()) for n, p in model.named_parameters()}
+
+
 class MatrixFSDPLayerSummary(LayerSummary):
+    def __init__(self, module: nn.Module, counts: Optional[dict[int, int]] = None) -> None:
+        super().__init__(module)
+        self._counts = counts or {}
+
     @property
     def num_parameters(self) -> int:
-        return sum(global_numel(p) for p in self._module.parameters())
+        return sum(self._counts.get(id(p), global_numel(p)) for p in self._module.parameters())
 
 
 class MatrixFSDPSummary(ModelSummary):
+    """Lightning's summary with whole parameter counts (under pipeline parallelism every stage's,
+    gathered: the summary is built on every rank, in ``on_fit_start``)."""
+
+    def __init__(self, model: Any, max_depth: int = 1) -> None:
+        self._counts = whole_counts(model)
+        super().__init__(model, max_depth=max_depth)
+
     def summarize(self) -> "OrderedDict[str, LayerSummary]":  # type: ignore[override]
-        summary = OrderedDict((name, MatrixFSDPLayerSummary(module)) for name, module in self.named_modules)
+        summary = OrderedDict((name, MatrixFSDPLayerSummary(module, self._counts))
+                              for name, module in self.named_modules)
         for layer in summary.values():
             layer.detach_hook()
         if self._max_depth >= 1:
@@ -139,10 +167,13 @@ class MatrixFSDPSummary(ModelSummary):
                 del summary[k]
         return summary
 
+    def _whole(self, p: nn.Parameter) -> int:
+        return self._counts.get(id(p), global_numel(p))
+
     @property
     def total_parameters(self) -> int:
-        return sum(global_numel(p) for p in self._model.parameters())
+        return sum(self._whole(p) for p in self._model.parameters())
 
     @property
     def trainable_parameters(self) -> int:
-        return sum(global_numel(p) for p in self._model.parameters() if p.requires_grad)
+        return sum(self._whole(p) for p in self._model.parameters() if p.requires_grad)

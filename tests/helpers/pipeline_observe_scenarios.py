@@ -116,6 +116,11 @@ def _observe(rank: int, world: int, path: str) -> dict:
     finally:
         info.removeHandler(capture)
         info.setLevel(level)
+    from lightning_matrixfsdp.adapters.telemetry import MatrixFSDPSummary
+
+    summary = MatrixFSDPSummary(lit, max_depth=1)  # collective under pipeline parallelism: every rank
+    layers = dict(zip(summary.layer_names, summary.param_nums))
+    uneven = _uneven_validation(trainer, lit, rank)
     session = pipeline_of(lit)
     stage = session.run.stage_indices[0]
     mine = [f"blocks.{i}" for i in ((0, 1) if stage == 0 else (2, 3))]
@@ -125,6 +130,11 @@ def _observe(rank: int, world: int, path: str) -> dict:
     buffers = [b for n, b in plain.named_buffers() if any(n.startswith(x + ".") for x in mine)]
     opt_state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     out = {
+        "uneven": uneven,
+        "summary_total": summary.total_parameters,
+        "summary_layers": layers,
+        "plain_total": sum(p.numel() for p in plain.parameters()),
+        "plain_layers": {n: sum(p.numel() for p in plain.get_submodule(n).parameters()) for n in layers},
         "stage": stage,
         "metrics": trainer.loggers[0].rows,
         "log": capture.lines,
@@ -219,3 +229,18 @@ def _observe_moe(rank: int, world: int, case: dict) -> dict:
     rows = [r for r in trainer.loggers[0].rows if any(k.startswith("matrix_fsdp/experts/") for k in r)]
     return {"calls": calls, "metrics": rows, "oracle_counts": {i: c.tolist() for i, c in chosen.items()},
             "losses": lit.recorded}
+
+
+def _uneven_validation(trainer: Any, lit: Any, rank: int) -> str:
+    """A validation where rank 0 has two batches and the others one (a sampler Lightning keeps):
+    the error every rank raises, or "" if none did."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    samples = data(BATCH * (2 if rank == 0 else 1))
+    loader = torch.utils.data.DataLoader(samples, batch_size=BATCH,
+                                         sampler=DistributedSampler(samples, num_replicas=1, rank=0, shuffle=False))
+    try:
+        trainer.validate(lit, loader, verbose=False)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return ""
