@@ -56,7 +56,8 @@ def get_expert_stats(module: nn.Module, steps: int = 1) -> dict[str, float]:
     tokens per expert, the worst coefficient, and the slots routed to no expert if any. ``steps``:
     the optimizer steps the counts span (the per-step figures divide by it). Counted in training
     forwards only. Collective: every rank must call it (one small all-reduce of the counts); an
-    empty dict, with no communication, for a model without experts modules."""
+    empty dict, with no communication, for a model without experts modules (under pipeline
+    parallelism always one small all-gather: a stage cannot know whether the others have experts)."""
     return expert_stats_of(sharded_roots(module), steps)
 
 
@@ -86,6 +87,8 @@ def expert_stats_of(roots: Iterable[nn.Module], steps: int = 1) -> dict[str, flo
 
 
 def _stage_expert_stats(roots: list[nn.Module], steps: int) -> dict[str, float]:
+    """Every rank's counts by experts module (global names: each stage names its modules as the
+    whole model does), summed over the ranks that report the module: its stage's."""
     mine = []
     for root in roots:
         st = state_of(root)
