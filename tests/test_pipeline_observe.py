@@ -4,7 +4,7 @@
 from an unsplit copy of the model: the per-stage telemetry, the plan log naming each stage's units,
 the time and memory shares, the lone-forward watch on the stages (and no false alarm from the
 schedule's forwards), ``AsyncCheckpointer.reserve`` sized to this rank's stage, and the sidecar's
-plans of both stages, uneven evaluation refused on every rank. Then PP=2 x EP=2 on a tiny Mixtral
+plans of both stages, uneven evaluation and ``full_model`` refused on every rank. Then PP=2 x EP=2 on a tiny Mixtral
 (the 4-process Hugging Face pool): no whole-world expert group, and the experts' load of both stages.
 """
 from __future__ import annotations
@@ -102,6 +102,11 @@ def test_model_summary_counts_every_stage(observed):
 def test_uneven_evaluation_is_refused_on_every_rank(observed):
     for rank, r in enumerate(observed):
         assert r["uneven"].startswith("UnevenInputsError") and "pipeline parallelism" in r["uneven"], (rank, r["uneven"])
+
+
+def test_full_model_is_refused_on_every_rank(observed):
+    for rank, r in enumerate(observed):
+        assert r["full_model"].startswith("MatrixShardError") and "pipeline stages" in r["full_model"], (rank, r)
 
 
 def test_pipeline_x_experts_setup_and_expert_stats(hf_pool4):

@@ -121,6 +121,13 @@ def _observe(rank: int, world: int, path: str) -> dict:
     summary = MatrixFSDPSummary(lit, max_depth=1)  # collective under pipeline parallelism: every rank
     layers = dict(zip(summary.layer_names, summary.param_nums))
     uneven = _uneven_validation(trainer, lit, rank)
+    try:
+        import lightning_matrixfsdp as mf
+
+        with mf.full_model(lit):
+            full = ""
+    except Exception as e:  # noqa: BLE001
+        full = f"{type(e).__name__}: {e}"
     session = pipeline_of(lit)
     stage = session.run.stage_indices[0]
     mine = [f"blocks.{i}" for i in ((0, 1) if stage == 0 else (2, 3))]
@@ -131,6 +138,7 @@ def _observe(rank: int, world: int, path: str) -> dict:
     opt_state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     out = {
         "uneven": uneven,
+        "full_model": full,
         "summary_total": summary.total_parameters,
         "summary_layers": layers,
         "plain_total": sum(p.numel() for p in plain.parameters()),
