@@ -19,6 +19,8 @@ options and plain values, never a strategy object, so neither adapter depends on
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import inspect
 import sys
@@ -45,7 +47,8 @@ from lightning_matrixfsdp.runtime.mesh.comm import build_mesh
 from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
 from lightning_matrixfsdp.runtime.comm.small import any_rank
-from lightning_matrixfsdp.runtime.tags import sharded_roots
+from lightning_matrixfsdp.runtime.queries import by_stage
+from lightning_matrixfsdp.runtime.tags import is_stage, sharded_roots
 from lightning_matrixfsdp.runtime.comm.waits import stop_waiter
 from lightning_matrixfsdp.runtime.pipeline import PipelineMesh, pipeline_mesh
 from lightning_matrixfsdp.adapters.pipeline import check_pipeline_world
@@ -180,9 +183,11 @@ def route_optimizers(optimizers: Iterable[Optimizer]) -> None:
 
 def set_gradient_sync(module: nn.Module, value: bool) -> None:
     """Switch gradient reduction of every sharded model inside ``module`` (``False``: no-sync
-    micro-batches accumulate full gradients locally)."""
+    micro-batches accumulate full gradients locally). Not pipeline stages: their schedule reduces
+    every micro-batch (``runtime/pipeline/runner.py`` says why), exact either way."""
     for root in sharded_roots(module):
-        set_requires_gradient_sync(root, value)
+        if not is_stage(root):
+            set_requires_gradient_sync(root, value)
 
 
 def replicas_after_step(module: nn.Module, optimizer: Optimizer) -> None:
@@ -307,6 +312,10 @@ class MatrixFSDPAdapter:
         expert-parallel groups."""
         dims = self.check_world()
         self.start_process_group()
+        if self.config.pipeline_parallel_size > 1:
+            # only the world's (data_parallel, tensor_parallel) DeviceMesh (``device_mesh``, what
+            # configure_model sees): each stage builds its own shard, replica and expert groups
+            dims = dataclasses.replace(dims, shard=dims.data_parallel, replicate=1, expert=1)
         self.shard_mesh = build_mesh(dims, self.root_device, self.config.timeout)  # type: ignore[attr-defined]
         if self.config.pipeline_parallel_size > 1:  # the (pp, dp) mesh, pipeline axis outermost
             self.pipeline_mesh = pipeline_mesh(self.config.pipeline_parallel_size, self.config.shard_size,
@@ -329,7 +338,11 @@ class MatrixFSDPAdapter:
     def log_plans(self, module: nn.Module) -> None:
         """The owner plan of every sharded model inside ``module`` (rank 0; ``log_plan``)."""
         if self.config.log_plan:
-            for root in sharded_roots(module):
+            roots = sharded_roots(module)
+            stages = by_stage(roots, lambda r: str(get_plan(r)))  # pipelined: every stage's, gathered
+            for index, text in stages.items():
+                rank_zero_info(f"pipeline stage {index}: {text}")
+            for root in roots if not stages else ():
                 rank_zero_info(str(get_plan(root)))
 
     # ------------------------------------------------------------------ asynchronous saves

@@ -49,6 +49,7 @@ from lightning_matrixfsdp.checkpoint.save import DirSave, PathLike, finish_dir, 
 from lightning_matrixfsdp.checkpoint.staging import HostStaging, aligned_bytes
 from lightning_matrixfsdp.checkpoint.state_dict import sharded_model_state_dict, sharded_optimizer_state_dict
 from lightning_matrixfsdp.runtime.comm.small import gloo_subgroups
+from lightning_matrixfsdp.runtime.views.checkpoint import stage_roots
 
 __all__ = ["AsyncCheckpointer"]
 
@@ -90,11 +91,15 @@ class AsyncCheckpointer:
         """Allocate (and pin) the host buffer for this rank's share of a save in the background,
         once, so the first save stalls no longer than the later ones: call it when the optimizer
         state exists (after the first step). The share: this rank's parameters (owned ones are
-        whole, the others empty), buffers and optimizer state. Local, no collective."""
+        whole, the others empty), buffers and optimizer state; under pipeline parallelism those of
+        this rank's stages only (the other stages' buffers stay in ``module`` but are not saved here).
+        Local, no collective."""
         if self._reserved:
             return
         self._reserved = True
-        tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
+        sources = stage_roots(module) or [module]
+        params = {id(p): p for m in sources for p in m.parameters()}  # tied ones once
+        tensors = [p.detach() for p in params.values()] + [b for m in sources for b in m.buffers()]
         for opt in optimizers:
             for state in unwrap_optimizer(opt).state.values():
                 tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]

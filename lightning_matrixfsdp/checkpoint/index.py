@@ -92,7 +92,13 @@ class KeyIndex:
     senders: dict[str, int] = field(default_factory=dict)
     #: the non-tensor state (``get_extra_state``) other stages hold
     remote_extra: dict[str, Any] = field(default_factory=dict)
+    #: pipeline parallelism: every stage's plan record (``plan_record``, with its ``"stage"``), in stage order
+    stage_plans: list[dict[str, Any]] = field(default_factory=list)
     _aliases: dict[str, list[str]] = field(default_factory=dict, repr=False)
+
+    def plan_records(self) -> list[dict[str, Any]]:
+        """The plans the sidecar records: every sharded root's, every stage's under pipeline parallelism."""
+        return list(self.stage_plans) if self.pp_size > 1 else [plan_record(r) for r in self.roots]
 
     def position(self, key: str) -> int:
         """``key``'s place in the whole model's ``state_dict`` order (every stage's keys)."""
@@ -223,10 +229,16 @@ def build_index(module: nn.Module) -> KeyIndex:
         pp = view.roots[0]
         index.pp_size, index.pp_rank = pp.pp_size, pp.pp_rank
         index.model_order = {k: i for i, k in enumerate(full)}
-        index.remote, index.remote_extra, index.senders = join_stages(
+        index.remote, index.remote_extra, index.senders, index.stage_plans = join_stages(
             list(full), {k: _described(e) for k, e in entries.items()}, extra,
-            sorted({r.stage for r in view.roots if r.stage is not None}))
+            sorted({r.stage for r in view.roots if r.stage is not None}),
+            [{**plan_record(r), "stage": r.stage} for r in view.roots if r.stage is not None])
     return index
+
+
+def plan_record(root: RootView) -> dict[str, Any]:
+    """A sharded root's plan as the sidecar records it."""
+    return {"prefix": root.prefix, "digest": root.plan.digest(), "plan": root.plan.to_dict()}
 
 
 def _described(e: Entry) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def layout_dict(index: KeyIndex, optimizers: Sequence[Mapping[str, Any]] = (), c
         "shard_span": first.span if first else 1,
         "replicate": first.replicate if first else size,
         "planner": first.plan.planner if first else None,
-        "plans": [{"prefix": r.prefix, "digest": r.plan.digest(), "plan": r.plan.to_dict()} for r in index.roots],
+        "plans": index.plan_records(),  # under pipeline parallelism every stage's, with its "stage"
         # "stepper" (replica_split): the replica whose rank wrote the parameter's optimizer state
         # "mesh": the (data-parallel, tensor-parallel) sizes; "tp": the layout of a key saved in chunks
         # (shape is global): a TP fragment's, and an expert stack's chunks by expert under the same name
@@ -190,7 +190,7 @@ def layout_change(side: Mapping[str, Any], index: KeyIndex) -> str:
     each rank reads what it holds now, TP fragments as slices of the global tensors."""
     saved, now = saved_mesh(side), index.mesh()
     digests = [p.get("digest") for p in side.get("plans", []) if isinstance(p, Mapping)]
-    if digests == [r.plan.digest() for r in index.roots] and saved == now:
+    if digests == [p["digest"] for p in index.plan_records()] and saved == now:
         return "same layout, loading owned tensors"
     first = index.roots[0] if index.roots else None
 

@@ -42,16 +42,24 @@ def _listing(keys: Sequence[str], limit: int = 6) -> str:
 
 
 def join_stages(model_keys: Sequence[str], described: Mapping[str, Mapping[str, Any]], extra: Mapping[str, Any],
-                stages: Sequence[int]) -> tuple[dict[str, Remote], dict[str, Any], dict[str, int]]:
+                stages: Sequence[int], plans: Sequence[Mapping[str, Any]] = ()
+                ) -> tuple[dict[str, Remote], dict[str, Any], dict[str, int], list[dict[str, Any]]]:
     """(the tensors other stages hold, their non-tensor state, key -> lowest global rank holding
-    its data) from every rank's ``described`` entries. Collective on the checkpoint group.
+    its data, every stage's plan record in stage order) from every rank's ``described`` entries.
+    Collective on the checkpoint group.
 
     ``model_keys``: the whole model's ``state_dict`` keys as this rank sees them (every stage's);
     ``described``: this rank's entries (``index._described``); ``extra``: its non-tensor state;
-    ``stages``: the pipeline stages this rank runs."""
-    everyone = all_gather_object((list(model_keys), dict(described), dict(extra), list(stages)))
+    ``stages``: the pipeline stages this rank runs; ``plans``: their plan records (each with its
+    ``"stage"``), of which the lowest rank's of each stage is kept."""
+    everyone = all_gather_object((list(model_keys), dict(described), dict(extra), list(stages),
+                                  [dict(p) for p in plans]))
     keys0 = everyone[0][0]
-    for r, (keys, _, _, st) in enumerate(everyone):
+    stage_plans: dict[int, dict[str, Any]] = {}
+    for row in everyone:
+        for p in row[4]:
+            stage_plans.setdefault(int(p["stage"]), p)
+    for r, (keys, _, _, st, _) in enumerate(everyone):
         if keys != keys0:
             only_r, only_0 = set(keys) - set(keys0), set(keys0) - set(keys)
             raise CheckpointError(
@@ -64,7 +72,7 @@ def join_stages(model_keys: Sequence[str], described: Mapping[str, Mapping[str, 
     remote_extra: dict[str, Any] = {}
     senders: dict[str, int] = {}
     seen: dict[str, tuple[int, Mapping[str, Any]]] = {}
-    for r, (_, entries, ex, st) in enumerate(everyone):
+    for r, (_, entries, ex, st, _) in enumerate(everyone):
         for k, d in entries.items():
             if k in seen:
                 r0, d0 = seen[k]
@@ -88,4 +96,4 @@ def join_stages(model_keys: Sequence[str], described: Mapping[str, Mapping[str, 
         raise CheckpointError(f"no pipeline stage holds {_listing(nobody)} of the model: a stage must hold every "
                               "tensor of the modules it runs (the family places the embeddings, the blocks, and "
                               "the final norm and head)")
-    return remote, remote_extra, senders
+    return remote, remote_extra, senders, [stage_plans[k] for k in sorted(stage_plans)]

@@ -31,6 +31,11 @@ replay); following the ranks that compute is exact whatever they run, and costs
 one tiny all-gather per materialization only in the steps where some rank is idle.
 Steps where every rank has a batch cost the one flag all-gather.
 
+Pipeline stages (the roots under pipeline parallelism) cannot be followed this way either: a
+rank without a batch would have to run its stage's part of the other ranks' schedules. There the
+flag all-gather of step 1 makes every rank raise :class:`UnevenInputsError` at the first step
+where some rank has no batch, instead of hanging in the schedule.
+
 Training cannot be joined this way (the idle rank has no gradients to contribute,
 and DDP hangs too): :meth:`EvalJoin.check_training_step` makes every rank raise
 :class:`UnevenInputsError` at the first step where the ranks' batch counts differ.
@@ -48,7 +53,7 @@ from lightning_matrixfsdp.runtime.experts.dispatch import dtype_code, dtype_of_c
 from lightning_matrixfsdp.runtime.experts.seams import exchange_without_tokens, joinable_seams, set_exchange_announce
 from lightning_matrixfsdp.runtime.comm.small import gather_ints
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import state_of
+from lightning_matrixfsdp.runtime.tags import is_stage, state_of
 
 #: an announcement row is (op, a, b, c): (MATERIALIZE, root, unit, 0), (EXCHANGE, experts module,
 #: hidden size, dtype code), or (IDLE/DONE, -1, -1, -1) from a rank with nothing to announce
@@ -78,6 +83,8 @@ class EvalJoin:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.steps = 0  # evaluation steps this rank ran since the last drain
         self.joining = False
+        #: pipeline stages: uneven evaluation is refused, not joined (module docstring)
+        self.pipelined = any(is_stage(r) for r in roots)
 
     def serves(self, roots: Sequence[nn.Module]) -> bool:
         """Whether this join keeps exactly the sharded models ``roots`` in step (their runtimes now)."""
@@ -88,6 +95,8 @@ class EvalJoin:
         """Before this rank's evaluation step: agree on who has a batch; join mode if not everyone."""
         self.steps += 1
         have = self._count_batches(True)
+        if self.pipelined and have < self.world:
+            self._refuse_pipelined(have)
         self.joining = have < self.world
         if self.joining:
             for i, state in enumerate(self.states):
@@ -110,7 +119,9 @@ class EvalJoin:
 
     def drain(self) -> None:
         """Out of batches: follow the other ranks' steps until no rank has a batch."""
-        while self._count_batches(False):
+        while (have := self._count_batches(False)):
+            if self.pipelined:
+                self._refuse_pipelined(have)
             self._serve(IDLE)
         for state in self.states:
             state.release_all()
@@ -120,6 +131,16 @@ class EvalJoin:
         """A dataloader whose rank, if it yields no batch at all, still follows the others'
         evaluation steps, or (``training``) takes part in the uneven-inputs check."""
         return JoinedLoader(iterable, self, training)
+
+    def _refuse_pipelined(self, have: int) -> None:
+        """Every rank raises alike (they all counted the same gathered flags)."""
+        self.steps = 0
+        raise UnevenInputsError(
+            f"MatrixFSDP: {have} of {self.world} ranks have an evaluation batch in this step, under pipeline "
+            "parallelism, where a rank without a batch cannot run its stage's part of the others' schedules. "
+            "Give every rank the same number of evaluation batches: keep use_distributed_sampler=True "
+            "(Lightning's DistributedSampler pads to equal lengths), or set limit_val_batches / "
+            "limit_test_batches to at most the smallest count.")
 
     # ------------------------------------------------------------------ training
     def check_training_step(self, has_batch: bool, is_last: bool) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,9 @@ from lightning_matrixfsdp.runtime.comm.core import CommStats
 from lightning_matrixfsdp.runtime.consensus import PeerCheck, host_group
 from lightning_matrixfsdp.runtime.experts.stats import summarize
 from lightning_matrixfsdp.runtime.placement import Plan
-from lightning_matrixfsdp.runtime.comm.small import sum_counts
+from lightning_matrixfsdp.runtime.comm.small import gather_objects, sum_counts
 from lightning_matrixfsdp.runtime.state import MatrixFSDPState
-from lightning_matrixfsdp.runtime.tags import find_state, pipeline_of, sharded_roots, state_of, tp_of
+from lightning_matrixfsdp.runtime.tags import find_state, is_stage, sharded_roots, stage_index, state_of, tp_of
 
 
 def _state(module: nn.Module) -> MatrixFSDPState:
@@ -56,10 +56,22 @@ def get_expert_stats(module: nn.Module, steps: int = 1) -> dict[str, float]:
     tokens per expert, the worst coefficient, and the slots routed to no expert if any. ``steps``:
     the optimizer steps the counts span (the per-step figures divide by it). Counted in training
     forwards only. Collective: every rank must call it (one small all-reduce of the counts); an
-    empty dict, with no communication, for a model without experts modules."""
+    empty dict, with no communication, for a model without experts modules (under pipeline
+    parallelism always one small all-gather: a stage cannot know whether the others have experts)."""
+    return expert_stats_of(sharded_roots(module), steps)
+
+
+def expert_stats_of(roots: Iterable[nn.Module], steps: int = 1) -> dict[str, float]:
+    """:func:`get_expert_stats` of the sharded ``roots``. Under pipeline parallelism (the roots are
+    this rank's stages) every rank's counts are gathered over the world and summed by module, so each
+    stage's experts are counted over its own ranks (a world all-reduce would add one stage's counts
+    to another's), and every rank gets every stage's metrics; always collective there."""
+    roots = list(roots)
+    if any(is_stage(r) for r in roots):
+        return _stage_expert_stats(roots, steps)
     names, experts, flats = [], [], []
     tp = 1
-    for root in sharded_roots(module):
+    for root in roots:
         st = state_of(root)
         if st.routing is None or not st.routing.num_experts:
             continue
@@ -72,6 +84,49 @@ def get_expert_stats(module: nn.Module, steps: int = 1) -> dict[str, float]:
         return {}
     total = sum_counts(torch.cat(flats))  # the world's tokens; the ranks of a TP group route the same ones
     return summarize(names, experts, [c // tp for c in total], steps)
+
+
+def _stage_expert_stats(roots: list[nn.Module], steps: int) -> dict[str, float]:
+    """Every rank's counts by experts module (global names: each stage names its modules as the
+    whole model does), summed over the ranks that report the module: its stage's."""
+    mine = []
+    for root in roots:
+        st = state_of(root)
+        if st.routing is not None and st.routing.num_experts:
+            n, e, flat = st.routing.take()
+            mine.append((n, e, flat.tolist()))
+    totals: dict[str, tuple[int, list[int]]] = {}  # module -> (experts, counts summed over its stage's ranks)
+    for rows in gather_objects(mine):
+        for n, e, flat in rows:
+            start = 0
+            for name, k in zip(n, e):
+                row, start = flat[start:start + k + 1], start + k + 1
+                have = totals.get(name, (k, [0] * (k + 1)))[1]
+                totals[name] = (k, [a + b for a, b in zip(have, row)])
+    if not totals:
+        return {}
+    names = list(totals)
+    return summarize(names, [totals[n][0] for n in names], [c for n in names for c in totals[n][1]], steps)
+
+
+def by_stage(roots: Iterable[nn.Module], describe: Callable[[nn.Module], Any]) -> dict[int, Any]:
+    """Under pipeline parallelism: stage index -> ``describe(stage)`` (picklable) on the lowest global
+    rank that runs the stage (as the unpipelined reports are global rank 0's), every stage's, in stage
+    order, on every rank. Collective over the world (one all-gather of the small records); ``{}``
+    without pipeline stages among ``roots`` (then local)."""
+    mine = {index: describe(r) for r in roots if (index := stage_index(r)) is not None}
+    if not mine:
+        return {}
+    out: dict[int, Any] = {}
+    for rows in gather_objects(mine):  # rank order: the lowest rank's first
+        for index, record in rows.items():
+            out.setdefault(index, record)
+    return dict(sorted(out.items()))
+
+
+def stage_comm_stats(roots: Iterable[nn.Module]) -> dict[int, dict[str, dict[str, int]]]:
+    """:func:`by_stage` of :func:`get_comm_stats`: each stage's traffic counters (collective)."""
+    return by_stage(roots, get_comm_stats)
 
 
 def set_requires_gradient_sync(module: nn.Module, value: bool) -> None:
@@ -116,12 +171,7 @@ def sync_replicas(module: nn.Module) -> None:
 def _stages_in(module: nn.Module) -> list[nn.Module]:
     """The sharded pipeline stages this rank runs of every model inside ``module`` split by
     ``build_pipeline`` (a stage is a root of its own, not a submodule of the model)."""
-    out: list[nn.Module] = []
-    for m in module.modules():
-        run = pipeline_of(m)
-        if run is not None:
-            out.extend(s for s in run.stages if state_of(s) is not None and all(s is not o for o in out))
-    return out
+    return [r for r in sharded_roots(module) if is_stage(r)]
 
 
 def watch_lone_forwards(module: nn.Module) -> None:
@@ -214,7 +264,7 @@ def release_unfinished(module: nn.Module) -> None:
 def wait_replicas(module: nn.Module) -> None:
     """``replica_split``: finish the weight transfers in flight of every sharded model inside
     ``module``, pipeline stages included (local). No-op without ``replica_split``."""
-    for root in sharded_roots(module) + _stages_in(module):
+    for root in sharded_roots(module):
         state_of(root).wait_replicas()
 
 

@@ -220,8 +220,36 @@ def find_state(module: nn.Module) -> Optional[Any]:
 
 
 def sharded_roots(module: nn.Module) -> list[nn.Module]:
-    """Every module under ``module`` (itself included) that ``matrix_shard`` sharded."""
-    return [m for m in module.modules() if state_of(m) is not None]
+    """Every module under ``module`` (itself included) that ``matrix_shard`` sharded; for a model
+    split into pipeline stages (:func:`attach_pipeline`), this rank's stages, which are no
+    submodules of it (they hold its modules under the whole model's names), in stage order."""
+    roots: list[nn.Module] = []
+    for m in module.modules():
+        run = pipeline_of(m)
+        found = [m] if state_of(m) is not None else []
+        found += list(run.stages) if run is not None else []
+        roots += [r for r in found if all(r is not seen for seen in roots)]
+    return roots
+
+
+def pipelines_in(module: nn.Module) -> list[Any]:
+    """The ``PipelineRun`` of every pipelined model under ``module`` (itself included)."""
+    return [run for m in module.modules() if (run := pipeline_of(m)) is not None]
+
+
+def stage_index(root: nn.Module) -> Optional[int]:
+    """The pipeline stage ``root`` is, where it is one this rank runs (one of :func:`sharded_roots`'s
+    under pipeline parallelism: its ranks are its stage's, not the world's); else None."""
+    for run in list(_PIPELINES.values()):
+        for stage, index in zip(run.stages, run.stage_indices):
+            if stage is root:
+                return int(index)
+    return None
+
+
+def is_stage(root: nn.Module) -> bool:
+    """True where ``root`` is a pipeline stage this rank runs (:func:`stage_index`)."""
+    return stage_index(root) is not None
 
 
 # ---------------------------------------------------------------------- pipelines

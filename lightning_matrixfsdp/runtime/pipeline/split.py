@@ -8,6 +8,9 @@ balance of parameter counts: the contiguous partition whose largest stage (its b
 ``pre`` on the first and ``post`` on the last) holds the fewest parameters. Parameters stand for
 memory (weights, gradients and optimizer state all scale with them); time is close to
 proportional to them for a decoder whose blocks are alike, which is why one measure serves both.
+The plan's description reports each stage's memory share (parameters) and an estimate of its
+time share (matmul FLOPs per token: 2 x the parameters of its blocks and head, the embeddings
+being a lookup), so a user sees where the balance by parameters leaves the compute uneven.
 """
 
 from __future__ import annotations
@@ -30,8 +33,13 @@ class StageSpan:
     last: bool
     #: parameter elements the stage holds (its blocks, plus pre / post where it has them)
     params: int
-    #: ``params`` over the whole model's
+    #: ``params`` over the whole model's: the stage's memory share (weights, gradients and optimizer
+    #: state all scale with its parameters)
     share: float
+    #: an estimate of the stage's share of a step's compute: its matmul FLOPs per token, 2 x its
+    #: blocks' and head's parameters (``post``), over the whole model's; the embeddings are a lookup
+    #: (none), attention scores are not counted, and a mixture of experts counts every expert
+    time_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,11 @@ class StagePlan:
         lines = [f"pipeline: {self.num_stages} stages, split {self.how}"]
         for s in self.stages:
             what = ([("embeddings")] if s.first else []) + [_run(s.blocks)] + (["norm + head"] if s.last else [])
-            lines.append(f"  stage {s.index}: {', '.join(what)}; {s.params:,} parameters ({100 * s.share:.1f}%)")
+            lines.append(f"  stage {s.index}: {', '.join(what)}; {s.params:,} parameters (memory "
+                         f"{100 * s.share:.1f}%), time ~{100 * s.time_share:.1f}% (estimate)")
+        lines.append("  memory: the stage's share of the parameters (weights, gradients and optimizer state scale "
+                     "with them); time (estimate): its share of the matmul FLOPs per token, 2 x the parameters of its "
+                     "blocks and head (embeddings are a lookup; attention scores not counted; every expert counted)")
         return "\n".join(lines)
 
 
@@ -77,13 +89,15 @@ def plan_stages(blocks: Sequence[tuple[str, int]], pre: int, post: int, num_stag
     else:
         starts, how = _balanced([c for _, c in blocks], pre, post, num_stages), "balanced by parameter count"
     total = pre + post + sum(c for _, c in blocks)
+    flops = post + sum(c for _, c in blocks)  # per token, over 2: the embeddings' lookup costs none
     bounds = list(starts) + [len(names)]
     stages = []
     for i in range(num_stages):
         run = blocks[bounds[i]:bounds[i + 1]]
-        params = sum(c for _, c in run) + (pre if i == 0 else 0) + (post if i == num_stages - 1 else 0)
+        matmul = sum(c for _, c in run) + (post if i == num_stages - 1 else 0)
+        params = matmul + (pre if i == 0 else 0)
         stages.append(StageSpan(i, tuple(n for n, _ in run), i == 0, i == num_stages - 1, params,
-                                params / total if total else 0.0))
+                                params / total if total else 0.0, matmul / flops if flops else 0.0))
     return StagePlan(tuple(stages), how)
 
 

@@ -41,7 +41,9 @@ from lightning_matrixfsdp.runtime.views.state_dict import local_state_dict
 from lightning_matrixfsdp.runtime.tags import (
     expert_slice_of,
     is_owned,
+    is_stage,
     pipeline_of,
+    sharded_roots,
     stack_of,
     state_of,
     tag_view,
@@ -51,7 +53,7 @@ from lightning_matrixfsdp.runtime.tp.layout import TPLayout
 
 __all__ = ["Chunked", "ExpertBlock", "ExpertChunk", "ExpertSlice", "Holding", "ModelView", "Owned", "ParamView",
            "Replicated", "RootView", "TPFragment", "Whole", "local_state_dict", "model_view_of", "note_loaded",
-           "tag_view", "view_key"]
+           "stage_roots", "tag_view", "view_key"]
 
 
 # ---------------------------------------------------------------------- how a tensor is held
@@ -230,6 +232,12 @@ def _owned_view(sp: Any, names: tuple[str, ...], st: MatrixFSDPState) -> ParamVi
         holding, shape = Whole(**owner), tuple(shard.shape)
     return ParamView(fqn=shard.fqn, names=names, shape=shape, dtype=resident.dtype, role=shard.role.value,
                      local=resident.detach() if is_owned(resident) else None, ident=id(resident), holding=holding)
+
+
+def stage_roots(module: nn.Module) -> list[nn.Module]:
+    """Under pipeline parallelism, this rank's stages of the pipelined model inside ``module`` (what
+    this rank saves); ``[]`` without pipeline parallelism."""
+    return [r for r in sharded_roots(module) if is_stage(r)]
 
 
 def model_view_of(module: nn.Module) -> ModelView:

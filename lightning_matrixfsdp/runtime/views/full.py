@@ -40,6 +40,7 @@ from lightning_matrixfsdp.runtime.tags import (
     attach_state,
     detach_state,
     retag_tp,
+    pipelines_in,
     sharded_roots,
     state_of,
     tag_param,
@@ -174,6 +175,11 @@ def full_model(module: nn.Module, rank: Optional[int] = 0) -> Iterator[nn.Module
     parallelism every TP-split weight arrives whole and the TP plan's forward hooks are off on
     ``rank`` inside (the unsplit model, run locally). Yields ``module``.
     """
+    if pipelines_in(module):  # the same on every rank: refused before any communication
+        raise MatrixShardError("full_model cannot gather a model split into pipeline stages: each rank holds its "
+                               "stages only, and the pipelined model's forward runs through the schedule; save a "
+                               "checkpoint (it keeps the whole model's names) and load or consolidate it into the "
+                               "unsplit model (docs/pipeline-parallel.md)")
     roots = sharded_roots(module)
     if not roots:
         with torch.no_grad():
