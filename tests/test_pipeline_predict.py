@@ -57,7 +57,8 @@ REFUSED = {
     "calls_self": "lightning_matrixfsdp.forward_outputs(self, inputs)",
     "not_a_multiple": "must be a multiple of 4",
     "uneven_places": "different numbers of batches",
-    "place_without_batch": "have no batch at all",
+    # the uneven-inputs join sees the stages and refuses first, before the predictions' own check
+    "place_without_batch": "ranks have an evaluation or prediction batch in this step, under pipeline parallelism",
 }
 
 

@@ -136,11 +136,11 @@ class EvalJoin:
         """Every rank raises alike (they all counted the same gathered flags)."""
         self.steps = 0
         raise UnevenInputsError(
-            f"MatrixFSDP: {have} of {self.world} ranks have an evaluation batch in this step, under pipeline "
+            f"MatrixFSDP: {have} of {self.world} ranks have an evaluation or prediction batch in this step, under pipeline "
             "parallelism, where a rank without a batch cannot run its stage's part of the others' schedules. "
-            "Give every rank the same number of evaluation batches: keep use_distributed_sampler=True "
+            "Give every rank the same number of batches: keep use_distributed_sampler=True "
             "(Lightning's DistributedSampler pads to equal lengths), or set limit_val_batches / "
-            "limit_test_batches to at most the smallest count.")
+            "limit_test_batches / limit_predict_batches to at most the smallest count.")
 
     # ------------------------------------------------------------------ training
     def check_training_step(self, has_batch: bool, is_last: bool) -> None:
