@@ -1,0 +1,76 @@
+"""Pipeline parallelism off the happy path (issue 38): every bad input ends in a clear message on
+every rank, never a hang, never a silent wrong result.
+
+* A rank that dies (``os._exit``) or stalls (alive, silent) inside a step: the other ranks end
+  within seconds with an error, because the pipeline mesh's groups, which carry the schedule's
+  point-to-point traffic and each stage's gradient reductions, take the given ``timeout`` (the
+  strategies pass theirs) instead of torch's default (30 minutes on gloo). The world group keeps
+  torch's default here, so only the pipeline groups' timeout can end the stalled wait.
+* Batches a schedule cannot split (a dict or tuple, floats, 1-D, a size the micro-batches do not
+  divide on one rank, targets of the wrong rows, columns or dtype, a loss that is no scalar, the
+  stages of one place given different batches): the same ``MatrixShardError`` on every rank, naming
+  the cause, before any schedule runs; the run trains on afterwards.
+* A Mixture-of-Experts model whose config asks for the router's auxiliary loss: refused at setup.
+"""
+from __future__ import annotations
+
+import pytest
+
+from helpers.pipeline_robust_scenarios import SILENT_S, bad_inputs, fault, group_timeouts, launch
+
+TIMEOUT_S = 3.0
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_a_rank_lost_mid_schedule_ends_the_others_with_an_error(tmp_path, mode):
+    res = launch(fault, 2, mode, str(tmp_path / "done"), TIMEOUT_S, timeout=120)
+    assert 0 in res, f"rank 0 never answered: {res}"
+    outcome, message, waited = res[0]
+    assert outcome == "error", res[0]
+    assert waited < SILENT_S / 2, f"rank 0 waited {waited:.1f} s for its lost peer ({message[:200]})"
+    if mode == "kill":
+        assert 1 not in res, res  # it died in its step
+    else:
+        assert res[1][0] == "absent", res[1]
+
+
+def test_strategy_timeout_reaches_the_pipeline_groups(dist_pools):
+    for rank, timeouts in enumerate(dist_pools(2).run(group_timeouts, 7.0, timeout=120)):
+        assert timeouts and set(timeouts.values()) == {7.0}, (rank, timeouts)
+
+
+@pytest.fixture(scope="module")
+def refused(dist_pools):
+    return dist_pools(2).run(bad_inputs, 60.0, timeout=240)
+
+
+CAUSES = {  # case -> words the message must hold (on every rank)
+    "step: dict batch": ["not one tensor", "attention mask", "input_ids", "rank(s) 0, 1"],
+    "evaluate: dict batch": ["not one tensor", "rank(s) 0, 1"],
+    "step: tuple inputs": ["not one tensor"],
+    "step: float inputs": ["integer token ids"],
+    "step: 1-D inputs": ["(batch, sequence)"],
+    "step: batch not divisible": ["not a multiple of pipeline_microbatches=4", "rank(s) 0, 1"],
+    "step: one rank not divisible": ["not a multiple of pipeline_microbatches=4", "rank(s) 1"],
+    "step: target rows": ["one row per input row"],
+    "step: targets unshifted (one column more)": ["loss function failed", "rank(s) 1"],
+    "evaluate: targets unshifted (one column more)": ["loss function failed", "rank(s) 1"],
+    "step: targets float": ["loss function failed"],
+    "step: stages read different batches": ["different batches", "rank 0", "rank 1", "sample by place"],
+    "step: stages read different sizes": ["different batches", "batch 8 x 8", "batch 4 x 8"],
+    "loss not scalar": ["no scalar"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CAUSES))
+def test_a_batch_that_cannot_be_pipelined_is_refused_on_every_rank(refused, case):
+    messages = [r[case] for r in refused]
+    for rank, message in enumerate(messages):
+        for words in CAUSES[case]:
+            assert words in message, f"rank {rank}, {case}: {message!r} lacks {words!r}"
+    assert messages[0].split(" (here:")[0] == messages[1].split(" (here:")[0], messages
+
+
+def test_the_run_trains_on_after_the_refusals(refused):
+    losses = [r["good step after"] for r in refused]
+    assert losses[0] == losses[1] and losses[0] > 0, losses
