@@ -74,3 +74,35 @@ def test_a_batch_that_cannot_be_pipelined_is_refused_on_every_rank(refused, case
 def test_the_run_trains_on_after_the_refusals(refused):
     losses = [r["good step after"] for r in refused]
     assert losses[0] == losses[1] and losses[0] > 0, losses
+
+
+@pytest.mark.parametrize("make", ["hf_mixtral", "hf_qwen3_moe"])
+def test_router_aux_loss_is_refused_not_dropped(make):
+    """The load-balancing loss needs every layer's router logits on the last stage: refused in the
+    family check (setup, every rank alike: the same config), naming the field and what to change.
+    Without it the same model is accepted (the refusal is this field's)."""
+    from helpers import pipeline_scenarios
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
+    from lightning_matrixfsdp.runtime.pipeline import family_of
+
+    model = getattr(pipeline_scenarios, make)()
+    assert family_of(model).name == "Hugging Face causal LM"
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.02
+    with pytest.raises(MatrixShardError, match=r"output_router_logits=True.*router_aux_loss_coef=0\.02") as err:
+        family_of(model)
+    assert "output_router_logits=False" in str(err.value) and "pipeline_parallel_size=1" in str(err.value)
+
+
+def test_demos_hf_module_with_router_aux_loss_is_refused_at_setup():
+    """The Lightning path: the strategy's setup finds the pipelined model (``find_pipelined``) and the
+    family refuses it before anything is split."""
+    from lightning_matrixfsdp.adapters.pipeline import find_pipelined
+    from lightning_matrixfsdp.demos.hf import HFCausalLM
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
+
+    tiny = dict(hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16)
+    assert find_pipelined(HFCausalLM("mixtral", config=tiny))[0] == "model"
+    module = HFCausalLM("mixtral", config=dict(tiny, output_router_logits=True, router_aux_loss_coef=0.02))
+    with pytest.raises(MatrixShardError, match="output_router_logits=True"):
+        find_pipelined(module)
