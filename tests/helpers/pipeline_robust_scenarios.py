@@ -171,3 +171,26 @@ def bad_inputs(rank: int, world: int, timeout_s: float) -> dict:
     except MatrixShardError as err:
         out["loss not scalar"] = str(err)
     return out
+
+
+# ---------------------------------------------------------------------- uneven batch counts under PP x DP
+def uneven_places(rank: int, world: int, epochs: int = 2) -> dict:
+    """PP=2 x DP=2 through the Trainer with ``use_distributed_sampler=False``: data-parallel place 1
+    gets one batch fewer than place 0 (a per-place dataset, as a custom sampler would give). Every
+    rank reports how ``fit`` ended and the steps it ran."""
+    from helpers.pipeline_lightning_scenarios import BATCH, _trainer, data, make_module
+
+    places = world // 2
+    place = rank % places
+    samples = data(BATCH * (3 if place == 0 else 2))
+    loader = torch.utils.data.DataLoader(samples, batch_size=BATCH)
+    module = make_module(layers=2)
+    trainer = _trainer(world, {"pp": 2, "schedule": "1F1B"}, {"timeout": timedelta(seconds=20)},
+                       max_epochs=epochs, use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0)
+    start = time.monotonic()
+    try:
+        trainer.fit(module, loader)
+        outcome = ("ok", "")
+    except Exception as err:  # noqa: BLE001 - how each rank ends is the result
+        outcome = (type(err).__name__, str(err))
+    return {"outcome": outcome, "steps": len(module.recorded), "seconds": time.monotonic() - start}
