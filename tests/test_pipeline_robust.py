@@ -106,3 +106,27 @@ def test_demos_hf_module_with_router_aux_loss_is_refused_at_setup():
     module = HFCausalLM("mixtral", config=dict(tiny, output_router_logits=True, router_aux_loss_coef=0.02))
     with pytest.raises(MatrixShardError, match="output_router_logits=True"):
         find_pipelined(module)
+
+
+def _join_sees_stages() -> bool:
+    """Whether the uneven-inputs join covers pipeline stages (``sharded_roots`` returns them: the
+    'observe' branch of issue 38). Before it, a place with one batch more runs its extra step
+    against the other place's next epoch, silently, then hangs (docs/pipeline-parallel.md)."""
+    from lightning_matrixfsdp.runtime import tags
+
+    return hasattr(tags, "is_stage")
+
+
+@pytest.mark.skipif(not _join_sees_stages(), reason="needs sharded_roots to return the pipeline stages")
+def test_uneven_batch_counts_across_places_are_refused_on_every_rank(dist_pools):
+    """PP=2 x DP=2, place 1 with one training batch fewer (use_distributed_sampler=False): every
+    rank raises UnevenInputsError at the first step where the places' counts differ (the join's
+    training check, over the world), naming each rank's state; no rank trains on."""
+    from helpers.pipeline_robust_scenarios import uneven_places
+
+    res = dist_pools(4).run(uneven_places, timeout=240)
+    for rank, r in enumerate(res):
+        kind, message = r["outcome"]
+        assert kind == "UnevenInputsError", (rank, r)
+        assert "different numbers of training batches" in message and "rank 1: its last batch" in message, message
+        assert r["steps"] == 1, (rank, r)  # the second step is refused before its schedule runs
