@@ -62,12 +62,22 @@ def _pipeline(rank: int, loss_fn: Callable, timeout_s: Optional[float], pp: int 
     return build_pipeline(demo_gpt(2), mesh, loss_fn=loss_fn, schedule="1F1B", microbatches=4)
 
 
-def fault(rank: int, world: int, mode: str, done: str, timeout_s: Optional[float]) -> tuple:
-    """PP=2 (x DP = world / 2), the demos' GPT: in step ``FAULT_STEP`` the last rank (last stage)
-    dies in its loss (``mode="kill"``: ``os._exit``) or stalls there (``"stall"``: alive, silent,
-    until the others are done or ``SILENT_S`` passed). The others report how their step ended."""
+def fault(rank: int, world: int, done: str, timeout_s: Optional[float]) -> dict:
+    """PP=2 on two ranks, the demos' GPT, twice: in step ``FAULT_STEP`` of a first run rank 1 (the
+    last stage) stalls in its loss (alive and silent until rank 0 is done or ``SILENT_S`` passed);
+    in a second run, on a fresh pipeline mesh, it dies there (``os._exit``). Rank 0 reports how
+    each of its steps ended; rank 1 notes that it left the first run (a file) and dies in the second."""
+    import torch.distributed as dist
+
+    out = {"stall": _faulty_run(rank, "stall", done, timeout_s)}
+    dist.barrier()  # the world group (torch's default timeout) is intact: both ranks start the second run
+    out["kill"] = _faulty_run(rank, "kill", done, timeout_s)
+    return out
+
+
+def _faulty_run(rank: int, mode: str, done: str, timeout_s: Optional[float]) -> tuple:
     calls = {"n": 0}
-    faulty = rank == world - 1
+    faulty = rank == 1
 
     def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
@@ -77,25 +87,23 @@ def fault(rank: int, world: int, mode: str, done: str, timeout_s: Optional[float
             start = time.monotonic()
             while not os.path.exists(done) and time.monotonic() - start < SILENT_S:
                 time.sleep(0.05)
-            raise _Left(time.monotonic() - start)
+            raise _Left()
         return lm_loss(outputs, targets)
 
     run = _pipeline(rank, loss_fn, timeout_s)
-    x, y = batch(0, rank % (world // 2))
+    x, y = batch(0, 0)
     start = time.monotonic()
     try:
         for _ in range(FAULT_STEP + 1):
             start = time.monotonic()
             run.step(x, y)
         outcome = ("ok", "", time.monotonic() - start)
-    except Exception as err:  # noqa: BLE001 - how the survivors end is the result
-        if faulty:  # it left (torch may wrap the exception its loss raised)
-            return ("absent", "", time.monotonic() - start)
+    except Exception as err:  # noqa: BLE001 - how the survivor ends is the result
         outcome = ("error", f"{type(err).__name__}: {err}", time.monotonic() - start)
-    if not faulty:
-        open(f"{done}.{rank}", "w").close()
-        if all(os.path.exists(f"{done}.{r}") for r in range(world - 1)):
-            open(done, "w").close()
+    if faulty:  # it left (torch may wrap the exception its loss raised)
+        open(f"{done}.left", "w").close()
+    else:
+        open(done, "w").close()
     return outcome
 
 
