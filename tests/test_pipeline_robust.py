@@ -39,6 +39,17 @@ def test_strategy_timeout_reaches_the_pipeline_groups(dist_pools):
         assert timeouts and set(timeouts.values()) == {7.0}, (rank, timeouts)
 
 
+def test_pipeline_mesh_refuses_a_bad_timeout_before_any_collective():
+    from datetime import timedelta
+
+    from lightning_matrixfsdp.runtime.errors import MatrixShardError
+    from lightning_matrixfsdp.runtime.pipeline import pipeline_mesh
+
+    for bad in (30, timedelta(seconds=0), "30s"):
+        with pytest.raises(MatrixShardError, match="timeout"):
+            pipeline_mesh(2, timeout=bad)
+
+
 @pytest.fixture(scope="module")
 def refused(dist_pools):
     return dist_pools(2).run(bad_inputs, 60.0, timeout=240)
