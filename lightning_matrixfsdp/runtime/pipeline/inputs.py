@@ -67,9 +67,8 @@ def check_inputs(run: Any, inputs: Any, targets: Optional[Any]) -> None:
         ranks = ", ".join(str(r) for r, c in bad if c == first)
         what = "step or evaluation" if targets is not None else "prediction"
         note = f" (here: {detail})" if detail and code == first else ""
-        raise MatrixShardError(f"a pipelined {what} cannot run this batch: {_WHAT[first].format(m=run.microbatches)}; "
-                               f"found on rank(s) "
-                               f"{ranks}{note}")
+        cause = _WHAT[first].format(m=run.microbatches)
+        raise MatrixShardError(f"a pipelined {what} cannot run this batch: {cause}; found on rank(s) {ranks}{note}")
     _check_groups_agree(everyone, mesh.dp_size)
 
 
