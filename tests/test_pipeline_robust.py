@@ -141,3 +141,13 @@ def test_uneven_batch_counts_across_places_are_refused_on_every_rank(dist_pools)
         assert kind == "UnevenInputsError", (rank, r)
         assert "different numbers of training batches" in message and "rank 1: its last batch" in message, message
         assert r["steps"] == 1, (rank, r)  # the second step is refused before its schedule runs
+
+
+def test_forward_loss_refuses_a_bad_batch_on_every_rank_through_the_trainer(dist_pools):
+    """The Lightning contract's path: the refusal is raised inside ``training_step`` on every rank,
+    so ``fit`` ends alike everywhere (the pool checks that every rank left at the same point)."""
+    from helpers.pipeline_robust_scenarios import trainer_bad_batches
+
+    for rank, r in enumerate(dist_pools(2).run(trainer_bad_batches, timeout=240)):
+        assert "not a multiple of pipeline_microbatches=4" in r["six rows"], (rank, r["six rows"])
+        assert "not one tensor" in r["dict inputs"] and "input_ids" in r["dict inputs"], (rank, r["dict inputs"])

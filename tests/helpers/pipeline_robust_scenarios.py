@@ -202,3 +202,31 @@ def uneven_places(rank: int, world: int, epochs: int = 2) -> dict:
     except Exception as err:  # noqa: BLE001 - how each rank ends is the result
         outcome = (type(err).__name__, str(err))
     return {"outcome": outcome, "steps": len(module.recorded), "seconds": time.monotonic() - start}
+
+
+# ---------------------------------------------------------------------- through the Trainer
+def trainer_bad_batches(rank: int, world: int) -> dict:
+    """``forward_loss(self, x, y)`` under PP=2 through the Trainer with a batch the micro-batches do
+    not divide, and with the inputs as a dict (ids and an attention mask): how ``fit`` ends on each rank."""
+    import lightning_matrixfsdp as mf
+    from helpers.pipeline_lightning_scenarios import _trainer, data, make_module
+
+    class DictBatch(type(make_module(layers=2))):  # noqa: D101
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return mf.forward_loss(self, {"input_ids": x, "attention_mask": torch.ones_like(x)}, y)
+
+    out = {}
+    for name, cls, batch_size in (("six rows", None, 6), ("dict inputs", DictBatch, 8)):
+        torch.manual_seed(0)
+        module = make_module(layers=2) if cls is None else cls(vocab_size=48, max_seq_len=8, d_model=32, n_layers=2,
+                                                               n_heads=2, warmup_steps=0)
+        module.recorded, module.val_recorded, module.seen, module.sgd = [], [], [], False
+        trainer = _trainer(world, {"pp": 2, "schedule": "1F1B"}, {}, max_steps=1, limit_val_batches=0,
+                           num_sanity_val_steps=0)
+        try:
+            trainer.fit(module, torch.utils.data.DataLoader(data(batch_size), batch_size=batch_size))
+            out[name] = "ran"
+        except Exception as err:  # noqa: BLE001
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
