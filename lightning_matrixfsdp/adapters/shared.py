@@ -319,7 +319,7 @@ class MatrixFSDPAdapter:
         self.shard_mesh = build_mesh(dims, self.root_device, self.config.timeout)  # type: ignore[attr-defined]
         if self.config.pipeline_parallel_size > 1:  # the (pp, dp) mesh, pipeline axis outermost
             self.pipeline_mesh = pipeline_mesh(self.config.pipeline_parallel_size, self.config.shard_size,
-                                               self.root_device.type)  # type: ignore[attr-defined]
+                                               self.root_device.type, self.config.timeout)  # type: ignore[attr-defined]
 
     @property
     def device_mesh(self) -> Any:

@@ -10,6 +10,7 @@ that stage over, so every matrix is owned whole inside its stage and the optimiz
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -20,6 +21,7 @@ from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.mesh.comm import expert_groups, mesh_info
 from lightning_matrixfsdp.runtime.mesh.dims import ParallelDims
 from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
+from lightning_matrixfsdp.runtime.options import check_timeout
 
 __all__ = ["PipelineMesh", "SCHEDULES", "ScheduleKind", "broadcast_from_place", "make_schedule", "make_stage",
            "pipeline_mesh", "recv_from", "schedule_class", "send_to", "stage_mesh_info", "tie_owners"]
@@ -98,11 +100,18 @@ class PipelineMesh:
         return dist.get_global_rank(self.pp_group, pp_rank)
 
 
-def pipeline_mesh(pp: int, shard_size: Optional[int] = None, device_type: str = "cpu") -> PipelineMesh:
+def pipeline_mesh(pp: int, shard_size: Optional[int] = None, device_type: str = "cpu",
+                  timeout: Optional[timedelta] = None) -> PipelineMesh:
     """The ``(pp, dp)`` mesh of the world (``(pp, replicate, shard)`` with ``shard_size``: HSDP
-    inside each stage), pipeline axis outermost. Collective: every rank calls it."""
+    inside each stage), pipeline axis outermost. Collective: every rank calls it.
+
+    ``timeout``: for every group of the mesh, the schedule's point-to-point traffic included (the
+    strategies pass their ``timeout`` option). ``init_device_mesh`` gives its groups torch's default
+    (30 minutes on gloo, 10 on NCCL), so a rank whose pipeline peer died or stalled would wait that
+    long; with a value, the groups are created here with it and wrapped as a DeviceMesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    timeout = check_timeout(timeout)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if pp < 1 or world % pp:
         raise MatrixShardError(f"pipeline_parallel_size={pp} must be a positive divisor of the world size {world}")
@@ -112,14 +121,32 @@ def pipeline_mesh(pp: int, shard_size: Optional[int] = None, device_type: str = 
                                f"(world {world} / pipeline_parallel_size {pp})")
     if world == 1:
         return PipelineMesh(1, 0, None, None)
-    if shard_size is None or shard_size == dp:
-        mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
-        dp_mesh = mesh["dp"]
+    hsdp = shard_size is not None and shard_size != dp
+    shape, names = ((pp, dp // shard_size, shard_size), ("pp", "replicate", "shard")) if hsdp else \
+        ((pp, dp), ("pp", "dp"))
+    if timeout is None:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     else:
-        mesh = init_device_mesh(device_type, (pp, dp // shard_size, shard_size),
-                                mesh_dim_names=("pp", "replicate", "shard"))
-        dp_mesh = mesh["replicate", "shard"]
+        mesh = _timed_mesh(device_type, shape, names, timeout)
+    dp_mesh = mesh["replicate", "shard"] if hsdp else mesh["dp"]
     return PipelineMesh(pp, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), dp_mesh, mesh)
+
+
+def _timed_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta) -> Any:
+    """The DeviceMesh ``init_device_mesh`` would build, its groups created with ``timeout``: for
+    each dimension, one group per line of ranks along it, every group on every rank in the same
+    order (torch requires it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = torch.arange(dist.get_world_size()).view(shape)
+    rank = dist.get_rank()
+    mine: list[dist.ProcessGroup] = []
+    for dim in range(len(shape)):
+        for ranks in layout.movedim(dim, -1).reshape(-1, shape[dim]).tolist():
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=names)
 
 
 def stage_mesh_info(mesh: PipelineMesh, dims: ParallelDims) -> MeshInfo:

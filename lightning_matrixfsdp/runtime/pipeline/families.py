@@ -159,9 +159,16 @@ def _hf_refuse(model: nn.Module) -> Optional[str]:
     if name not in HF_PLAIN_HEADS:
         return (f"{name}'s forward may do more than norm -> lm_head after its layers (logit scaling, soft-capping); "
                 f"pipelined Hugging Face models are {', '.join(HF_PLAIN_HEADS)}")
-    if getattr(model.config, "output_router_logits", False):
-        return ("config.output_router_logits=True adds the router's auxiliary loss, which needs every layer's "
-                "router logits on the last stage; set it to False under pipeline parallelism")
+    config = model.config
+    if getattr(config, "output_router_logits", False):
+        # the load-balancing loss is a product of means over every layer's router outputs, which
+        # live on every stage; the last stage's loss would silently train without it
+        coef = getattr(config, "router_aux_loss_coef", None)
+        return ("config.output_router_logits=True asks for the router's load-balancing loss (router_aux_loss_coef="
+                f"{coef}), which needs every layer's router logits, spread over all stages, on the last stage: "
+                "pipeline parallelism cannot add it yet. Set output_router_logits=False in the model's config "
+                "to train without it under pipeline parallelism, or keep it with pipeline_parallel_size=1 "
+                "(expert parallelism keeps it)")
     return None
 
 

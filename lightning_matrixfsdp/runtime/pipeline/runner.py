@@ -39,6 +39,7 @@ from lightning_matrixfsdp.runtime.pipeline.comm import (
 )
 from lightning_matrixfsdp.runtime.pipeline.combine import check_no_tensor_parallel, option_of, stage_dims
 from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_of
+from lightning_matrixfsdp.runtime.pipeline.inputs import check_inputs
 from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
 from lightning_matrixfsdp.runtime.pipeline.ties import TiedCopies, find_ties, untie_for_last_stage
 from lightning_matrixfsdp.runtime.shard import matrix_shard
@@ -237,15 +238,7 @@ class PipelineRun:
 
     # ------------------------------------------------------------------ running
     def _check_batch(self, inputs: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
-        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1:
-            raise MatrixShardError(f"a pipelined step takes the batch's inputs as one tensor (token ids), got "
-                                   f"{type(inputs).__name__}")
-        if inputs.shape[0] % self.microbatches:
-            raise MatrixShardError(f"batch size {inputs.shape[0]} is not a multiple of pipeline_microbatches="
-                                   f"{self.microbatches}; micro-batches of unequal size would weigh the mean loss "
-                                   "unevenly")
-        if targets is not None and targets.shape[0] != inputs.shape[0]:
-            raise MatrixShardError(f"targets have {targets.shape[0]} rows for {inputs.shape[0]} inputs")
+        check_inputs(self, inputs, targets)  # on every rank alike, before any schedule runs (inputs.py)
 
     def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:
         key = (tuple(inputs.shape), inputs.dtype, train)
