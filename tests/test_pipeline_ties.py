@@ -87,3 +87,22 @@ def test_trainer_tied_pp2_hsdp_equals_the_unsplit_oracle(hf_pool4):
         assert r["stepped_is_mine"], f"rank {rank}: the optimizer holds parameters of another stage"
         covered |= set(r["compared"])
     assert covered == set(res[0]["names"])
+
+
+def test_a_tie_whose_copies_one_rank_steps_is_summed_locally():
+    """In-process (a V order puts the first and the last stage on one rank): no transfer, the head
+    copy's gradient added to the embedding's and cleared, then the stepped value copied back."""
+    import torch
+
+    from lightning_matrixfsdp.runtime.pipeline import PipelineMesh
+    from lightning_matrixfsdp.runtime.pipeline.ties import Tie, TiedCopies
+
+    emb, head = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.zeros(3, 2))
+    emb.grad, head.grad = torch.full((3, 2), 2.0), torch.full((3, 2), 0.5)
+    tied = TiedCopies([Tie("emb", "head")], {"emb": emb, "head": head}, PipelineMesh(1, 0, None, None))
+    tied.reduce_grads()
+    assert torch.equal(emb.grad, torch.full((3, 2), 2.5)) and head.grad is None
+    with torch.no_grad():
+        emb.sub_(emb.grad)
+    tied.sync_weights()
+    assert torch.equal(head, emb)
