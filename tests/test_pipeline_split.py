@@ -79,14 +79,14 @@ def test_bad_options_are_refused_before_sharding(kw, match):
 
 
 def test_ties_that_are_not_first_to_last_stage_on_two_ranks_are_refused():
-    """A tie between the first and the last stage is handled (test_pipeline_exact.py) where the two
-    stages run on different ranks; with several stages per rank, or a weight a middle stage shares,
-    it is refused."""
+    """A tie between the first and the last stage is handled (test_pipeline_exact.py,
+    test_pipeline_ties.py: several stages per rank and HSDP too); with one pipeline rank, or a
+    weight a middle stage shares, it is refused."""
     model = gpt()
     model.head.weight = model.tok_emb.weight
-    with pytest.raises(MatrixShardError, match=r"tok_emb.weight = head.weight need the first and the last stage on "
-                                               "different ranks"):
-        build_pipeline(model, MESH, loss_fn=loss, schedule="Interleaved1F1B")
+    with pytest.raises(MatrixShardError, match=r"tok_emb.weight = head.weight across pipeline stages need "
+                                               "pipeline_parallel_size >= 2"):
+        build_pipeline(model, PipelineMesh(1, 0, None, None), loss_fn=loss, schedule="Interleaved1F1B")
     model = gpt()
     model.blocks[2].attn.qkv.weight = model.blocks[1].attn.qkv.weight
     with pytest.raises(MatrixShardError, match=r"'blocks.1.attn.qkv.weight' is shared by pipeline stages \[1, 2\]"):

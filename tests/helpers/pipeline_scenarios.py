@@ -169,7 +169,8 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     model = copy.deepcopy(oracle)
     mesh = pipeline_mesh(pp, case.get("shard_size"))
     run = build_pipeline(model, mesh, loss_fn=lm_loss, schedule=case["schedule"], microbatches=MICRO,
-                         split=case.get("split"), stages_per_rank=case.get("stages_per_rank"))
+                         split=case.get("split"), stages_per_rank=case.get("stages_per_rank"),
+                         **case.get("shard_options", {}))  # e.g. replica_split under HSDP
     if case.get("break") == "unscaled" and run.holds_last:
         run.loss_divisor = 1  # the last stage skips the 1/M scaling of its micro-batches' losses
     stepped = model if case.get("break") == "foreign" else run.module  # "foreign": the whole model's parameters

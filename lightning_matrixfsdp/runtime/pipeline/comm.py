@@ -24,7 +24,7 @@ from lightning_matrixfsdp.runtime.mesh.info import MeshInfo
 from lightning_matrixfsdp.runtime.options import check_timeout
 
 __all__ = ["PipelineMesh", "SCHEDULES", "ScheduleKind", "broadcast_from_place", "make_schedule", "make_stage",
-           "pipeline_mesh", "recv_from", "schedule_class", "send_to", "stage_mesh_info", "tie_owners"]
+           "pipeline_mesh", "schedule_class", "stage_mesh_info"]
 
 
 @dataclass(frozen=True)
@@ -188,30 +188,3 @@ def broadcast_from_place(value: Optional[torch.Tensor], mesh: PipelineMesh, plac
         dist.broadcast(out, src=mesh.global_rank_of(place), group=mesh.pp_group)
     return out
 
-
-def tie_owners(flags: Sequence[tuple[bool, bool]]) -> list[tuple[int, int]]:
-    """For each tied weight, the global ranks owning its first-stage and its last-stage copy, from
-    every rank's ``(owns the first copy, owns the last copy)``. Collective over the world."""
-    if not flags:
-        return []
-    mine = torch.tensor([[int(a), int(b)] for a, b in flags], dtype=torch.int64)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
-    found = []
-    for i in range(len(flags)):
-        first = [r for r, t in enumerate(parts) if t[i, 0]]
-        last = [r for r, t in enumerate(parts) if t[i, 1]]
-        if len(first) != 1 or len(last) != 1:
-            raise MatrixShardError(f"a tied weight needs one owner of each copy, found {first} and {last}")
-        found.append((first[0], last[0]))
-    return found
-
-
-def send_to(tensor: torch.Tensor, dst: int) -> None:
-    """``tensor`` to global rank ``dst`` (blocking)."""
-    dist.send(tensor.contiguous(), dst=dst)
-
-
-def recv_from(tensor: torch.Tensor, src: int) -> None:
-    """Into ``tensor`` from global rank ``src`` (blocking)."""
-    dist.recv(tensor, src=src)

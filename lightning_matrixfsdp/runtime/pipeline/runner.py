@@ -123,7 +123,7 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     device = torch.device(device) if device is not None else next(stages[0].parameters()).device
     run = PipelineRun(stages, mine, plan, mesh, schedule, microbatches, loss_fn, device, dtype)
     if ties:  # collective: every rank has the same ties (from the model's structure)
-        run.tied = TiedCopies(ties, dict(run.named_parameters()), mesh)
+        run.tied = TiedCopies(ties, dict(run.named_parameters()), mesh, run.stages)
     attach_pipeline(model, run)  # checkpoints of ``model`` find this rank's stages (checkpoint/, global names)
     return run
 

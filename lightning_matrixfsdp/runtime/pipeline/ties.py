@@ -10,20 +10,33 @@ is cleared, so its optimizer skips it); :meth:`TiedCopies.sync_weights`, after t
 the new value to the head copy's owner. Neither transfer is inside ``optimizer.step()``. The
 sum is taken in another order than autograd's (all of one use's micro-batches, then the other's),
 so a tied weight equals the unsplit model's up to float32 rounding, not bitwise.
+
+The transfers go between the copies' *stepping* owners, paired in rank order. With HSDP inside
+the stages each replica has an owner of each copy holding the replicas' mean gradient, and each
+replica steps it: replica k's head owner sends to replica k's embedding owner, so every replica
+sums and steps the same values. Under ``replica_split`` one replica steps each copy (the
+embedding's and the head copy's stepping replicas may differ): the one holding the head copy's
+gradient sends it to the one stepping the embedding, and the stepped value goes back to the head
+copy's stepper; each stage's replica transfers (``sync_replicas``, or the adapters right after
+the step) then carry both copies to the other replicas, so ``sync_weights`` must run before them.
+Several stages per rank: the first and the last stage are on different ranks in loop order
+(Interleaved1F1B, LoopedBFS); where one rank owns both copies (a V order) the sum is local.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
-from lightning_matrixfsdp.runtime.pipeline.comm import PipelineMesh, recv_from, send_to, tie_owners
-from lightning_matrixfsdp.runtime.tags import is_owned, recipe_of, tag_recipe
+from lightning_matrixfsdp.runtime.pipeline.comm import PipelineMesh
+from lightning_matrixfsdp.runtime.pipeline.ties_comm import gather_tie_flags, recv_from, send_to
+from lightning_matrixfsdp.runtime.tags import is_owned, recipe_of, shard_of, state_of, tag_recipe
 
-__all__ = ["Tie", "TiedCopies", "find_ties", "untie_for_last_stage"]
+__all__ = ["Tie", "TiedCopies", "find_ties", "tie_pairs", "untie_for_last_stage"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,8 @@ def _names_in(model: nn.Module, keep: list[str]) -> dict[int, str]:
 
 def find_ties(model: nn.Module, keeps: list[list[str]], mesh: PipelineMesh, per_rank: int) -> list[Tie]:
     """Weights shared between stages, every one of them a tie of the first and the last stage
-    that two ranks of plain data parallelism hold; anything else shared is refused."""
+    (any schedule, any data-parallel layout inside the stages); anything else shared is refused,
+    and so is a tie with one pipeline rank. ``per_rank`` (stages per rank) changes nothing here."""
     held = [_names_in(model, k) for k in keeps]
     ties, last = [], len(keeps) - 1
     for pid, name in held[0].items():
@@ -58,14 +72,11 @@ def find_ties(model: nn.Module, keeps: list[list[str]], mesh: PipelineMesh, per_
             if others:
                 raise MatrixShardError(f"parameter {name!r} is shared by pipeline stages {sorted([s, *others])}; "
                                        "only a weight tied between the first and the last stage is supported")
-    if ties and (mesh.pp_size < 2 or per_rank > 1):
-        raise MatrixShardError(f"tied weights {ties[0].first} = {ties[0].last} need the first and the last stage on "
-                               "different ranks: one stage per rank (GPipe or 1F1B) and pipeline_parallel_size >= 2, or "
-                               "untie them (Hugging Face: tie_word_embeddings=False)")
-    if ties and getattr(mesh.dp_mesh, "ndim", 1) > 1:
-        raise MatrixShardError(f"tied weights {ties[0].first} = {ties[0].last} across pipeline stages with HSDP inside "
-                               "a stage are not supported yet; untie them (tie_word_embeddings=False) or leave "
-                               "shard_size unset")
+    if ties and mesh.pp_size < 2:
+        raise MatrixShardError(f"tied weights {ties[0].first} = {ties[0].last} across pipeline stages need "
+                               "pipeline_parallel_size >= 2 (with one pipeline rank nothing is split across ranks: "
+                               "train without pipeline parallelism), or untie them (Hugging Face: "
+                               "tie_word_embeddings=False)")
     return ties
 
 
@@ -81,36 +92,82 @@ def untie_for_last_stage(model: nn.Module, ties: list[Tie]) -> None:
         setattr(module, leaf, copy)
 
 
+def _steps_here(p: Optional[nn.Parameter], stages: Sequence[nn.Module]) -> bool:
+    """Whether this rank steps ``p`` (a copy of a tied weight it holds, or None): it owns it and,
+    under ``replica_split``, its replica is the stepping one of ``p``'s stage."""
+    if p is None or not is_owned(p):
+        return False
+    shard = shard_of(p)
+    for stage in stages:
+        st = state_of(stage)
+        if st is None or shard is None or all(q is not p for q in stage.parameters()):
+            continue
+        stepper = st.plan.stepper(shard.fqn)
+        return stepper is None or stepper == st.replica_rank
+    return True  # not sharded (a stage without a state): its holder steps it
+
+
+def tie_pairs(flags: list[list[list[int]]], ties: list[Tie]) -> list[list[tuple[int, int]]]:
+    """For each tie, the ``(embedding's stepping owner, head copy's stepping owner)`` global rank
+    pairs, from every rank's ``(steps the first copy, steps the last copy)``: both lists in rank
+    order (replica order), paired one to one. Refuses counts that cannot be paired."""
+    pairs = []
+    for i, tie in enumerate(ties):
+        first = [r for r, rows in enumerate(flags) if rows[i][0]]
+        last = [r for r, rows in enumerate(flags) if rows[i][1]]
+        if not first or len(first) != len(last):
+            raise MatrixShardError(f"tied weights {tie.first} = {tie.last}: the embedding is stepped on ranks {first} "
+                                   f"and the head's copy on ranks {last}, which cannot be paired one to one; give the "
+                                   "first and the last stage the same HSDP layout and the same replica_split")
+        pairs.append(list(zip(first, last)))
+    return pairs
+
+
 class TiedCopies:
     """The tied weights of a pipeline as this rank sees them, and the two transfers that keep the
-    copies one weight. Building it is collective (every rank says which copies it owns)."""
+    copies one weight. Building it is collective over the world (every rank says which copies it steps)."""
 
-    def __init__(self, ties: list[Tie], params: dict[str, nn.Parameter], mesh: PipelineMesh) -> None:
+    def __init__(self, ties: list[Tie], params: dict[str, nn.Parameter], mesh: PipelineMesh,
+                 stages: Sequence[nn.Module] = ()) -> None:
         self.ties = ties
         self.first = [params.get(t.first) for t in ties]
         self.last = [params.get(t.last) for t in ties]
-        flags = [(p is not None and is_owned(p), q is not None and is_owned(q)) for p, q in zip(self.first, self.last)]
-        self.owners = tie_owners(flags)
+        flags = [(int(_steps_here(p, stages)), int(_steps_here(q, stages))) for p, q in zip(self.first, self.last)]
         self.rank = mesh.rank
+        # this rank's pair of each tie (None: it steps neither copy)
+        self.pairs = [next((pr for pr in prs if self.rank in pr), None) for prs in tie_pairs(gather_tie_flags(flags),
+                                                                                               ties)]
 
     def reduce_grads(self) -> None:
-        """Before ``optimizer.step()``: the head copy's gradient added to the embedding's, on its owner;
-        the head copy's gradient cleared. Collective between the two owners of each tie."""
-        for first, last, (r_first, r_last) in zip(self.first, self.last, self.owners):
+        """Before ``optimizer.step()``: the head copy's gradient added to the embedding's, on its
+        stepping owner(s); the head copy's gradient cleared. Collective between each pair of owners."""
+        for first, last, pair in zip(self.first, self.last, self.pairs):
+            if pair is None:
+                continue
+            r_first, r_last = pair
+            g = None
             if self.rank == r_last:
                 g = last.grad if last.grad is not None else torch.zeros_like(last)
-                send_to(g, r_first)
                 last.grad = None
-            elif self.rank == r_first:
-                incoming = torch.empty_like(first)
-                recv_from(incoming, r_last)
-                first.grad = incoming if first.grad is None else first.grad + incoming
+                if r_first != r_last:
+                    send_to(g, r_first)
+            if self.rank == r_first:
+                if r_first != r_last:
+                    g = torch.empty_like(first)
+                    recv_from(g, r_last)
+                first.grad = g if first.grad is None else first.grad + g
 
     def sync_weights(self) -> None:
-        """After ``optimizer.step()``: the embedding's new value to the head copy's owner."""
+        """After ``optimizer.step()`` (and before the stages' replica transfers, under
+        ``replica_split``): the embedding's new value to the head copy's stepping owner(s)."""
         with torch.no_grad():
-            for first, last, (r_first, r_last) in zip(self.first, self.last, self.owners):
-                if self.rank == r_first:
+            for first, last, pair in zip(self.first, self.last, self.pairs):
+                if pair is None:
+                    continue
+                r_first, r_last = pair
+                if r_first == r_last:
+                    last.data.copy_(first.detach())
+                elif self.rank == r_first:
                     send_to(first.detach(), r_last)
                 elif self.rank == r_last:
                     recv_from(last.data, r_first)
