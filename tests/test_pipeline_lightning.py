@@ -24,6 +24,9 @@ CASES = {  # name -> (world, case)
     "pp2xdp2-1f1b": (4, {"pp": 2, "schedule": "1F1B", "validate": True, "clip": 0.05, "sgd": True}),
     "pp4-gpipe": (4, {"pp": 4, "schedule": "GPipe", "validate": True}),
     "pp2xhsdp-1f1b": (4, {"pp": 2, "schedule": "1F1B", "options": {"shard_size": 1}, "accumulate": 2}),
+    # replica_split: one replica holds each gradient, the stage's norm group is the world (each stage once)
+    "pp2xhsdp-split-clip": (4, {"pp": 2, "schedule": "1F1B", "options": {"shard_size": 1, "replica_split": True},
+                                "clip": 0.05, "sgd": True}),
     # tied embeddings: the strategy sums both copies' gradients before the clip and the step; the
     # bounds of test_pipeline_exact.py's tied case (weights 2e-3, losses 1e-5: a measured floor)
     "hf-llama-tied-pp2-1f1b": (2, {"pp": 2, "schedule": "1F1B", "hf": True, "tied": True, "validate": True,

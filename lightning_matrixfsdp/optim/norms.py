@@ -157,14 +157,17 @@ def clip_grad_norm_pipeline_(params: Iterable[torch.Tensor], max_norm: float, no
     """Pipeline parallelism: clip by the global norm over every stage, each parameter counted once.
     Each rank adds the pieces of the gradients it owns in its stages; they are summed over the
     stage's norm ``group`` (its shard group), then over ``pp_group`` (one rank of each stage; every
-    parameter lives in one stage). The same norm as torch's over the unsplit model's gradients up
+    parameter lives in one stage). ``group=None`` is the world (a stage's norm group under HSDP's
+    ``replica_split``, where one replica holds each gradient): that sum already has every stage's
+    pieces once, so ``pp_group`` is not summed over again. The same norm as torch's over the unsplit model's gradients up
     to float32 rounding (the order of the sums differs); every rank scales what it holds."""
     grads = _owned_grads(list(params))
     device = grads[0].device if grads else comm_device(group)
     local, maximum = _partial_norm(grads, float(norm_type), device)
     combined = local.to(comm_device(group)) if _alone(group) else all_reduce_norm(local, maximum=maximum,
                                                                                   group=group, stats=stats)
-    combined = all_reduce_norm(combined, maximum=maximum, group=pp_group, stats=stats)
+    if group is not None:  # the world (None: HSDP's replica_split) already summed every stage's pieces once
+        combined = all_reduce_norm(combined, maximum=maximum, group=pp_group, stats=stats)
     total = _total_norm(combined, float(norm_type), grads[0].dtype if grads else torch.float32)
     return _scale_by(grads, total, float(max_norm), float(norm_type), error_if_nonfinite)
 
