@@ -120,6 +120,19 @@ def expert_rows(name: str, p: nn.Parameter):
     return p.shape[1] if name.endswith("experts.down_proj") else None
 
 
+def leftovers(run: Any) -> list[str]:
+    """What a step left on this rank's stages: units still materialized, unsharded (full) gradients
+    not reduced to their owners."""
+    from lightning_matrixfsdp.runtime.tags import state_of
+
+    left = []
+    for stage in run.stages:
+        for unit in state_of(stage).units:
+            left += [f"unit {unit.fqn!r} materialized"] if unit.is_materialized else []
+            left += [f"full gradient of {p.shard.fqn!r}" for p in unit.params if p.unsharded.grad is not None]
+    return left
+
+
 def run_case(rank: int, world: int, case: dict) -> dict:
     """One pipelined training run and its oracle; a failure comes back as ``{"error": text}``."""
     try:
@@ -157,6 +170,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         for k in range(acc):  # accumulate_grad_batches: a window of batches, one optimizer step
             x, y = batch(step * acc + k, place)
             loss = run.step(x, y, accumulation=acc)
+            out.setdefault("left", []).extend(leftovers(run))
             o_losses = oracle_step(oracle, places, step * acc + k, acc)
             out["losses"].append(loss.item())
             out["oracle_losses"].append(o_losses[place].item())

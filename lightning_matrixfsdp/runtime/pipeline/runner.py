@@ -40,6 +40,7 @@ from lightning_matrixfsdp.runtime.pipeline.comm import (
 from lightning_matrixfsdp.runtime.pipeline.combine import check_no_tensor_parallel, option_of, stage_dims
 from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_of
 from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
+from lightning_matrixfsdp.runtime.pipeline.split_backward import SplitBackward, check_split_combination
 from lightning_matrixfsdp.runtime.pipeline.ties import TiedCopies, find_ties, untie_for_last_stage
 from lightning_matrixfsdp.runtime.shard import matrix_shard
 from lightning_matrixfsdp.runtime.tags import attach_pipeline, recipe_of, tag_recipe
@@ -83,10 +84,7 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
         raise MatrixShardError(f"pipeline schedule {schedule!r} runs two stages per rank (a V); got "
                                f"stages_per_rank={per_rank}")
     if kind.split_backward:
-        raise MatrixShardError(f"pipeline schedule {schedule!r} splits each backward into input and weight "
-                               "gradients, which owner-sharded units do not support yet (their gradients are "
-                               "reduced when a unit's whole backward is done); use GPipe, 1F1B, Interleaved1F1B "
-                               "or LoopedBFS")
+        check_split_combination(schedule, ep)
     if microbatches < 1:
         raise MatrixShardError(f"pipeline_microbatches must be at least 1, got {microbatches}")
     fam = family_of(model, family)
@@ -181,6 +179,8 @@ class PipelineRun:
         #: what each micro-batch's loss is divided by (``microbatches``): the gradient scaling
         self.loss_divisor = microbatches
         self._schedules: dict[tuple, Any] = {}
+        #: split-backward schedules: each later stage's driver (split_backward.py), by stage index
+        self._split: dict[int, SplitBackward] = {}
         self._losses: list[torch.Tensor] = []
         self._accumulation = 1
         #: weights tied between the first and the last stage (ties.py), None without
@@ -247,8 +247,18 @@ class PipelineRun:
         if targets is not None and targets.shape[0] != inputs.shape[0]:
             raise MatrixShardError(f"targets have {targets.shape[0]} rows for {inputs.shape[0]} inputs")
 
+    def _split_parts(self, stage: StageModule, index: int) -> Optional[SplitBackward]:
+        """A split backward (zero bubble, DualPipeV): the driver of every stage but the first (whose
+        input part torch skips: its weight part is a whole backward, as under any schedule)."""
+        if not SCHEDULES[self.schedule].split_backward or stage.pipeline.span.first:
+            return None
+        if index not in self._split:
+            self._split[index] = SplitBackward(stage)
+        return self._split[index]
+
     def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:
         key = (tuple(inputs.shape), inputs.dtype, train)
+        kind = SCHEDULES[self.schedule]
         if key not in self._schedules:
             tokens = torch.Size((inputs.shape[0] // self.microbatches, *inputs.shape[1:]))
             stages = []
@@ -260,7 +270,8 @@ class PipelineRun:
                                       requires_grad=train and not span.first)
                 meta_out = torch.empty(stage.output_shape(tokens), device="meta", dtype=self.activation_dtype,
                                        requires_grad=train)
-                stages.append(make_stage(stage, index, self.plan.num_stages, self.device, self.mesh, meta_in, meta_out))
+                stages.append(make_stage(stage, index, self.plan.num_stages, self.device, self.mesh, meta_in, meta_out,
+                                         self._split_parts(stage, index) if train else None, kind.order == "v"))
             self._schedules[key] = make_schedule(self.schedule, stages, self.microbatches,
                                                  self._scaled_loss if train else None)
         return self._schedules[key]
@@ -291,9 +302,17 @@ class PipelineRun:
         self._losses.clear()
         self._accumulation = accumulation
         self._run(schedule, inputs, targets)
+        self._check_released()
         mean = torch.stack(self._losses).mean() if self.holds_last else None
         self._losses.clear()
         return broadcast_from_place(mean, self.mesh, self.last_place, self._loss_like())
+
+    def _check_released(self) -> None:
+        """After a split-backward step: nothing materialized, no full gradient left (local; a
+        failure is this library's bug, not the user's)."""
+        left = [msg for parts in self._split.values() for msg in parts.leftovers()]
+        if left:
+            raise RuntimeError(f"pipeline schedule {self.schedule!r} left stage memory behind: " + "; ".join(left[:4]))
 
     def _loss_like(self) -> torch.Tensor:
         """The reported loss on every rank: float64 whatever the last stage's loss dtype (which the
