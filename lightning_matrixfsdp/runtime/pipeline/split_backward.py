@@ -98,11 +98,3 @@ class SplitBackward:
             missing = any(unit.params[i].unsharded.grad is None for i in unit.trainable)
             unit.post_backward(flush=missing)
         self.state.schedule.drain_reduces()
-
-    def leftovers(self) -> list[str]:
-        """What a step must not leave behind (the memory a split backward could keep): units still
-        materialized, unsharded gradients not reduced. Empty after every complete step."""
-        out = [f"unit {u.fqn or '<root>'!r} is still materialized" for u in self.state.units if u.is_materialized]
-        out += [f"{p.shard.fqn!r} keeps an unreduced gradient" for u in self.state.units for p in u.params
-                if p.unsharded.grad is not None]
-        return out
