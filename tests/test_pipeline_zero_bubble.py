@@ -18,6 +18,9 @@ CASES = {
     "zb-pp2": (2, {"model": "demo_gpt", "pp": 2, "schedule": "InterleavedZeroBubble"}, [[0, 2], [1, 3]]),
     "zbv-pp2": (2, {"model": "demo_gpt", "pp": 2, "schedule": "ZBVZeroBubble"}, [[0, 3], [1, 2]]),
     "dualpipev-pp2": (2, {"model": "demo_gpt", "pp": 2, "schedule": "DualPipeV"}, [[0, 3], [1, 2]]),
+    # every block recomputed in backward (non-reentrant checkpointing): in the input part and again in the weight part
+    "zbv-pp2-checkpoint": (2, {"model": "demo_gpt", "pp": 2, "schedule": "ZBVZeroBubble", "checkpoint": True},
+                           [[0, 3], [1, 2]]),
     "zbv-pp2xdp2": (4, {"model": "demo_gpt", "pp": 2, "schedule": "ZBVZeroBubble"}, [[0, 3], [0, 3], [1, 2], [1, 2]]),
     "zb-pp2xdp2": (4, {"model": "demo_gpt", "pp": 2, "schedule": "InterleavedZeroBubble"},
                    [[0, 2], [0, 2], [1, 3], [1, 3]]),

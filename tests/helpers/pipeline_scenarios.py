@@ -120,6 +120,14 @@ def expert_rows(name: str, p: nn.Parameter):
     return p.shape[1] if name.endswith("experts.down_proj") else None
 
 
+def recompute_blocks(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every block of the demos' GPT, written plainly."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
+
+
 def leftovers(run: Any) -> list[str]:
     """What a step left on this rank's stages: units still materialized, unsharded (full) gradients
     not reduced to their owners."""
@@ -150,6 +158,8 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(0)
     oracle = MODELS[case["model"]](**case.get("model_kw", {}))
     model = copy.deepcopy(oracle)
+    if case.get("checkpoint"):  # each block's forward recomputed in backward (non-reentrant checkpointing)
+        recompute_blocks(model)
     mesh = pipeline_mesh(pp, case.get("shard_size"))
     run = build_pipeline(model, mesh, loss_fn=lm_loss, schedule=case["schedule"], microbatches=MICRO,
                          split=case.get("split"), stages_per_rank=case.get("stages_per_rank"))
