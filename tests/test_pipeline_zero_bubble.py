@@ -22,6 +22,8 @@ CASES = {
     "zbv-pp2-checkpoint": (2, {"model": "demo_gpt", "pp": 2, "schedule": "ZBVZeroBubble", "checkpoint": True},
                            [[0, 3], [1, 2]]),
     "zbv-pp2xdp2": (4, {"model": "demo_gpt", "pp": 2, "schedule": "ZBVZeroBubble"}, [[0, 3], [0, 3], [1, 2], [1, 2]]),
+    "zbv-pp2xhsdp": (4, {"model": "demo_gpt", "pp": 2, "schedule": "ZBVZeroBubble", "shard_size": 1},
+                     [[0, 3], [0, 3], [1, 2], [1, 2]]),
     "zb-pp2xdp2": (4, {"model": "demo_gpt", "pp": 2, "schedule": "InterleavedZeroBubble"},
                    [[0, 2], [0, 2], [1, 3], [1, 3]]),
     "dualpipev-pp2xdp2": (4, {"model": "demo_gpt", "pp": 2, "schedule": "DualPipeV"},
