@@ -68,7 +68,7 @@ def loss(o, t):
 @pytest.mark.parametrize("kw,match", [
     ({"schedule": "Zigzag"}, "unknown pipeline schedule 'Zigzag'"),
     ({"schedule": "1F1B", "stages_per_rank": 2}, "runs one stage per rank"),
-    ({"schedule": "ZBVZeroBubble"}, "splits each backward"),
+    ({"schedule": "ZBVZeroBubble", "expert_parallel_size": 2}, "splits each backward"),
     ({"schedule": "GPipe", "microbatches": 0}, "at least 1"),
     ({"schedule": "Interleaved1F1B", "stages_per_rank": 3}, "6 pipeline stages for a model of 4 blocks"),
     ({"schedule": "GPipe", "split": ["blocks.7"]}, "names no module"),

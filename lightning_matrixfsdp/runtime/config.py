@@ -221,8 +221,9 @@ class MatrixFSDPConfig:
                                                      "parallelism (`None`: `2 * pipeline_parallel_size`); must "
                                                      "divide the batch size"))
     pipeline_schedule: str = _opt("1F1B", _named(check_pipeline_schedule), ADAPTER, doc=(
-        "torch's pipeline schedule by name: `\"GPipe\"`, `\"1F1B\"`, `\"Interleaved1F1B\"`, `\"LoopedBFS\"` "
-        "(the last two: two stages per rank)"))
+        "torch's pipeline schedule by name: `\"GPipe\"`, `\"1F1B\"`, `\"Interleaved1F1B\"`, `\"LoopedBFS\"`, "
+        "and the split-backward `\"InterleavedZeroBubble\"`, `\"ZBVZeroBubble\"`, `\"DualPipeV\"` (all but the "
+        "first two: two stages per rank)"))
     pipeline_split: Optional[list[str]] = _opt(None, _named(check_pipeline_split), ADAPTER, doc=(
         "the first block of each stage after the first (module names inside the pipelined model, e.g. "
         "`[\"blocks.2\"]`); `None`: stages balanced by parameter count"))

@@ -45,6 +45,11 @@ class Schedule(Generic[U]):
         #: the root's forward pre-work (``replica_split``: start the weight transfers nobody started),
         #: also run before a call of a unit's inner module outside every forward; None: nothing
         self.before_forward: Optional[Callable[[], None]] = None
+        #: the backward now running computes only part of the gradients (a pipeline stage under a
+        #: split-backward schedule: the input gradients, or the weight gradients later): the units
+        #: materialize as usual but neither reduce nor end the iteration; runtime/pipeline/ finishes
+        #: them after each part (split_backward.py)
+        self.partial_backward = False
 
     # ------------------------------------------------------------------ forwards every rank runs
     @contextmanager
@@ -114,7 +119,8 @@ class Schedule(Generic[U]):
 
     def _end_of_backward(self) -> None:
         try:
-            self._end_of_backward_work()
+            if not self.partial_backward:
+                self._end_of_backward_work()
             if self._order_now:
                 self._forward_order, self._order_now = self._order_now, []
         finally:

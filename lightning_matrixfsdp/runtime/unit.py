@@ -358,8 +358,8 @@ class Unit(OutsideCalls, RefusePickle):
 
     def _maybe_post_backward(self) -> None:
         if (self.training_state is TrainingState.POST_BACKWARD or self._pending_input_grads > 0
-                or self._forward_calls == 0):
-            return
+                or self._forward_calls == 0 or self.schedule.partial_backward):
+            return  # (a part of a split backward: the pipeline reduces after the weight part)
         if self.zero_missing_grads:
             # Reduce when this unit's backward is done, whatever parameters got gradients
             # here (other ranks may have used others); without a backward trigger (no input

@@ -150,6 +150,27 @@ def library_optimizers(oracle: nn.Module, stepped: nn.Module, name: str) -> tupl
     return o_opts, [mf.route_optimizer(getattr(mf, ours)(stepped, **kw))]
 
 
+def recompute_blocks(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every block of the demos' GPT, written plainly."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(block.forward)
+
+
+def leftovers(run: Any) -> list[str]:
+    """What a step left on this rank's stages: units still materialized, unsharded (full) gradients
+    not reduced to their owners."""
+    from lightning_matrixfsdp.runtime.tags import state_of
+
+    left = []
+    for stage in run.stages:
+        for unit in state_of(stage).units:
+            left += [f"unit {unit.fqn!r} materialized"] if unit.is_materialized else []
+            left += [f"full gradient of {p.shard.fqn!r}" for p in unit.params if p.unsharded.grad is not None]
+    return left
+
+
 def run_case(rank: int, world: int, case: dict) -> dict:
     """One pipelined training run and its oracle; a failure comes back as ``{"error": text}``."""
     try:
@@ -167,6 +188,8 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
     torch.manual_seed(0)
     oracle = MODELS[case["model"]](**case.get("model_kw", {}))
     model = copy.deepcopy(oracle)
+    if case.get("checkpoint"):  # each block's forward recomputed in backward (non-reentrant checkpointing)
+        recompute_blocks(model)
     mesh = pipeline_mesh(pp, case.get("shard_size"))
     run = build_pipeline(model, mesh, loss_fn=lm_loss, schedule=case["schedule"], microbatches=MICRO,
                          split=case.get("split"), stages_per_rank=case.get("stages_per_rank"),
@@ -191,6 +214,7 @@ def _run_case(rank: int, world: int, case: dict) -> dict:
         for k in range(acc):  # accumulate_grad_batches: a window of batches, one optimizer step
             x, y = batch(step * acc + k, place)
             loss = run.step(x, y, accumulation=acc)
+            out.setdefault("left", []).extend(leftovers(run))
             o_losses = oracle_step(oracle, places, step * acc + k, acc)
             out["losses"].append(loss.item())
             out["oracle_losses"].append(o_losses[place].item())

@@ -9,6 +9,7 @@ that stage over, so every matrix is owned whole inside its stage and the optimiz
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -161,13 +162,56 @@ def stage_mesh_info(mesh: PipelineMesh, dims: ParallelDims) -> MeshInfo:
 
 
 def make_stage(module: nn.Module, index: int, num_stages: int, device: torch.device, mesh: PipelineMesh,
-               input_meta: torch.Tensor, output_meta: torch.Tensor) -> Any:
+               input_meta: torch.Tensor, output_meta: torch.Tensor, parts: Any = None, v_order: bool = False) -> Any:
     """torch's ``PipelineStage`` for ``module`` with its input and output given (meta tensors of one
-    micro-batch): no shape inference, which would run a forward of its own."""
+    micro-batch): no shape inference, which would run a forward of its own. ``parts``: a split
+    backward's driver (split_backward.py): each backward part of a micro-batch runs inside
+    ``parts.part(kind)``, kind ``"input"``, ``"weight"`` or ``"full"``. ``v_order``: a stage of a V
+    schedule (two stages per rank), which must also run forward only (evaluation, prediction)."""
     from torch.distributed.pipelining import PipelineStage
 
-    return PipelineStage(module, index, num_stages, device, input_args=input_meta, output_args=output_meta,
-                         group=mesh.pp_group)
+    cls = PipelineStage if parts is None and not v_order else _our_stage_class()
+    stage = cls(module, index, num_stages, device, input_args=input_meta, output_args=output_meta,
+                group=mesh.pp_group)
+    if parts is not None:
+        stage.parts = parts
+    return stage
+
+
+@functools.lru_cache(maxsize=None)
+def _our_stage_class() -> type:
+    """torch's ``PipelineStage`` (its public methods, the same in torch 2.11 and 2.13) with: each
+    backward part inside ``self.parts.part(kind)`` where ``parts`` is set; and, forward only, no
+    input gradient handed between a rank's two stages of a V (torch's V schedules still run their
+    backward actions without a loss, and its stage refuses to hand over gradients it has not got)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class OwnerShardedStage(PipelineStage):
+        parts: Any = None
+
+        def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> Any:
+            if self.parts is None:
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
+            with self.parts.part("full" if full_backward else "input"):
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
+            if self.parts is None:
+                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            with self.parts.part("weight"):
+                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return OwnerShardedStage
 
 
 def make_schedule(name: str, stages: Sequence[Any], microbatches: int, loss_fn: Optional[Callable]) -> Any:

@@ -41,6 +41,7 @@ from lightning_matrixfsdp.runtime.pipeline.combine import check_no_tensor_parall
 from lightning_matrixfsdp.runtime.pipeline.families import StageModule, family_of
 from lightning_matrixfsdp.runtime.pipeline.inputs import check_inputs
 from lightning_matrixfsdp.runtime.pipeline.split import StagePlan, plan_stages
+from lightning_matrixfsdp.runtime.pipeline.split_backward import SplitBackward, check_split_combination
 from lightning_matrixfsdp.runtime.pipeline.ties import TiedCopies, find_ties, untie_for_last_stage
 from lightning_matrixfsdp.runtime.shard import matrix_shard
 from lightning_matrixfsdp.runtime.tags import attach_pipeline, recipe_of, tag_recipe
@@ -74,6 +75,8 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     kind = SCHEDULES.get(schedule)
     check_no_tensor_parallel(mesh.pp_size, shard_options)
     ep = option_of(shard_options, "expert_parallel_size", 1)
+    if kind is not None and kind.split_backward:
+        check_split_combination(schedule, ep)
     dims = stage_dims(mesh.pp_size, mesh.dp_size, mesh.shard_size, ep) if ep != 1 else None
     schedule_class(schedule)  # unknown, or missing in this torch: refused here
     per_rank = stages_per_rank or (2 if kind.multi else 1)
@@ -83,11 +86,6 @@ def build_pipeline(model: nn.Module, mesh: PipelineMesh, *, loss_fn: LossFn, sch
     if kind.order == "v" and per_rank != 2:
         raise MatrixShardError(f"pipeline schedule {schedule!r} runs two stages per rank (a V); got "
                                f"stages_per_rank={per_rank}")
-    if kind.split_backward:
-        raise MatrixShardError(f"pipeline schedule {schedule!r} splits each backward into input and weight "
-                               "gradients, which owner-sharded units do not support yet (their gradients are "
-                               "reduced when a unit's whole backward is done); use GPipe, 1F1B, Interleaved1F1B "
-                               "or LoopedBFS")
     if microbatches < 1:
         raise MatrixShardError(f"pipeline_microbatches must be at least 1, got {microbatches}")
     fam = family_of(model, family)
@@ -182,6 +180,8 @@ class PipelineRun:
         #: what each micro-batch's loss is divided by (``microbatches``): the gradient scaling
         self.loss_divisor = microbatches
         self._schedules: dict[tuple, Any] = {}
+        #: split-backward schedules: each later stage's driver (split_backward.py), by stage index
+        self._split: dict[int, SplitBackward] = {}
         self._losses: list[torch.Tensor] = []
         self._accumulation = 1
         #: weights tied between the first and the last stage (ties.py), None without
@@ -240,8 +240,18 @@ class PipelineRun:
     def _check_batch(self, inputs: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
         check_inputs(self, inputs, targets)  # on every rank alike, before any schedule runs (inputs.py)
 
+    def _split_parts(self, stage: StageModule, index: int) -> Optional[SplitBackward]:
+        """A split backward (zero bubble, DualPipeV): the driver of every stage but the first (whose
+        input part torch skips: its weight part is a whole backward, as under any schedule)."""
+        if not SCHEDULES[self.schedule].split_backward or stage.pipeline.span.first:
+            return None
+        if index not in self._split:
+            self._split[index] = SplitBackward(stage)
+        return self._split[index]
+
     def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:
         key = (tuple(inputs.shape), inputs.dtype, train)
+        kind = SCHEDULES[self.schedule]
         if key not in self._schedules:
             tokens = torch.Size((inputs.shape[0] // self.microbatches, *inputs.shape[1:]))
             stages = []
@@ -253,7 +263,8 @@ class PipelineRun:
                                       requires_grad=train and not span.first)
                 meta_out = torch.empty(stage.output_shape(tokens), device="meta", dtype=self.activation_dtype,
                                        requires_grad=train)
-                stages.append(make_stage(stage, index, self.plan.num_stages, self.device, self.mesh, meta_in, meta_out))
+                stages.append(make_stage(stage, index, self.plan.num_stages, self.device, self.mesh, meta_in, meta_out,
+                                         self._split_parts(stage, index) if train else None, kind.order == "v"))
             self._schedules[key] = make_schedule(self.schedule, stages, self.microbatches,
                                                  self._scaled_loss if train else None)
         return self._schedules[key]
