@@ -143,7 +143,8 @@ def test_hugging_face_stages_compose_to_the_model(kind):
     assert torch.equal(h, model(x).logits)
 
 
-def test_hugging_face_tied_embeddings_with_several_stages_per_rank_are_refused():
+def test_hugging_face_tied_embeddings_on_one_pipeline_rank_are_refused():
+    """Every stage on one rank (pipeline size 1, three stages): no pipeline rank to pair the copies."""
     with pytest.raises(MatrixShardError, match="model.embed_tokens.weight = lm_head.weight.*tie_word_embeddings=False"):
         build_pipeline(hf("llama", tied=True), PipelineMesh(1, 0, None, None), loss_fn=loss,
                        schedule="Interleaved1F1B", stages_per_rank=3)

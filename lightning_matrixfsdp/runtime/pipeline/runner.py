@@ -154,8 +154,8 @@ def check_placement(model: nn.Module, keeps: list[list[str]], tied: set[int] = f
                                    "embeddings, the blocks, and the final norm and head); move it into one of them")
         if len(stages) > 1 and pid not in tied:
             raise MatrixShardError(
-                f"parameter {' = '.join(fqns)} is shared by pipeline stages {stages[0]} and {stages[-1]} (tied "
-                "embeddings); tied weights across stages are not supported yet: untie them (Hugging Face: "
+                f"parameter {' = '.join(fqns)} is shared by pipeline stages {stages}; only a weight tied between "
+                "the first stage's embedding and the last stage's head is supported: untie it (Hugging Face: "
                 "tie_word_embeddings=False) or train without pipeline parallelism")
 
 
