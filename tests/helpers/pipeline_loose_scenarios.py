@@ -1,0 +1,116 @@
+"""Loose ends of pipeline and expert parallelism (issue 38 follow-ups), each against a plain oracle.
+
+* ``expert_group_timeouts``: the strategy's ``timeout`` on the expert-parallel groups, without
+  pipeline parallelism (``build_mesh``) and with it (each stage's groups, ``stage_mesh_info``).
+* ``outputs_and_lone_forwards``: ``forward_outputs`` in a ``validation_step`` and in a hook called
+  on every rank: the unsplit model's logits on every rank; called on rank 0 alone: a
+  ``LoneForwardError`` within seconds that says what to do under pipeline parallelism.
+* ``fabric_to_trainer``: a Fabric run at ``pipeline_parallel_size=2`` prints its split and saves a
+  directory; a Trainer at PP=2 resumes from it (``fit(ckpt_path=...)``) with the saved weights and
+  optimizer state.
+* ``ema``: Lightning's ``WeightAveraging`` (EMA) at PP=2: the averaged weights equal the EMA of the
+  unsplit model's weights after each step (``oracle_fit``).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from helpers.pipeline_lightning_scenarios import ADAMW, BATCH, _trainer, data, make_module, oracle_fit
+
+
+def _timeout_s(group: Any) -> float:
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # noqa: SLF001
+
+
+def expert_group_timeouts(rank: int, world: int, seconds: float) -> dict:
+    """EP=2 on 4 ranks, without and with PP=2: each expert group's gloo timeout, read back."""
+    from lightning.pytorch import LightningModule, Trainer
+
+    import lightning_matrixfsdp as mf
+    from lightning_matrixfsdp.runtime.pipeline.combine import stage_dims
+    from lightning_matrixfsdp.runtime.pipeline.comm import stage_mesh_info
+
+    out = {}
+    for pp in (1, 2):
+        strategy = mf.MatrixFSDPStrategy(pipeline_parallel_size=pp, expert_parallel_size=2,
+                                         timeout=timedelta(seconds=seconds), log_plan=False)
+        Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False)
+        strategy.connect(LightningModule())  # a bare module: the groups are what is read
+        strategy.setup_environment()
+        if pp == 1:
+            experts = strategy.shard_mesh.experts
+        else:  # what build_pipeline creates for the stages (the strategy's pipeline mesh)
+            mesh = strategy.pipeline_mesh
+            experts = stage_mesh_info(mesh, stage_dims(pp, mesh.dp_size, mesh.shard_size, 2)).experts
+        groups = {"ep": experts.ep_group, "ep_replica": experts.replica_group, "stage": experts.stage_group}
+        out[pp] = {name: _timeout_s(g) for name, g in groups.items() if g is not None}
+    return out
+
+
+# ---------------------------------------------------------------------- forward_outputs outside training
+def _outputs_module(how: str) -> Any:
+    import lightning_matrixfsdp as mf
+
+    class Outputs(type(make_module())):
+        """Records ``forward_outputs`` in its validation steps and at the epoch's end (``how``:
+        "every" rank, or rank 0 "lone")."""
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:  # noqa: D102
+            self.step_outputs.append(mf.forward_outputs(self, batch[0]))
+
+        def on_validation_epoch_end(self) -> None:  # noqa: D102
+            x = self.prompt
+            if how == "every":
+                self.hook_outputs.append(mf.forward_outputs(self, x))
+            elif self.trainer.is_global_zero:
+                start = time.monotonic()
+                try:
+                    mf.forward_outputs(self, x)
+                    self.lone = ("ran", 0.0)
+                except mf.LoneForwardError as e:
+                    self.lone = (str(e), time.monotonic() - start)
+
+    torch.manual_seed(0)
+    lit = Outputs(vocab_size=48, max_seq_len=8, d_model=32, n_layers=2, n_heads=2, warmup_steps=0)
+    lit.step_outputs, lit.hook_outputs, lit.lone = [], [], None
+    lit.prompt = data(4)[0][0].repeat(4, 1)  # 4 rows: one per micro-batch
+    return lit
+
+
+def outputs_and_lone_forwards(rank: int, world: int) -> dict:
+    """PP=2 on 2 ranks, ``trainer.validate`` (the initial weights): the outputs against the unsplit
+    model's, then the same hook on rank 0 alone (the lone-forward wait shortened to 1 s)."""
+    from lightning_matrixfsdp.runtime.consensus import LONE_FORWARD_ENV
+
+    out: dict[str, Any] = {}
+    try:
+        lit = _outputs_module("every")
+        oracle = copy.deepcopy(lit)
+        samples = data(BATCH)
+        loader = torch.utils.data.DataLoader(samples, batch_size=BATCH)
+        _trainer(world, {"pp": 2, "schedule": "1F1B"}, {}).validate(lit, loader, verbose=False)
+        x = torch.stack([s[0] for s in samples])
+        with torch.no_grad():
+            want = [oracle(x), oracle(lit.prompt)]
+        got = lit.step_outputs + lit.hook_outputs
+        out["outputs"] = [len(lit.step_outputs), len(lit.hook_outputs)]
+        out["worst"] = max((g - w).abs().max().item() for g, w in zip(got, want))
+        os.environ[LONE_FORWARD_ENV] = "1"
+        lit = _outputs_module("lone")
+        try:
+            _trainer(world, {"pp": 2, "schedule": "1F1B"}, {}).validate(lit, loader, verbose=False)
+        finally:
+            os.environ.pop(LONE_FORWARD_ENV, None)
+        out["lone"] = lit.lone
+    except Exception:  # noqa: BLE001 - the test shows every rank's failure
+        out["error"] = traceback.format_exc()
+    return out

@@ -1,0 +1,49 @@
+"""Loose ends of pipeline and expert parallelism (issue 38 follow-ups): the strategies' timeout on
+the expert groups, ``forward_outputs`` outside the training steps (a validation step, a hook on
+every rank, a hook on rank 0 alone), Fabric's split printout and its checkpoint resumed by the
+Trainer, and weight averaging (EMA) under pipeline parallelism. Scenarios:
+tests/helpers/pipeline_loose_scenarios.py."""
+from __future__ import annotations
+
+import pytest
+
+from helpers.pipeline_loose_scenarios import expert_group_timeouts, outputs_and_lone_forwards
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+def test_strategy_timeout_reaches_the_expert_groups(dist_pools):
+    """EP=2 on 4 ranks: the strategy's ``timeout`` on every expert group, without pipeline
+    parallelism (expert-parallel and expert-replica groups) and with PP=2 (each stage's groups);
+    torch's default (30 minutes on gloo) would keep a stalled token exchange waiting."""
+    for rank, r in enumerate(dist_pools(4).run(expert_group_timeouts, 7.0, timeout=120)):
+        assert set(r[1]) == {"ep", "ep_replica"} and set(r[1].values()) == {7.0}, (rank, r)
+        assert set(r[2]) == {"ep", "stage"} and set(r[2].values()) == {7.0}, (rank, r)
+
+
+@pytest.fixture(scope="module")
+def outputs(dist_pools):
+    res = dist_pools(2).run(outputs_and_lone_forwards, timeout=180)
+    for rank, r in enumerate(res):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    return res
+
+
+def test_forward_outputs_in_validation_and_in_a_hook_on_every_rank(outputs):
+    """``forward_outputs`` in a ``validation_step`` and in ``on_validation_epoch_end`` called on
+    every rank: the unsplit model's logits, on every rank (both stages)."""
+    for rank, r in enumerate(outputs):
+        assert r["outputs"] == [1, 1], (rank, r)
+        assert r["worst"] < 1e-5, (rank, r)
+
+
+def test_a_lone_forward_under_pp_is_refused_with_what_to_do(outputs):
+    """``forward_outputs`` on rank 0 alone in a hook: a ``LoneForwardError`` within seconds (before
+    the schedule's first collective, which would wait for the process-group timeout) that does
+    not suggest ``full_model`` (refused under PP) but calling ``forward_outputs`` on every rank."""
+    message, waited = outputs[0]["lone"]
+    assert outputs[1]["lone"] is None
+    assert "pipelined model" in message and "forward_outputs(self, inputs)` on every rank" in message, message
+    assert "full_model cannot gather a pipelined model" in message and "rank(s) [1]" in message, message
+    assert "pipeline_parallel_size=1" in message and "full_model(module, rank=0)" not in message, message
+    assert waited < 10, waited
