@@ -157,8 +157,10 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         hint = ("matrix_fsdp shards the model itself: remove fully_shard/parallelize_module, or call "
                 "lightning_matrixfsdp.matrix_shard on the plain model")
         if self.pipeline_mesh is not None and pipeline_of(module) is None:  # pipeline_parallel_size > 1
-            setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device, lambda: 1,
-                           apply_activation_checkpointing)
+            session = setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device, lambda: 1,
+                                     apply_activation_checkpointing)
+            if self.config.log_plan:  # the split, as the Trainer's strategy prints it
+                rank_zero_info(session.run.plan.describe())
         elif not is_sharded(module, hint, tensor_parallel=self.tensor_parallel):
             self.shard(module)
         module.to(self.root_device)  # buffers and anything outside the shard
