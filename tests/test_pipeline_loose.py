@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.pipeline_loose_scenarios import expert_group_timeouts, outputs_and_lone_forwards
+from helpers.pipeline_loose_scenarios import expert_group_timeouts, fabric_to_trainer, outputs_and_lone_forwards
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -47,3 +47,35 @@ def test_a_lone_forward_under_pp_is_refused_with_what_to_do(outputs):
     assert "full_model cannot gather a pipelined model" in message and "rank(s) [1]" in message, message
     assert "pipeline_parallel_size=1" in message and "full_model(module, rank=0)" not in message, message
     assert waited < 10, waited
+
+
+@pytest.fixture(scope="module")
+def fabric_ckpt(dist_pools, tmp_path_factory):
+    res = dist_pools(2).run(fabric_to_trainer, str(tmp_path_factory.mktemp("fabric_pp")), timeout=180)
+    for rank, r in enumerate(res):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    return res
+
+
+def test_fabric_prints_the_pipeline_split(fabric_ckpt):
+    """``log_plan=True``: Fabric's strategy prints the split on rank 0, as the Trainer's does."""
+    r0, r1 = fabric_ckpt
+    assert r0["describe"].startswith("pipeline: 2 stages") and "stage 0: embeddings" in r0["describe"]
+    assert r0["describe"] in r0["printed"], r0["printed"]
+    assert r1["describe"] not in r1["printed"], r1["printed"]
+
+
+def test_a_fabric_pp_checkpoint_resumes_in_the_trainer(fabric_ckpt):
+    """``fabric.save`` at PP=2 (a directory), then ``Trainer.fit(ckpt_path=...)`` at PP=2: training
+    starts from the saved weights and optimizer state, bitwise, on every rank (its loops start
+    fresh: a Fabric checkpoint has none), and trains on."""
+    import math
+
+    import torch
+
+    for rank, r in enumerate(fabric_ckpt):
+        saved, restored = r["saved"], r["restored"]
+        for what in ("weights", "state"):
+            assert saved[what] and saved[what].keys() == restored[what].keys(), (rank, what)
+            assert all(torch.equal(saved[what][k], restored[what][k]) for k in saved[what]), (rank, what)
+        assert len(r["losses"]) == 1 and math.isfinite(r["losses"][0]), r["losses"]

@@ -114,3 +114,80 @@ def outputs_and_lone_forwards(rank: int, world: int) -> dict:
     except Exception:  # noqa: BLE001 - the test shows every rank's failure
         out["error"] = traceback.format_exc()
     return out
+
+
+# ---------------------------------------------------------------------- Fabric's split printout, its checkpoint in the Trainer
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _held_state(lit: Any, opt: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The weights and optimizer state this rank holds, by global name."""
+    from lightning_matrixfsdp.optim.routing import held
+
+    names = {id(p): n for n, p in lit.named_parameters()}
+    inner = getattr(opt, "optimizer", opt)
+    state = {}
+    for o in getattr(inner, "optimizers", [inner]):
+        for p, s in o.state.items():
+            if id(p) in names and held(p):
+                state.update({f"{names[id(p)]}/{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
+    return {"weights": {n: p.detach().clone() for n, p in lit.named_parameters() if held(p)}, "state": state}
+
+
+def fabric_to_trainer(rank: int, world: int, directory: str) -> dict:
+    """PP=2 on 2 ranks: a Fabric run with ``log_plan=True`` (its printout captured), 2 steps, then
+    ``fabric.save`` of a directory; a Trainer at PP=2 ``fit(ckpt_path=...)`` from it: what it holds
+    when training starts, and one more step."""
+    from lightning.fabric import Fabric
+    from lightning.pytorch.callbacks import Callback
+
+    import lightning_matrixfsdp as mf
+    from helpers.pipeline_lightning_scenarios import place_batches
+
+    out: dict[str, Any] = {}
+    try:
+        lines = _Lines()
+        import lightning_utilities.core.rank_zero as rank_zero
+
+        logger = rank_zero.log  # the logger rank_zero_info writes to (Lightning sets it)
+        level = logger.level
+        logger.addHandler(lines)
+        logger.setLevel(logging.INFO)
+        try:
+            strategy = mf.MatrixFSDPFabricStrategy(pipeline_parallel_size=2, pipeline_schedule="1F1B",
+                                                   pipeline_microbatches=4, log_plan=True)
+            fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+            fabric.launch()
+            lit = make_module()
+            model = fabric.setup_module(lit)
+        finally:
+            logger.removeHandler(lines)
+            logger.setLevel(level)
+        out["printed"] = lines.lines
+        out["describe"] = mf.adapters.pipeline.pipeline_of(lit).run.plan.describe()
+        opt = fabric.setup_optimizers(mf.Muon(model, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, **ADAMW))
+        for x, y in place_batches(data(2 * BATCH), 1, 0, shuffle=False):
+            fabric.backward(mf.forward_loss(model, x, y))
+            opt.step()
+            opt.zero_grad()
+        path = os.path.join(directory, "fabric_pp")
+        fabric.save(path, {"model": model, "optimizer": opt})
+        out["saved"] = _held_state(lit, opt)
+
+        class AtStart(Callback):
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                out["restored"] = _held_state(pl_module, trainer.optimizers[0])
+
+        lit = make_module()
+        trainer = _trainer(world, {"pp": 2, "schedule": "1F1B"}, {}, max_steps=1, callbacks=[AtStart()])
+        trainer.fit(lit, torch.utils.data.DataLoader(data(BATCH), batch_size=BATCH), ckpt_path=path)
+        out["losses"] = list(lit.recorded)
+    except Exception:  # noqa: BLE001 - the test shows every rank's failure
+        out["error"] = traceback.format_exc()
+    return out
