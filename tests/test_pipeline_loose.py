@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.pipeline_loose_scenarios import expert_group_timeouts, fabric_to_trainer, outputs_and_lone_forwards
+from helpers.pipeline_loose_scenarios import ema, expert_group_timeouts, fabric_to_trainer, outputs_and_lone_forwards
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -79,3 +79,17 @@ def test_a_fabric_pp_checkpoint_resumes_in_the_trainer(fabric_ckpt):
             assert saved[what] and saved[what].keys() == restored[what].keys(), (rank, what)
             assert all(torch.equal(saved[what][k], restored[what][k]) for k in saved[what]), (rank, what)
         assert len(r["losses"]) == 1 and math.isfinite(r["losses"][0]), r["losses"]
+
+
+def test_ema_under_pp_averages_like_the_unsplit_model_and_its_checkpoint_is_refused(dist_pools, tmp_path):
+    """``WeightAveraging`` (EMA) at PP=2: the averaged copy holds this rank's stages (the other
+    stages' parameters are empty, as in the model), and the weights after fit (the average,
+    swapped in) equal the EMA of the unsplit model's weights after each step. A checkpoint with the
+    averaged model cannot be written yet: refused on every rank, saying what to do instead."""
+    res = dist_pools(2).run(ema, str(tmp_path), timeout=180)
+    for rank, r in enumerate(res):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    assert set(res[0]["compared"]).isdisjoint(res[1]["compared"]) and res[0]["compared"] and res[1]["compared"]
+    for rank, r in enumerate(res):
+        assert r["worst"] < 1e-6 and r["from_raw"] > 1e-4, (rank, r["worst"], r["from_raw"])
+        assert r["checkpoint"].startswith("CheckpointError") and "save_weights_only=True" in r["checkpoint"], r

@@ -191,3 +191,69 @@ def fabric_to_trainer(rank: int, world: int, directory: str) -> dict:
     except Exception:  # noqa: BLE001 - the test shows every rank's failure
         out["error"] = traceback.format_exc()
     return out
+
+
+# ---------------------------------------------------------------------- weight averaging (EMA)
+DECAY = 0.8
+
+
+class _EmaSGD:
+    """The oracle's optimizer (``oracle_fit``): SGD, then the exponential moving average of the
+    weights after each step (the first step's weights as they are), as ``get_ema_multi_avg_fn`` does."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.opts = [torch.optim.SGD(model.parameters(), lr=0.5)]
+        self.average: dict[str, torch.Tensor] = {}
+
+    def step(self) -> None:
+        self.opts[0].step()
+        for n, p in self.model.named_parameters():
+            now = p.detach().clone()
+            self.average[n] = now if n not in self.average else torch.lerp(self.average[n], now, 1 - DECAY)
+
+
+def _ema_trainer(world: int, root: str, save: bool) -> Any:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
+    from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+    import lightning_matrixfsdp as mf
+
+    callbacks = [WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(DECAY))]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
+    strategy = mf.MatrixFSDPStrategy(pipeline_parallel_size=2, pipeline_schedule="1F1B", pipeline_microbatches=4,
+                                     log_plan=False)
+    return Trainer(accelerator="cpu", devices=world, strategy=strategy, logger=False, enable_checkpointing=save,
+                   enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, max_steps=3,
+                   callbacks=callbacks)
+
+
+def ema(rank: int, world: int, root: str) -> dict:
+    """PP=2 on 2 ranks, SGD with ``WeightAveraging`` (EMA) for 3 steps: the weights each rank holds
+    after fit (the average, swapped in at the end) against the oracle's EMA; then the same fit
+    saving a checkpoint each epoch."""
+    from lightning_matrixfsdp.optim.routing import held
+
+    out: dict[str, Any] = {}
+    try:
+        lit = make_module(layers=2, sgd=True)
+        oracle = copy.deepcopy(lit)
+        samples = data(3 * BATCH)
+        _ema_trainer(world, root, False).fit(lit, torch.utils.data.DataLoader(samples, batch_size=BATCH))
+        averaging = _EmaSGD(oracle)
+        oracle_fit(oracle, samples, 1, 3, 1, 4, None, optimizer=averaging)
+        mine = {n: p.detach() for n, p in lit.named_parameters() if held(p)}
+        out["compared"] = sorted(mine)
+        out["worst"] = max((p - averaging.average[n]).abs().max().item() for n, p in mine.items())
+        out["from_raw"] = max((p - oracle.get_parameter(n).detach()).abs().max().item() for n, p in mine.items())
+        lit = make_module(layers=2, sgd=True)
+        try:
+            _ema_trainer(world, root, True).fit(lit, torch.utils.data.DataLoader(samples, batch_size=BATCH))
+            out["checkpoint"] = "saved"
+        except Exception as e:  # noqa: BLE001 - the refusal is the result
+            out["checkpoint"] = f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 - the test shows every rank's failure
+        out["error"] = traceback.format_exc()
+    return out
