@@ -81,6 +81,15 @@ def test_a_fabric_pp_checkpoint_resumes_in_the_trainer(fabric_ckpt):
         assert len(r["losses"]) == 1 and math.isfinite(r["losses"][0]), r["losses"]
 
 
+def test_fabric_under_pp_samples_by_place_and_refuses_uneven_loaders(fabric_ckpt):
+    """Fabric's ``DistributedSampler`` under PP=2 on 2 ranks: one data-parallel place (both stages
+    read its batches, else the step's check refuses them); loaders of different lengths (rank 0:
+    3 batches, rank 1: 2): refused at ``setup_dataloaders`` on every rank, naming each rank's count."""
+    for rank, r in enumerate(fabric_ckpt):
+        assert r["sampler"] == {"num_replicas": 1, "rank": 0}, (rank, r["sampler"])
+        assert "same number of batches (rank 0: 3, rank 1: 2)" in r["uneven"], (rank, r["uneven"])
+
+
 def test_ema_under_pp_averages_like_the_unsplit_model_and_its_checkpoint_is_refused(dist_pools, tmp_path):
     """``WeightAveraging`` (EMA) at PP=2: the averaged copy holds this rank's stages (the other
     stages' parameters are empty, as in the model), and the weights after fit (the average,

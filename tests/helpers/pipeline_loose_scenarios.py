@@ -148,7 +148,6 @@ def fabric_to_trainer(rank: int, world: int, directory: str) -> dict:
     from lightning.pytorch.callbacks import Callback
 
     import lightning_matrixfsdp as mf
-    from helpers.pipeline_lightning_scenarios import place_batches
 
     out: dict[str, Any] = {}
     try:
@@ -172,10 +171,20 @@ def fabric_to_trainer(rank: int, world: int, directory: str) -> dict:
         out["printed"] = lines.lines
         out["describe"] = mf.adapters.pipeline.pipeline_of(lit).run.plan.describe()
         opt = fabric.setup_optimizers(mf.Muon(model, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, **ADAMW))
-        for x, y in place_batches(data(2 * BATCH), 1, 0, shuffle=False):
+        # Fabric's sampler: the stages of the one data-parallel place read the same batches
+        loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data(2 * BATCH), batch_size=BATCH))
+        out["sampler"] = fabric.strategy.distributed_sampler_kwargs
+        for x, y in loader:
             fabric.backward(mf.forward_loss(model, x, y))
             opt.step()
             opt.zero_grad()
+        # uneven loaders (rank 0 a batch more): refused at setup on every rank, not a hang at the end
+        try:
+            fabric.setup_dataloaders(torch.utils.data.DataLoader(data((3 - rank) * BATCH), batch_size=BATCH),
+                                     use_distributed_sampler=False)
+            out["uneven"] = "accepted"
+        except mf.MatrixShardError as e:
+            out["uneven"] = str(e)
         path = os.path.join(directory, "fabric_pp")
         fabric.save(path, {"model": model, "optimizer": opt})
         out["saved"] = _held_state(lit, opt)
