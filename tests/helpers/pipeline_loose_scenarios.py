@@ -5,9 +5,9 @@
 * ``outputs_and_lone_forwards``: ``forward_outputs`` in a ``validation_step`` and in a hook called
   on every rank: the unsplit model's logits on every rank; called on rank 0 alone: a
   ``LoneForwardError`` within seconds that says what to do under pipeline parallelism.
-* ``fabric_to_trainer``: a Fabric run at ``pipeline_parallel_size=2`` prints its split and saves a
-  directory; a Trainer at PP=2 resumes from it (``fit(ckpt_path=...)``) with the saved weights and
-  optimizer state.
+* ``fabric_to_trainer``: a Fabric run at ``pipeline_parallel_size=2`` prints its split, samples by
+  data-parallel place, refuses loaders of different lengths and saves a directory; a Trainer at
+  PP=2 resumes from it (``fit(ckpt_path=...)``) with the saved weights and optimizer state.
 * ``ema``: Lightning's ``WeightAveraging`` (EMA) at PP=2: the averaged weights equal the EMA of the
   unsplit model's weights after each step (``oracle_fit``).
 """
@@ -116,7 +116,7 @@ def outputs_and_lone_forwards(rank: int, world: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------- Fabric's split printout, its checkpoint in the Trainer
+# ---------------------------------------------------------------------- Fabric: its split printout, its checkpoint
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
