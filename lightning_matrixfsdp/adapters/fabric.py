@@ -52,6 +52,8 @@ from lightning_matrixfsdp.adapters.pipeline import holds_pipeline, pipeline_of, 
 from lightning_matrixfsdp.optim.norms import clip_grad_norm_pipeline_
 from lightning_matrixfsdp.optim.routing import full_params
 from lightning_matrixfsdp.runtime import is_matrix_sharded
+from lightning_matrixfsdp.runtime.comm.small import gather_ints
+from lightning_matrixfsdp.runtime.errors import MatrixShardError
 
 __all__ = ["MatrixFSDPFabricStrategy", "register_fabric"]
 
@@ -157,14 +159,30 @@ class MatrixFSDPFabricStrategy(MatrixFSDPAdapter, ModelParallelStrategy):
         hint = ("matrix_fsdp shards the model itself: remove fully_shard/parallelize_module, or call "
                 "lightning_matrixfsdp.matrix_shard on the plain model")
         if self.pipeline_mesh is not None and pipeline_of(module) is None:  # pipeline_parallel_size > 1
-            setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device, lambda: 1,
-                           apply_activation_checkpointing)
+            session = setup_pipeline(module, self.config, self.pipeline_mesh, self.root_device, lambda: 1,
+                                     apply_activation_checkpointing)
+            if self.config.log_plan:  # the split, as the Trainer's strategy prints it
+                rank_zero_info(session.run.plan.describe())
         elif not is_sharded(module, hint, tensor_parallel=self.tensor_parallel):
             self.shard(module)
         module.to(self.root_device)  # buffers and anything outside the shard
         self._modules.append(module)
         self.log_plans(module)
         return module
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The data-parallel place (as the Trainer's strategy): the stages of one place, and the ranks
+        # of one TP group, read the same batches (Lightning's counts every rank of the world mesh).
+        return self.data_parallel_sampler()
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Under pipeline parallelism: every rank's loader must give as many batches (``setup_dataloaders``)."""
+        if self.pipeline_mesh is not None:
+            check_even_batches(dataloader)
+        return super().process_dataloader(dataloader)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -321,3 +339,24 @@ def register_fabric(registry: Any = None) -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     MatrixFSDPFabricStrategy.register_strategies(registry if registry is not None else STRATEGY_REGISTRY)
+
+
+def check_even_batches(dataloader: Any) -> None:
+    """Refuse, on every rank, dataloaders whose lengths differ between ranks (one all-gather over
+    the world, at ``setup_dataloaders``). Under pipeline parallelism each batch's schedule runs on
+    the ranks of a pipeline group together, and Fabric's loop has no join: a rank whose loader
+    ended leaves the others waiting in their next step until the process-group timeout. A loader
+    without a length (an iterable dataset) cannot be checked here (docs/pipeline-parallel.md)."""
+    try:
+        mine = len(dataloader)
+    except TypeError:
+        mine = -1
+    counts = [c for (c,) in gather_ints([mine], None, "the dataloaders' lengths under pipeline parallelism")]
+    if len({c for c in counts if c >= 0}) > 1:
+        said = ", ".join(f"rank {r}: {c if c >= 0 else 'no length'}" for r, c in enumerate(counts))
+        raise MatrixShardError(
+            f"under pipeline parallelism every rank's dataloader must give the same number of batches ({said}): "
+            "the stages of a batch run together, and Fabric's loop has no join, so the ranks with a batch more "
+            "would wait for ranks that left the loop until the process-group timeout. Give every rank as many "
+            "batches: setup_dataloaders(..., use_distributed_sampler=True) (a DistributedSampler pads to equal "
+            "counts), or a per-place dataset whose size is the same on every place")

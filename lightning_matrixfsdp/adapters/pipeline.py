@@ -25,7 +25,7 @@ from lightning_matrixfsdp.runtime.config import SHARD, MatrixFSDPConfig
 from lightning_matrixfsdp.runtime.errors import MatrixShardError
 from lightning_matrixfsdp.runtime.pipeline import FAMILIES, PipelineMesh, PipelineRun, build_pipeline, family_of
 from lightning_matrixfsdp.runtime.pipeline.outputs_comm import NO_BATCH, check_places_agree, outputs_everywhere
-from lightning_matrixfsdp.runtime.queries import wait_replicas
+from lightning_matrixfsdp.runtime.queries import pipeline_forwards, wait_replicas
 from lightning_matrixfsdp.runtime.tags import is_owned
 from lightning_matrixfsdp.runtime.tags import pipeline_of as run_of
 
@@ -165,6 +165,11 @@ class PipelineSession:
         self._ties_due = False
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``forward_loss`` under pipeline parallelism (outside a loop's steps, after the lone-forward check)."""
+        with pipeline_forwards(self.run.stages):
+            return self._loss(inputs, targets)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.training():
             if self.pending is not None:
                 raise MatrixShardError("forward_loss ran twice in one training step under pipeline parallelism; "
@@ -200,8 +205,9 @@ class PipelineSession:
         if not isinstance(inputs, torch.Tensor) or inputs.dim() < 1:
             raise MatrixShardError(f"forward_outputs under pipeline parallelism takes the batch's inputs as one "
                                    f"tensor (token ids), got {type(inputs).__name__}")
-        check_places_agree(self.run, int(inputs.shape[0]), self.last_batch())
-        return outputs_everywhere(self.run, inputs)
+        with pipeline_forwards(self.run.stages):  # a hook's call on some ranks only: refused within seconds
+            check_places_agree(self.run, int(inputs.shape[0]), self.last_batch())
+            return outputs_everywhere(self.run, inputs)
 
     def take_backward(self, loss: Optional[torch.Tensor] = None) -> None:
         """The strategy's backward: the schedule ran it; refuses a loss that did not come from

@@ -143,7 +143,10 @@ def _agreed_views(checkpoint: Mapping[str, Any], index: KeyIndex) -> list[tuple[
         if pp and outside:
             raise CheckpointError(f"under pipeline parallelism a checkpoint holds sharded tensors only in its "
                                   f"state_dict yet; {outside[0]} (rank {r}) is a copy of the model elsewhere (a weight-"
-                                  "averaging callback's): such callbacks are not supported with pipeline parallelism")
+                                  "averaging callback's averaged model): such callbacks train under pipeline "
+                                  "parallelism, but their state cannot be saved yet; save the model's weights only "
+                                  "(ModelCheckpoint(save_weights_only=True); after fit they are the average), or "
+                                  "train without the callback or with pipeline_parallel_size=1")
     return found
 
 

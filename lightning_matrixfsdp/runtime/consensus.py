@@ -163,14 +163,23 @@ def lone_forward_timeout() -> float:
         raise ValueError(f"{LONE_FORWARD_ENV}={setting!r} is not a number of seconds") from None
 
 
+def world_host_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group of its own over the whole world (collective over the world): the lone-forward
+    check of a pipelined model, whose every forward involves every rank. Its own group, so a check
+    that gave up leaves the world group's collectives in step."""
+    return gloo_subgroups([list(range(dist.get_world_size()))])
+
+
 class PeerCheck:
     """Before a forward that no training loop scheduled on every rank, the ranks of the shard
     group meet within :func:`lone_forward_timeout` seconds (a gloo monitored barrier, which
-    gives up on its own instead of waiting for the process-group timeout)."""
+    gives up on its own instead of waiting for the process-group timeout). ``pipelined``: the
+    check of a pipelined model's stages, over the whole world (its schedule runs on every rank)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], global_ranks: list[int]) -> None:
-        self.group = group  # gloo, over the shard group's ranks (:func:`host_group`)
+    def __init__(self, group: Optional[dist.ProcessGroup], global_ranks: list[int], pipelined: bool = False) -> None:
+        self.group = group  # gloo, over the shard group's ranks (:func:`host_group`), or the world's
         self.global_ranks = global_ranks
+        self.pipelined = pipelined
 
     def __call__(self) -> None:
         timeout = lone_forward_timeout()
@@ -181,13 +190,30 @@ class PeerCheck:
         except RuntimeError as e:
             me = dist.get_rank()
             others = [r for r in self.global_ranks if r != me]
-            raise LoneForwardError(
-                f"MatrixFSDP: rank {me} started a forward of the sharded model outside the Trainer's steps "
-                f"(in a hook such as on_validation_epoch_end, or after fit), and the other rank(s) {others} of "
-                f"its shard group did not join it within {timeout:g} s ({e}). Every forward of a sharded model "
-                "is collective: each unit's weights come from their owner ranks, so a forward on some ranks only "
-                "(under `if trainer.is_global_zero:` or another rank-dependent branch) cannot run and would hang "
-                "until the process-group timeout. Run the forward on every rank, or, to use the whole model on "
-                "one rank (sampling, export), enter `with lightning_matrixfsdp.full_model(module, rank=0):` on "
-                "every rank and run it on rank 0 inside (docs/user-guide.md, 'The whole model on one rank'). "
-                f"{LONE_FORWARD_ENV} sets this wait in seconds (0 turns the check off)") from e
+            raise LoneForwardError((_lone_pipelined if self.pipelined else _lone)(me, others, timeout, e)) from e
+
+
+def _lone(me: int, others: list[int], timeout: float, e: Exception) -> str:
+    return (f"MatrixFSDP: rank {me} started a forward of the sharded model outside the Trainer's steps "
+            f"(in a hook such as on_validation_epoch_end, or after fit), and the other rank(s) {others} of "
+            f"its shard group did not join it within {timeout:g} s ({e}). Every forward of a sharded model "
+            "is collective: each unit's weights come from their owner ranks, so a forward on some ranks only "
+            "(under `if trainer.is_global_zero:` or another rank-dependent branch) cannot run and would hang "
+            "until the process-group timeout. Run the forward on every rank, or, to use the whole model on "
+            "one rank (sampling, export), enter `with lightning_matrixfsdp.full_model(module, rank=0):` on "
+            "every rank and run it on rank 0 inside (docs/user-guide.md, 'The whole model on one rank'). "
+            f"{LONE_FORWARD_ENV} sets this wait in seconds (0 turns the check off)")
+
+
+def _lone_pipelined(me: int, others: list[int], timeout: float, e: Exception) -> str:
+    return (f"MatrixFSDP: rank {me} started a forward of the pipelined model (forward_outputs or forward_loss) "
+            "outside the Trainer's steps (in a hook such as on_validation_epoch_end, or after fit), and the other "
+            f"rank(s) {others} did not join it within {timeout:g} s ({e}). Under pipeline parallelism every "
+            "forward runs through the pipeline schedule, in which each rank runs its own stages, so a forward on "
+            "some ranks only (under `if trainer.is_global_zero:` or another rank-dependent branch) cannot run "
+            "and would hang until the process-group timeout; full_model cannot gather a pipelined model either. "
+            "Call `lightning_matrixfsdp.forward_outputs(self, inputs)` on every rank (the ranks of one pipeline "
+            "group with the same inputs): every rank gets the outputs, and rank 0 may use them alone; to sample "
+            "or export on one rank, save a checkpoint and load it into the unsplit model "
+            "(pipeline_parallel_size=1; docs/pipeline-parallel.md). "
+            f"{LONE_FORWARD_ENV} sets this wait in seconds (0 turns the check off)")

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_matrixfsdp.runtime.comm.core import CommStats
 
-from lightning_matrixfsdp.runtime.consensus import PeerCheck, host_group
+from lightning_matrixfsdp.runtime.consensus import PeerCheck, host_group, world_host_group
 from lightning_matrixfsdp.runtime.experts.stats import summarize
 from lightning_matrixfsdp.runtime.placement import Plan
 from lightning_matrixfsdp.runtime.comm.small import gather_objects, sum_counts
@@ -178,12 +178,34 @@ def watch_lone_forwards(module: nn.Module) -> None:
     """From now on, a forward of each sharded model inside ``module`` that does not run
     inside :func:`scheduled_forwards` first meets the other ranks of its shard group, and
     raises ``LoneForwardError`` if they do not come within seconds (``consensus.PeerCheck``).
-    Collective on every rank (it may create a gloo group beside an NCCL shard group);
-    idempotent. The Trainer's strategy calls it at setup."""
-    for root in sharded_roots(module):
+    Under pipeline parallelism (the roots are this rank's stages) the whole world meets, before
+    the schedule's first collective (:func:`pipeline_forwards`): every rank runs a part of it.
+    Collective on every rank (it may create a gloo group beside an NCCL shard group, and one
+    over the world for stages); idempotent. The Trainer's strategy calls it at setup."""
+    roots = [r for r in sharded_roots(module) if state_of(r).schedule.peer_check is None]
+    if any(is_stage(r) for r in roots):  # every rank holds stages: all create the world's group alike
+        world = PeerCheck(world_host_group(), list(range(dist.get_world_size())), pipelined=True)
+        for root in roots:
+            state_of(root).schedule.peer_check = world
+        return
+    for root in roots:
         st = state_of(root)
-        if st.schedule.peer_check is None:
-            st.schedule.peer_check = PeerCheck(host_group(st.sg), list(st.sg.global_ranks))
+        st.schedule.peer_check = PeerCheck(host_group(st.sg), list(st.sg.global_ranks))
+
+
+@contextmanager
+def pipeline_forwards(stages: Iterable[nn.Module]) -> Iterator[None]:
+    """Around a pipelined model's schedule (``forward_loss``, ``forward_outputs``): outside a
+    training loop's steps the stages' lone-forward check (the world's, :func:`watch_lone_forwards`)
+    runs first, before the batch check's all-gather; inside, the stages' forwards run as scheduled
+    (every rank came). Without a watch (Fabric) nothing is checked."""
+    states = [state_of(s) for s in stages]
+    if states:
+        states[0].schedule.check_peers()  # the same check on every stage: once is enough
+    with ExitStack() as stack:
+        for st in states:
+            stack.enter_context(st.schedule.scheduled())
+        yield
 
 
 @contextmanager

@@ -141,6 +141,11 @@ def role_of(p: Any) -> Optional[RoleKind]:
     return None if role is None else RoleKind(role)
 
 
+def tag_unowned(p: Any) -> None:
+    """Mark ``p`` as held by no one here (another pipeline stage's parameter, an empty placeholder)."""
+    setattr(p, _OWNED, False)
+
+
 def is_owned(p: Any) -> bool:
     """True where this rank holds the full tensor (every untagged tensor)."""
     return bool(getattr(p, _OWNED, True))

@@ -57,8 +57,8 @@ def _world_groups(on: bool):
     from lightning_matrixfsdp.runtime.pipeline import comm
 
     if on:
-        comm.expert_groups = lambda dims: expert_groups(dataclasses.replace(dims, pipeline=1, shard=dims.world,
-                                                                            replicate=1))
+        comm.expert_groups = lambda dims, *timeout: expert_groups(
+            dataclasses.replace(dims, pipeline=1, shard=dims.world, replicate=1), *timeout)
     try:
         yield
     finally:

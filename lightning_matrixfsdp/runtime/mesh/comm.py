@@ -178,7 +178,7 @@ def build_mesh(dims: ParallelDims, device: Optional[torch.device] = None,
     world_mesh = init_device_mesh(device_type, (dims.data_parallel, dims.tensor),
                                   mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
     info = mesh_info(world_mesh, dims.shard if dims.replicate > 1 else None, device, timeout)
-    experts = expert_groups(dims) if dims.expert > 1 else None
+    experts = expert_groups(dims, timeout) if dims.expert > 1 else None
     return dataclasses.replace(info, dims=dims, world_mesh=world_mesh, experts=experts)
 
 
@@ -191,18 +191,22 @@ def dims_of(mesh: MeshInfo, expert_parallel: int = 1) -> ParallelDims:
                         tensor=mesh.tp_size, expert=expert_parallel)
 
 
-def expert_groups(dims: ParallelDims) -> ExpertGroups:
+def expert_groups(dims: ParallelDims, timeout: Optional[timedelta] = None) -> ExpertGroups:
     """Create every expert-parallel and expert-replica group of ``dims`` (``ParallelDims.groups``:
     ``"ep"``, then ``"ep_replica"`` when there is more than one copy of each expert, then with
     pipeline parallelism ``"dp"``, each stage's data-parallel ranks; every rank creates every group
     of every stage in the same order, as torch requires) and return this rank's. The groups stay
-    inside a pipeline stage: each stage splits its own experts over its own ranks."""
+    inside a pipeline stage: each stage splits its own experts over its own ranks.
+
+    ``timeout``: for the collectives of these groups (the strategies' option; None: torch's
+    default, 30 minutes on gloo), so a token exchange whose peer stalled or died ends as soon as
+    the other groups' collectives would."""
     rank = dist.get_rank()
     mine: dict[str, Optional[dist.ProcessGroup]] = {"ep": None, "ep_replica": None, "dp": None}
     names = ("ep", "ep_replica") if dims.data_parallel > dims.expert else ("ep",)
     for name in names + (("dp",) if dims.pipeline > 1 else ()):
         for ranks in dims.groups(name):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout) if timeout is not None else dist.new_group(ranks)
             if rank in ranks:
                 mine[name] = group
     stage = next(ranks for ranks in dims.groups("dp") if rank in ranks)

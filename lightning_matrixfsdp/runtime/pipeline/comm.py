@@ -78,6 +78,8 @@ class PipelineMesh:
     dp_mesh: Any
     #: the whole mesh
     device_mesh: Any = None
+    #: the timeout its groups were created with (None: torch's default); each stage's expert groups take it too
+    timeout: Optional[timedelta] = None
 
     @property
     def rank(self) -> int:
@@ -130,7 +132,7 @@ def pipeline_mesh(pp: int, shard_size: Optional[int] = None, device_type: str = 
     else:
         mesh = _timed_mesh(device_type, shape, names, timeout)
     dp_mesh = mesh["replicate", "shard"] if hsdp else mesh["dp"]
-    return PipelineMesh(pp, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), dp_mesh, mesh)
+    return PipelineMesh(pp, mesh["pp"].get_local_rank(), mesh["pp"].get_group(), dp_mesh, mesh, timeout)
 
 
 def _timed_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta) -> Any:
@@ -154,10 +156,11 @@ def stage_mesh_info(mesh: PipelineMesh, dims: ParallelDims) -> MeshInfo:
     """The ``MeshInfo`` each of this rank's stages is sharded over: its stage's data-parallel mesh,
     the run's record ``dims`` (pipeline axis included) and, with ``dims.expert > 1``, the
     expert-parallel groups of every stage (created on every rank in the same order, as torch
-    requires; this rank keeps its stage's). Collective: every rank calls it once, with the same ``dims``."""
+    requires, with the mesh's timeout; this rank keeps its stage's). Collective: every rank calls
+    it once, with the same ``dims``."""
     import dataclasses
 
-    experts = expert_groups(dims) if dims.expert > 1 else None
+    experts = expert_groups(dims, mesh.timeout) if dims.expert > 1 else None
     return dataclasses.replace(mesh_info(mesh.dp_mesh), dims=dims, experts=experts)
 
 

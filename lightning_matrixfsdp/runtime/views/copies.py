@@ -38,6 +38,7 @@ from lightning_matrixfsdp.runtime.tags import (
     sharded_roots,
     state_of,
     tag_param,
+    tag_unowned,
     tag_view,
 )
 
@@ -192,7 +193,13 @@ def shard_copy(copy: nn.Module, model: nn.Module) -> None:
         for name, p in theirs:
             ref = mine[name]
             shard = shard_of(ref)
-            if id(p) in done or shard is None:
+            if id(p) in done:
+                continue
+            if shard is None:
+                if not is_owned(ref) and ref.numel() == 0:  # another pipeline stage's: nothing of it here
+                    done.add(id(p))
+                    p.data = torch.empty(0, dtype=p.dtype, device=ref.device)
+                    tag_unowned(p)
                 continue
             done.add(id(p))
             fragment = _tp_fragment(p, layouts.get(id(ref)))
