@@ -18,7 +18,7 @@ import torch
 from helpers.pipeline_scenarios import batch, demo_gpt, lm_loss
 
 FAULT_STEP = 1  # the step (0-based) in which the last stage's rank dies or stalls
-SILENT_S = 20.0  # how long a stalled rank stays alive without taking part (then it leaves)
+SILENT_S = 40.0  # how long a stalled rank stays alive without taking part (then it leaves)
 
 
 def launch(fn: Callable, world: int, *args: Any, timeout: float = 90.0) -> dict[int, Any]:
