@@ -195,7 +195,7 @@ def test_stage_groups_are_smaller_but_idle_the_same_share_of_owners_and_memory_p
 
 # ---------------------------------------------------------------- refusals and the command line
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(pp=2, schedule="ZBVZeroBubble", v=2), "'ZBVZeroBubble' is not modelled"),
+    (dict(pp=2, schedule="LoopedBFS", v=2), "'LoopedBFS' is not modelled"),
     (dict(pp=2, schedule="Pipedream"), "unknown schedule 'Pipedream'"),
     (dict(pp=2, m=4, schedule="Interleaved1F1B"), "pass virtual stages v >= 2"),
     (dict(pp=2, m=4, schedule="1F1B", v=2), "virtual stages must be 1"),
@@ -221,7 +221,7 @@ def test_cli_pp_rows_and_errors(tmp_path, capsys):
     assert "| 2 | 2 x 8 | 1F1B (1) | 4 |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["pp"], r["dp"], r["microbatches"]) for r in rows] == [(1, 16, 4), (2, 8, 4)]
-    assert main(["--cluster", "a100-ib", "--pp", "2", "--schedule", "DualPipeV", "--virtual", "2"]) == 2
-    assert "'DualPipeV' is not modelled" in capsys.readouterr().err
+    assert main(["--cluster", "a100-ib", "--pp", "2", "--schedule", "LoopedBFS", "--virtual", "2"]) == 2
+    assert "'LoopedBFS' is not modelled" in capsys.readouterr().err
     assert main(["--cluster", "a100-ib", "--pp", "2", "--tp", "2"]) == 2
     assert "drop --tp" in capsys.readouterr().err

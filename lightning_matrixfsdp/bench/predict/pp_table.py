@@ -24,7 +24,7 @@ __all__ = ["PP_CHOICES", "PP_MODELS", "PP_NODES", "best_pp", "compare", "compare
 
 PP_MODELS, PP_NODES, PP_SEQS = ("paper", "7b", "32b"), (8, 16, 32, 64, 128, 256), (1, 4)
 #: (schedule, virtual stages per rank) the sweep tries
-PP_CHOICES = (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2))
+PP_CHOICES = (("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
 #: the paper's block at its largest published depth (8 nodes x 16 layers), held fixed: weak scaling to
 #: 256 nodes would be a 4096-layer, 819B-parameter model
 FIXED_LAYERS = {"paper": 128}
@@ -79,6 +79,11 @@ def compare(models: Sequence[str] = PP_MODELS, clusters: Sequence[str] = ("a100-
     return out
 
 
+def _label(row: dict[str, Any]) -> str:
+    """``schedule (v)``, with DualPipeV's missing overlap said where it is shown."""
+    return f"{row['schedule']} ({row['v']}{', no overlap' if row['schedule'] == 'DualPipeV' else ''})"
+
+
 def compare_markdown(rows: list[dict[str, Any]]) -> str:
     """One line per comparison: alone ms (mode), best PP ms (PP x D, schedule, placement, weights),
     its bubble, peak GiB and the speed-up (alone / PP; above 1: PP wins)."""
@@ -94,7 +99,7 @@ def compare_markdown(rows: list[dict[str, Any]]) -> str:
             lines.append(head + "no fit | | | | | | |")
             continue
         mark = "**" if r["speedup"] > 1 else ""
-        lines.append(head + f"{p['total_ms']:.0f} | {p['pp']} x {p['dp']} | {p['schedule']} ({p['v']}) | "
+        lines.append(head + f"{p['total_ms']:.0f} | {p['pp']} x {p['dp']} | {_label(p)} | "
                      f"{p['placement']}, {p['weights']}, {p['chosen']} | {p['bubble_frac']:.2f} | {p['peak_gib']:.1f} | "
                      f"{mark}{r['speedup']:.2f}{mark} |")
     return "\n".join(lines)
@@ -106,7 +111,7 @@ def pp_markdown(rows: list[dict[str, Any]]) -> str:
              "| bubble | p2p ms/mb | opt ms | total ms | idle owners | peak GiB | fits |",
              "| ---: | --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
-        lines.append(f"| {r['nodes']} | {r['pp']} x {r['dp']} | {r['schedule']} ({r['v']}) | {r['microbatches']} | "
+        lines.append(f"| {r['nodes']} | {r['pp']} x {r['dp']} | {_label(r)} | {r['microbatches']} | "
                      f"{r['placement']} | {r['weights']} | {r['chosen']} | {r['pipe_ms']:.1f} | {r['bubble_ms']:.1f} | "
                      f"{r['bubble_frac']:.3f} | {r['p2p_ms']:.2f} | {r['opt_ms']:.1f} | {r['total_ms']:.1f} | "
                      f"{r['idle_owner_frac']:.2f} | {r['peak_gib']:.2f} | {'yes' if r['fits'] else 'no'} |")
