@@ -14,7 +14,9 @@ the other ranks' exposed first materialization (each delays the fill); then the 
 of the busiest owner. Weights are either kept materialized from the first forward to the last
 backward and their gradients reduced once (``weights="keep"``, as torch's pipelining runs FSDP:
 no reshard and no gradient sync between micro-batches) or materialized and reduced per
-micro-batch (``"regather"``: less memory, ``m`` times the bytes). Between stages each micro-batch
+micro-batch (``"regather"``: less memory, ``m`` times the bytes; what our runtime runs, and the only
+policy of the split-backward schedules, whose input and weight parts each materialize the stage and
+whose reductions follow the weight part: :mod:`.split_schedules`). Between stages each micro-batch
 sends ``batch x seq x hidden`` bf16 activations forward and as many gradient bytes back, counted
 on every chunk and not overlapped (an upper bound), over NVLink or the GPU's share of its node's
 NICs as the placement puts neighbouring stages. The facts behind each schedule's idle time and
