@@ -136,7 +136,7 @@ def test_the_split_costs_a_materialization_per_micro_batch_and_stage(name, monke
     (dict(schedule="InterleavedZeroBubble", v=2, weights="keep"), "weights='keep' is not how it runs"),
     (dict(schedule="ZBVZeroBubble", v=3), "exactly two stages per rank"),
     (dict(schedule="DualPipeV", v=2, m=3), "m=3 < 2 PP = 4"),
-    (dict(schedule="LoopedBFS", v=2), "'LoopedBFS' is not modelled"),
+    (dict(schedule="Pipedream", v=2), "unknown schedule 'Pipedream'"),
 ])
 def test_split_pipelines_refused_with_the_cause(kwargs, message):
     kw = dict(m=4, v=2, weights="regather")

@@ -41,13 +41,10 @@ from .split_schedules import V_SCHEDULES, split_parts, split_share, v_bubble, v_
 __all__ = ["PLACEMENTS", "PP_SCHEDULES", "SPLIT_SCHEDULES", "WEIGHTS", "activation_bytes_per_microbatch", "bubble", "bubble_fraction",
            "check_pipeline", "chunk_blocks", "in_flight", "predict_pp_mode", "stage_view"]
 
-PP_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
-                                  "DualPipeV")
-#: torch schedules the predictor refuses, and why
-NOT_MODELLED = {
-    "LoopedBFS": "breadth-first with several stages per rank holds GPipe's m micro-batches per stage and idles at "
-                 "least as long as Interleaved1F1B; its action order is not simulated here. Use Interleaved1F1B",
-}
+PP_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                  "ZBVZeroBubble", "DualPipeV")
+#: torch schedules the predictor refuses, and why (none at present)
+NOT_MODELLED: dict[str, str] = {}
 #: schedules that split each backward into an input and a weight part (runtime/pipeline/split_backward.py)
 SPLIT_SCHEDULES = ("InterleavedZeroBubble",) + V_SCHEDULES
 #: what the DualPipeV rows leave out, shown with them
@@ -75,6 +72,12 @@ def check_pipeline(schedule: str, pp: int, m: int, v: int = 1) -> None:
         if m % rounds:
             raise PredictError(f"{schedule} needs the micro-batches ({m}) to be a multiple of the rounds "
                                f"max(1, m // PP) = {rounds}, as torch requires")
+    elif schedule == "LoopedBFS":
+        if v < 2:
+            raise PredictError(f"LoopedBFS runs several stages per rank: pass virtual stages v >= 2, got {v}")
+        if m < pp:
+            raise PredictError(f"LoopedBFS is modelled from PP micro-batches on (its idle time grows below): "
+                               f"m={m} < PP={pp}")
     elif schedule in V_SCHEDULES:
         if v != 2:
             raise PredictError(f"{schedule} runs exactly two stages per rank (a V): virtual stages must be 2, got {v}")
@@ -89,8 +92,8 @@ def bubble(schedule: str, pp: int, f: float, b: float, w: float, m: int = 0) -> 
     """Idle time of a rank over the step, in the durations of one chunk and one micro-batch:
     forward ``f``, input gradient ``b``, weight gradient ``w`` (a full backward is ``b + w``).
 
-    - GPipe, 1F1B and Interleaved1F1B: ``(PP-1)(f + b + w)``. The first micro-batch needs
-      ``PP-1`` chunk forwards before the last rank starts, and the last backward ``PP-1`` chunk
+    - GPipe, 1F1B, Interleaved1F1B and LoopedBFS (``m >= PP``): ``(PP-1)(f + b + w)``. The
+      first micro-batch needs ``PP-1`` chunk forwards before the last rank starts, and the last backward ``PP-1`` chunk
       backwards to reach rank 0; nothing fills those slots. Over ``m v`` chunk passes per rank
       that is the bubble fraction ``(PP-1) / (v m + PP-1)`` (``v = 1``: ``(PP-1) / (m + PP-1)``).
       1F1B has GPipe's idle time; it only holds fewer micro-batches.
@@ -122,8 +125,8 @@ def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, f: float = 1.0, 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
     """Chunk activations rank ``rank`` holds at its peak (forward done, weight gradient not yet):
-    GPipe all ``m``; 1F1B ``min(m, PP - rank)`` (its warm-up forwards plus one); Interleaved1F1B
-    ``(v-1) R + 2 (PP-1-rank) + 1`` (torch's warm-up, ``R`` micro-batches per round: ``PP`` when
+    GPipe all ``m``; LoopedBFS all ``m v``; 1F1B ``min(m, PP - rank)`` (its warm-up forwards plus
+    one); Interleaved1F1B ``(v-1) R + 2 (PP-1-rank) + 1`` (torch's warm-up, ``R`` micro-batches per round: ``PP`` when
     ``PP`` divides ``m``); InterleavedZeroBubble ``(v-1) R + PP`` on every rank; never more than ``m v``;
     the V schedules: counted on their action order (ZBV ``2 PP``, DualPipeV ``2 PP + 1`` once ``m``
     fills the V). (Each checked against torch's own action order, tests/test_predict_pp*.py.)"""
@@ -132,6 +135,8 @@ def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
     per_round = m // max(1, m // pp)  # torch runs the micro-batches in rounds of about PP
     if schedule == "GPipe":
         n = m
+    elif schedule == "LoopedBFS":  # breadth-first: every micro-batch's forward on a stage before a backward
+        n = m * v
     elif schedule == "1F1B":
         n = pp - rank
     elif schedule == "Interleaved1F1B":
