@@ -112,7 +112,7 @@ def _torch_order(name: str, p: int, m: int, v: int) -> list[list[tuple[str, int,
 
 
 @pytest.mark.parametrize("name, v", [("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2),
-                                     ("InterleavedZeroBubble", 4)])
+                                     ("InterleavedZeroBubble", 4), ("LoopedBFS", 2), ("LoopedBFS", 4)])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 10), (4, 6)])
 def test_interleaved_schedules_against_torchs_action_order(name, v, p, m):
     order = _torch_order(name, p, m, v)
@@ -120,7 +120,7 @@ def test_interleaved_schedules_against_torchs_action_order(name, v, p, m):
         makespan, peaks = simulate(order, p * v, {"F": f, "I": b, "W": w, "B": b + w})
         idle = makespan - m * v * (f + b + w)
         assert idle == pytest.approx(bubble(name, p, f, b, w)), (f, b, w)
-        if name == "Interleaved1F1B":
+        if name in ("Interleaved1F1B", "LoopedBFS"):
             assert idle / makespan == pytest.approx((p - 1) / (v * m + p - 1))
     assert peaks == [in_flight(name, p, m, v, r) for r in range(p)]
 
@@ -195,7 +195,8 @@ def test_stage_groups_are_smaller_but_idle_the_same_share_of_owners_and_memory_p
 
 # ---------------------------------------------------------------- refusals and the command line
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(pp=2, schedule="ZBVZeroBubble", v=2), "'ZBVZeroBubble' is not modelled"),
+    (dict(pp=2, schedule="LoopedBFS", v=2), "LoopedBFS is modelled from PP micro-batches on"),
+    (dict(pp=2, m=4, schedule="LoopedBFS"), "pass virtual stages v >= 2"),
     (dict(pp=2, schedule="Pipedream"), "unknown schedule 'Pipedream'"),
     (dict(pp=2, m=4, schedule="Interleaved1F1B"), "pass virtual stages v >= 2"),
     (dict(pp=2, m=4, schedule="1F1B", v=2), "virtual stages must be 1"),
@@ -221,7 +222,7 @@ def test_cli_pp_rows_and_errors(tmp_path, capsys):
     assert "| 2 | 2 x 8 | 1F1B (1) | 4 |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["pp"], r["dp"], r["microbatches"]) for r in rows] == [(1, 16, 4), (2, 8, 4)]
-    assert main(["--cluster", "a100-ib", "--pp", "2", "--schedule", "DualPipeV", "--virtual", "2"]) == 2
-    assert "'DualPipeV' is not modelled" in capsys.readouterr().err
+    assert main(["--cluster", "a100-ib", "--pp", "2", "--schedule", "LoopedBFS", "--virtual", "2"]) == 2
+    assert "m=1 < PP=2" in capsys.readouterr().err
     assert main(["--cluster", "a100-ib", "--pp", "2", "--tp", "2"]) == 2
     assert "drop --tp" in capsys.readouterr().err

@@ -9,7 +9,7 @@ Table 3, and the report and plot of docs/benchmarks.md ("Predicted step times").
     python -m lightning_matrixfsdp.bench predict --model 32b --cluster a100-ib --tp 1 2 4 8 --nodes 1 4 16
     python -m lightning_matrixfsdp.bench predict --tp-table
     python -m lightning_matrixfsdp.bench predict --model 7b --cluster a100-ib --gpus-per-node 8 --nodes 256 --pp 2 4 \
-        --microbatches 8 --schedule InterleavedZeroBubble --virtual 2
+        --microbatches 8 --schedule InterleavedZeroBubble --virtual 2 --pp-weights regather
     python -m lightning_matrixfsdp.bench predict --pp-table
 """
 
@@ -325,11 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, nargs="+", help="pipeline-parallel sizes: predict PP x owner sharding per stage")
     p.add_argument("--microbatches", type=int, default=1, help="with --pp: micro-batches of --batch per step")
     p.add_argument("--schedule", default="1F1B", help=f"with --pp: {', '.join(PP_SCHEDULES)}")
-    p.add_argument("--virtual", type=int, default=1, help="with --pp: stages per rank (interleaved schedules)")
+    p.add_argument("--virtual", type=int, default=1, help="with --pp: stages per rank (interleaved "
+                   "schedules; 2 for ZBVZeroBubble and DualPipeV)")
     p.add_argument("--placement", default="across", choices=PLACEMENTS, help="with --pp: neighbouring stages on "
                    "other nodes (across) or on the same node (within)")
     p.add_argument("--pp-weights", default="keep", choices=WEIGHTS, help="with --pp: keep a stage's weights "
-                   "materialized over the micro-batches or regather them per micro-batch")
+                   "materialized over the micro-batches (a what-if: our runtime regathers) or regather them per micro-batch "
+                   "(the split-backward schedules: regather only)")
     p.add_argument("--stage-mode", default="matrix_fsdp_auto", choices=INNER_MODES, help="with --pp: the stage's sharding")
     p.add_argument("--pp-table", action="store_true", help="PP x owner sharding against owner sharding alone: "
                    "paper (128 layers), 7b, 32b on a100-ib, 8-256 nodes of 8 GPUs, 1 and 4 sequences per GPU")

@@ -14,7 +14,9 @@ the other ranks' exposed first materialization (each delays the fill); then the 
 of the busiest owner. Weights are either kept materialized from the first forward to the last
 backward and their gradients reduced once (``weights="keep"``, as torch's pipelining runs FSDP:
 no reshard and no gradient sync between micro-batches) or materialized and reduced per
-micro-batch (``"regather"``: less memory, ``m`` times the bytes). Between stages each micro-batch
+micro-batch (``"regather"``: less memory, ``m`` times the bytes; what our runtime runs, and the only
+policy of the split-backward schedules, whose input and weight parts each materialize the stage and
+whose reductions follow the weight part: :mod:`.split_schedules`). Between stages each micro-batch
 sends ``batch x seq x hidden`` bf16 activations forward and as many gradient bytes back, counted
 on every chunk and not overlapped (an upper bound), over NVLink or the GPU's share of its node's
 NICs as the placement puts neighbouring stages. The facts behind each schedule's idle time and
@@ -31,22 +33,23 @@ from lightning_matrixfsdp.runtime.placement import Plan, RoleKind, UnitSpec
 from lightning_matrixfsdp.runtime.planner import make_plan
 
 from .cluster import GIB, Cluster
+from .comm import pipeline, split_exchange, unit_comm
 from .modes import auto_mode, elementwise, owner_work, passes, predict_mode
 from .shape import ELEM, ModelShape, PredictError, block_flops, unit_specs
+from .split_schedules import V_SCHEDULES, split_parts, split_share, v_bubble, v_in_flight
 
-__all__ = ["PLACEMENTS", "PP_SCHEDULES", "WEIGHTS", "activation_bytes_per_microbatch", "bubble", "bubble_fraction",
+__all__ = ["PLACEMENTS", "PP_SCHEDULES", "SPLIT_SCHEDULES", "WEIGHTS", "activation_bytes_per_microbatch", "bubble", "bubble_fraction",
            "check_pipeline", "chunk_blocks", "in_flight", "predict_pp_mode", "stage_view"]
 
-PP_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
-#: torch schedules the predictor refuses, and why
-NOT_MODELLED = {
-    "ZBVZeroBubble": "its idle time, simulated on torch's own action order, depends on PP as well as on the "
-                     "forward / input-gradient / weight-gradient durations (no closed form here); use "
-                     "InterleavedZeroBubble",
-    "DualPipeV": "its gain is overlapping a forward with another micro-batch's backward to hide MoE all-to-alls, "
-                 "which this dense-model predictor does not have",
-    "LoopedBFS": "not modelled (breadth-first: GPipe's memory with interleaving)",
-}
+PP_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                  "ZBVZeroBubble", "DualPipeV")
+#: torch schedules the predictor refuses, and why (none at present)
+NOT_MODELLED: dict[str, str] = {}
+#: schedules that split each backward into an input and a weight part (runtime/pipeline/split_backward.py)
+SPLIT_SCHEDULES = ("InterleavedZeroBubble",) + V_SCHEDULES
+#: what the DualPipeV rows leave out, shown with them
+DUALPIPEV_NOTE = ("no overlap: torch (and our runtime) runs each forward + backward pair one after the other, so its "
+                  "gain, hiding MoE all-to-alls behind compute, is not modelled")
 PLACEMENTS = ("across", "within")  # neighbouring stages on other nodes / on the same node
 WEIGHTS = ("keep", "regather")
 INNER_MODES = ("matrix_fsdp_auto", "matrix_fsdp_hsdp_auto")
@@ -69,16 +72,28 @@ def check_pipeline(schedule: str, pp: int, m: int, v: int = 1) -> None:
         if m % rounds:
             raise PredictError(f"{schedule} needs the micro-batches ({m}) to be a multiple of the rounds "
                                f"max(1, m // PP) = {rounds}, as torch requires")
+    elif schedule == "LoopedBFS":
+        if v < 2:
+            raise PredictError(f"LoopedBFS runs several stages per rank: pass virtual stages v >= 2, got {v}")
+        if m < pp:
+            raise PredictError(f"LoopedBFS is modelled from PP micro-batches on (its idle time grows below): "
+                               f"m={m} < PP={pp}")
+    elif schedule in V_SCHEDULES:
+        if v != 2:
+            raise PredictError(f"{schedule} runs exactly two stages per rank (a V): virtual stages must be 2, got {v}")
+        if schedule == "DualPipeV" and m < 2 * pp:
+            raise PredictError(f"DualPipeV needs at least as many micro-batches as stages: m={m} < 2 PP = {2 * pp}, "
+                               "as torch requires")
     elif v != 1:
         raise PredictError(f"{schedule} runs one stage per rank: virtual stages must be 1, got {v}")
 
 
-def bubble(schedule: str, pp: int, f: float, b: float, w: float) -> float:
+def bubble(schedule: str, pp: int, f: float, b: float, w: float, m: int = 0) -> float:
     """Idle time of a rank over the step, in the durations of one chunk and one micro-batch:
     forward ``f``, input gradient ``b``, weight gradient ``w`` (a full backward is ``b + w``).
 
-    - GPipe, 1F1B and Interleaved1F1B: ``(PP-1)(f + b + w)``. The first micro-batch needs
-      ``PP-1`` chunk forwards before the last rank starts, and the last backward ``PP-1`` chunk
+    - GPipe, 1F1B, Interleaved1F1B and LoopedBFS (``m >= PP``): ``(PP-1)(f + b + w)``. The
+      first micro-batch needs ``PP-1`` chunk forwards before the last rank starts, and the last backward ``PP-1`` chunk
       backwards to reach rank 0; nothing fills those slots. Over ``m v`` chunk passes per rank
       that is the bubble fraction ``(PP-1) / (v m + PP-1)`` (``v = 1``: ``(PP-1) / (m + PP-1)``).
       1F1B has GPipe's idle time; it only holds fewer micro-batches.
@@ -87,7 +102,13 @@ def bubble(schedule: str, pp: int, f: float, b: float, w: float) -> float:
       the slots, leaving the paper's ``f + b - w`` per boundary; but the last micro-batch's input
       gradient still walks back through ``PP-1`` ranks one ``b`` at a time, which no weight
       gradient can shorten. (Checked against a plain simulation of torch's own action order,
-      tests/test_predict_pp.py.)"""
+      tests/test_predict_pp.py.)
+    - ZBVZeroBubble and DualPipeV (two stages per rank in a V, ``m`` needed): simulated on their
+      action order (:mod:`.split_schedules`, checked against torch's in tests/test_predict_pp_split.py)."""
+    if schedule in V_SCHEDULES:
+        if m < 1:
+            raise PredictError(f"{schedule}'s idle time is simulated for a number of micro-batches: pass m >= 1")
+        return v_bubble(schedule, pp, m, f, b, w)
     if pp <= 1:
         return 0.0
     if schedule == "InterleavedZeroBubble":
@@ -98,19 +119,24 @@ def bubble(schedule: str, pp: int, f: float, b: float, w: float) -> float:
 def bubble_fraction(schedule: str, pp: int, m: int, v: int = 1, f: float = 1.0, b: float = 1.0,
                     w: float = 1.0) -> float:
     """Idle share of a step of equal chunks: ``bubble / (m v (f + b + w) + bubble)``."""
-    idle = bubble(schedule, pp, f, b, w)
+    idle = bubble(schedule, pp, f, b, w, m)
     return idle / (m * v * (f + b + w) + idle)
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int, rank: int) -> int:
     """Chunk activations rank ``rank`` holds at its peak (forward done, weight gradient not yet):
-    GPipe all ``m``; 1F1B ``min(m, PP - rank)`` (its warm-up forwards plus one); Interleaved1F1B
-    ``(v-1) R + 2 (PP-1-rank) + 1`` (torch's warm-up, ``R`` micro-batches per round: ``PP`` when
-    ``PP`` divides ``m``); InterleavedZeroBubble ``(v-1) R + PP`` on every rank; never more than ``m v``.
-    (Each checked against torch's own action order, tests/test_predict_pp.py.)"""
+    GPipe all ``m``; LoopedBFS all ``m v``; 1F1B ``min(m, PP - rank)`` (its warm-up forwards plus
+    one); Interleaved1F1B ``(v-1) R + 2 (PP-1-rank) + 1`` (torch's warm-up, ``R`` micro-batches per round: ``PP`` when
+    ``PP`` divides ``m``); InterleavedZeroBubble ``(v-1) R + PP`` on every rank; never more than ``m v``;
+    the V schedules: counted on their action order (ZBV ``2 PP``, DualPipeV ``2 PP + 1`` once ``m``
+    fills the V). (Each checked against torch's own action order, tests/test_predict_pp*.py.)"""
+    if schedule in V_SCHEDULES:
+        return v_in_flight(schedule, pp, m, rank)
     per_round = m // max(1, m // pp)  # torch runs the micro-batches in rounds of about PP
     if schedule == "GPipe":
         n = m
+    elif schedule == "LoopedBFS":  # breadth-first: every micro-batch's forward on a stage before a backward
+        n = m * v
     elif schedule == "1F1B":
         n = pp - rank
     elif schedule == "Interleaved1F1B":
@@ -226,9 +252,29 @@ def _chunk(shape: ModelShape, c: Cluster, view: Cluster, lo: int, hi: int, first
     w = ((hi - lo) * 2 * tokens * mats + (head if has_head else 0.0)) / rate  # weight gradients: one matmul each
     fwd, bwd = passes(chosen, plan, shape, view, cf, cb, replicas, units)
     work = owner_work(plan, units, shape, replicas, chosen == "matrix_fsdp_hsdp_split")
-    return {"f": sum(cf), "b": sum(cb) - w, "w": w, "F1": fwd, "B1": bwd, "work": work, "span": span,
+    w_unit = [(2 * tokens * mats if u.fqn else (head if has_head else 0.0)) / rate for u in units]
+    inp, wgt = _split_costs(chosen, plan, shape, view, replicas, units, [x - y for x, y in zip(cb, w_unit)], w_unit)
+    return {"f": sum(cf), "b": sum(cb) - w, "w": w, "F1": fwd, "B1": bwd, "I1": inp, "Wp": wgt, "work": work,
+            "span": span,
             "replicas": replicas, "chosen": chosen, "plan": plan, "blocks": hi - lo, "head": has_head,
             "unit_bytes": [sum(p.nbytes for p in u.params) for u in units]}
+
+
+def _split_costs(chosen: str, plan: Plan, shape: ModelShape, view: Cluster, replicas: int,
+                 units: tuple[UnitSpec, ...], cb_in: list[float], w_unit: list[float]) -> tuple[float, float]:
+    """(input part, weight part) of a split backward of one chunk and micro-batch
+    (:func:`.split_schedules.split_parts`), with the stage mode's materializations and reductions."""
+    span = plan.world
+    link = [max(unit_comm(chosen, lay, view)) for lay in plan.units]
+    copy = [2 * max(lay.owned_bytes(r) for r in range(span)) / (view.hbm_gbs * 1e9) if span > 1 else 0.0
+            for lay in plan.units]
+    rep = None
+    if replicas > 1:
+        rep = split_exchange(plan, shape, view, replicas, units)[0] if chosen == "matrix_fsdp_hsdp_split" else \
+            [[view.replica_all_reduce(lay.owned_bytes(r), replicas) for r in range(span)] for lay in plan.units]
+    n = len(units)
+    chain = pipeline([0.0] * n, [0.0] * n, link, rep=rep)  # the reductions, nothing left to hide them
+    return split_parts(cb_in, w_unit, copy, link, [not u.fqn for u in units], chain, pipeline)
 
 
 def _sum_work(chunks: list[dict[str, Any]]) -> list[tuple[float, int, int, int, int]]:
@@ -247,11 +293,12 @@ def _activations(shape: ModelShape, chunks: list[dict[str, Any]], held: int, v: 
 
 
 def _rank(shape: ModelShape, c: Cluster, chunks: list[dict[str, Any]], m: int, tau: float, weights: str,
-          held: int, v: int) -> dict[str, float]:
+          held: int, v: int, split: tuple[float, ...]) -> dict[str, float]:
     """One pipeline rank: per-micro-batch work (steady ``W``, first ``W1``), exposed first
-    materialization, optimizer step and peak bytes of its busiest DP position."""
+    materialization, optimizer step and peak bytes of its busiest DP position. ``split``: per
+    chunk, the share of micro-batches whose backward runs as an input and a weight part."""
     keep = weights == "keep"
-    first = sum(ch["F1"] + ch["B1"] + 2 * tau for ch in chunks)
+    first = sum(ch["F1"] + s * (ch["I1"] + ch["Wp"]) + (1 - s) * ch["B1"] + 2 * tau for ch, s in zip(chunks, split))
     steady = sum(ch["f"] + ch["b"] + ch["w"] + 2 * tau for ch in chunks) if keep else first
     exposed = sum(ch["F1"] - ch["f"] for ch in chunks) if keep else 0.0
     ns_rate = c.matmul_tflops * 1e12 * c.ns_eff_ours
@@ -262,12 +309,29 @@ def _rank(shape: ModelShape, c: Cluster, chunks: list[dict[str, Any]], m: int, t
         buffers = 0.0
     elif keep and m > 1:  # the whole chunk materialized and its gradient accumulated unsharded
         buffers = 2.0 * sum(sum(ch["unit_bytes"]) for ch in chunks)
+    elif any(split):  # a weight part materializes its whole chunk and leaves its full gradient to reduce
+        buffers = 2.0 * max(sum(ch["unit_bytes"]) for ch in chunks)
     else:
         buffers = 2.0 * max(b for ch in chunks for b in ch["unit_bytes"])
     peak = static + max(_activations(shape, chunks, held, v) + buffers, 0.0)
     owners = [j for j, x in enumerate(work) if x[1] > 0]
     return {"W": steady, "W1": first, "E": exposed, "opt": opt, "peak": peak, "ns": max(x[0] for x in work),
             "idle": 1 - len(owners) / len(work)}
+
+
+def _rank_chunks(schedule: str, pp: int, v: int, r: int) -> list[int]:
+    """The chunks rank ``r`` runs: ``r, r + PP, ...`` in loop order, ``r`` and ``2 PP - 1 - r`` in a V."""
+    return [r, 2 * pp - 1 - r] if schedule in V_SCHEDULES else list(range(r, pp * v, pp))
+
+
+def _split_shares(schedule: str, pp: int, m: int, v: int, r: int) -> tuple[float, ...]:
+    """Per chunk of rank ``r``: the share of micro-batches whose backward runs split (none on stage 0,
+    whose weight part torch runs as a whole backward; DualPipeV's steady pairs run whole backwards)."""
+    if schedule in V_SCHEDULES:
+        return split_share(schedule, pp, m, r)
+    if schedule == "InterleavedZeroBubble":
+        return tuple(0.0 if k == 0 else 1.0 for k in _rank_chunks(schedule, pp, v, r))
+    return (0.0,) * v
 
 
 # ---------------------------------------------------------------- rows
@@ -280,6 +344,10 @@ def predict_pp_mode(shape: ModelShape, c: Cluster, pp: int, m: int = 1, schedule
     check_pipeline(schedule, pp, m, v)
     if weights not in WEIGHTS:
         raise PredictError(f"unknown weights policy {weights!r}; known: {', '.join(WEIGHTS)}")
+    if weights == "keep" and schedule in SPLIT_SCHEDULES:
+        raise PredictError(f"{schedule} splits each backward into an input and a weight part, and our runtime "
+                           "materializes a stage's weights for each part and reduces after each weight part "
+                           "(runtime/pipeline/split_backward.py): weights='keep' is not how it runs; use 'regather'")
     if inner not in INNER_MODES:
         raise PredictError(f"unknown stage mode {inner!r}; known: {', '.join(INNER_MODES)}")
     view, crosses = stage_view(c, pp, placement)
@@ -288,10 +356,11 @@ def predict_pp_mode(shape: ModelShape, c: Cluster, pp: int, m: int = 1, schedule
     n = pp * v
     chunks = [_chunk(shape, c, view, bounds[k], bounds[k + 1], k == 0, k == n - 1, inner, planner) for k in range(n)]
     tau = p2p_seconds(shape, c, pp, placement, crosses)
-    ranks = [_rank(shape, c, chunks[r::pp], m, tau, weights, in_flight(schedule, pp, m, v, r), v) for r in range(pp)]
+    ranks = [_rank(shape, c, [chunks[k] for k in _rank_chunks(schedule, pp, v, r)], m, tau, weights,
+                   in_flight(schedule, pp, m, v, r), v, _split_shares(schedule, pp, m, v, r)) for r in range(pp)]
     busiest = max(range(pp), key=lambda r: ranks[r]["W1"])
     mean = [sum(ch[k] for ch in chunks) / n for k in ("f", "b", "w")]
-    idle = bubble(schedule, pp, mean[0] + tau, mean[1] + tau, mean[2])
+    idle = bubble(schedule, pp, mean[0] + tau, mean[1] + tau, mean[2], m)
     pipe = (m - 1) * max(r["W"] for r in ranks) + ranks[busiest]["W1"] + idle \
         + sum(r["E"] for i, r in enumerate(ranks) if i != busiest)
     opt = max(r["opt"] for r in ranks)
@@ -303,7 +372,7 @@ def predict_pp_mode(shape: ModelShape, c: Cluster, pp: int, m: int = 1, schedule
         "global_batch": view.world * m * shape.batch, "blocks_per_chunk": counts,
         "p2p_bytes_per_microbatch": act if pp > 1 else 0, "p2p_bytes_per_step": 2 * v * m * act if pp > 1 else 0,
         "p2p_link": ("inter-node" if crosses else "NVLink") if pp > 1 else "none", "p2p_ms": tau * 1e3,
-        "bubble_ms": idle * 1e3, "bubble_frac": bubble_fraction(schedule, pp, m, v, *mean) if pp > 1 else 0.0,
+        "note": DUALPIPEV_NOTE if schedule == "DualPipeV" else "", "bubble_ms": idle * 1e3, "bubble_frac": bubble_fraction(schedule, pp, m, v, *mean) if pp > 1 else 0.0,
         "idle_owner_frac": max(r["idle"] for r in ranks), "busiest_ns_tflop": max(r["ns"] for r in ranks) / 1e12,
         "max_gamma": round(max(ch["plan"].max_gamma for ch in chunks), 3),
         "pipe_ms": pipe * 1e3, "opt_ms": opt * 1e3, "total_ms": (pipe + opt) * 1e3,
