@@ -4,10 +4,16 @@ twice inside one stage. Each case is checked against the unsplit one-process ora
 tests/test_pipeline_zero_bubble.py checks its cases (helpers/pipeline_scenarios.py ``run_case``):
 losses, every owner's gradient and every weight bitwise in float32 (tied weights: within the tied
 bounds of tests/test_pipeline_exact.py, a measured floor), nothing left materialized or unreduced
-after a step. The Hugging Face cases skip without transformers; the rest (the demos' GPT) runs on
-torch 2.11 as on 2.13.
+after a step, and no stage fell back to whole backwards. A weight used twice in one stage (a module
+called twice, a parameter shared inside the stage), which torch's weight part cannot split (it fails
+mid-schedule on 2.13, and 2.11 would also count a branch twice), makes that stage run whole
+backwards: exact, with a warning naming the parameter. The Hugging Face cases skip without
+transformers; the rest (the demos' GPT) runs on torch 2.11 as on 2.13:
+``python -m pytest -q tests/test_pipeline_zero_bubble_more.py``.
 """
 from __future__ import annotations
+
+import warnings
 
 import pytest
 
@@ -40,17 +46,50 @@ CASES = {
 }
 
 
+def twice_mlp_gpt(block: int = 2, share: bool = False):
+    """The demos' GPT whose block ``block`` applies its norm and MLP twice (``share``: instead, its two
+    layer norms share one weight): a weight used twice in that block's stage, one use feeding the other."""
+    from helpers.pipeline_scenarios import demo_gpt
+    from lightning_matrixfsdp.demos.gpt import Block
+
+    class TwiceMLP(Block):
+        def forward(self, x):
+            x = x + self.drop(self.attn(self.ln1(x)))
+            x = x + self.mlp(self.ln2(x))
+            return x + self.mlp(self.ln2(x))
+
+    model = demo_gpt()
+    if share:
+        model.blocks[block].ln2.weight = model.blocks[block].ln1.weight
+    else:
+        model.blocks[block].__class__ = TwiceMLP  # deepcopy (the oracle's copy) keeps the class
+    return model
+
+
+def run_watched(rank: int, world: int, case: dict) -> dict:
+    """``run_case`` with the test models above registered, and the stages' fallback warnings returned."""
+    from helpers import pipeline_scenarios
+
+    pipeline_scenarios.MODELS.setdefault("gpt_twice_mlp", twice_mlp_gpt)
+    pipeline_scenarios.MODELS.setdefault("gpt_shared_norm", lambda: twice_mlp_gpt(share=True))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = run_case(rank, world, case)
+    out["warned"] = [str(w.message) for w in seen if "used more than once" in str(w.message)]
+    return out
+
+
 @pytest.fixture
 def pool(dist_pools, request):
     def get(world: int, model: str):
-        if model == "demo_gpt":
+        if model.startswith("gpt") or model == "demo_gpt":
             return dist_pools(world)
         pytest.importorskip("transformers")
         return request.getfixturevalue("hf_pool" if world == 2 else "hf_pool4")
     return get
 
 
-def results(pool, world: int, case: dict, fn=run_case) -> list[dict]:
+def results(pool, world: int, case: dict, fn=run_watched) -> list[dict]:
     res = pool(world, case.get("model", "demo_gpt")).run(fn, case, timeout=300)
     for rank, r in enumerate(res):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
@@ -67,6 +106,8 @@ def check_exact(name: str, case: dict, res: list[dict]) -> None:
         assert r["routed_is_mine"], f"{name} rank {rank}: the optimizer holds parameters of no stage of this rank"
         assert r["step_collectives"] == 0 and r["step_bytes"] == 0, f"{name} rank {rank}: the step communicated"
         assert r["left"] == [], f"{name} rank {rank}: {r['left']}"
+        if "warned" not in case:
+            assert r["warned"] == [], f"{name} rank {rank}: a stage fell back to whole backwards: {r['warned']}"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -75,3 +116,34 @@ def test_split_backward_beside_other_features_equals_the_unsplit_model(pool, nam
     res = results(pool, world, case)
     assert [r["stages"] for r in res] == stages, name
     check_exact(name, case, res)
+
+
+def test_a_tied_gradient_not_summed_in_a_v_is_caught(pool):
+    """The V's local sum of the tied weight's two copies skipped: beyond the tied bounds."""
+    res = results(pool, 2, {**LLAMA_TIED, "schedule": "ZBVZeroBubble", "break": "tie_unsummed"})
+    assert all(r["differs"] for r in res)
+
+
+# a weight used twice in stage 2 (block 2): rank 1 runs it in a V, rank 0 in loop order
+REUSE = {
+    "zbv-twice-mlp": (2, {"model": "gpt_twice_mlp", "pp": 2, "schedule": "ZBVZeroBubble"}, 1, "blocks.2.ln2.weight"),
+    "dualpipev-twice-mlp": (2, {"model": "gpt_twice_mlp", "pp": 2, "schedule": "DualPipeV"}, 1,
+                            "blocks.2.ln2.weight"),
+    "zb-shared-norm": (2, {"model": "gpt_shared_norm", "pp": 2, "schedule": "InterleavedZeroBubble"}, 0,
+                       "blocks.2.ln1.weight"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REUSE))
+def test_a_weight_used_twice_in_a_stage_runs_that_stage_whole_and_exact(pool, name):
+    """torch's weight part of such a weight frees what the other parameters' weight parts need (on
+    one rank, mid-schedule): the stage runs whole backwards instead, equal to the oracle, and says so
+    on the rank that runs it, naming the parameter."""
+    world, case, holder, param = REUSE[name]
+    res = results(pool, world, case)
+    check_exact(name, {**case, "warned": True}, res)
+    for rank, r in enumerate(res):
+        if rank == holder:
+            assert len(r["warned"]) == 1 and f"stage 2: parameter {param!r}" in r["warned"][0], r["warned"]
+        else:
+            assert r["warned"] == [], (rank, r["warned"])
