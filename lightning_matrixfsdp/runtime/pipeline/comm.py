@@ -197,13 +197,16 @@ def _our_stage_class() -> type:
             if self.parts is None:
                 return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                                   last_backward=last_backward)
-            with self.parts.part("full" if full_backward else "input"):
-                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+            whole = self.parts.input_part(bwd_chunk_id, full_backward)  # whole where a weight is used twice
+            with self.parts.part("full" if whole else "input"):
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=whole,
                                                   last_backward=last_backward)
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> Any:
             if self.parts is None:
                 return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            if self.parts.weight_done(bwd_chunk_id):
+                return None
             with self.parts.part("weight"):
                 return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 

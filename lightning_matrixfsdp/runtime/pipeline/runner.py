@@ -246,7 +246,7 @@ class PipelineRun:
         if not SCHEDULES[self.schedule].split_backward or stage.pipeline.span.first:
             return None
         if index not in self._split:
-            self._split[index] = SplitBackward(stage)
+            self._split[index] = SplitBackward(stage, index)
         return self._split[index]
 
     def _schedule_for(self, inputs: torch.Tensor, train: bool) -> Any:
