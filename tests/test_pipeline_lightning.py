@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.dist import run_checked
 from helpers.pipeline_lightning_resume import resume_case
 from helpers.pipeline_lightning_scenarios import refusals, run_case, run_fabric
 
@@ -41,10 +42,7 @@ def pools(dist_pools, hf_pool):
 
 
 def results(dist_pools, world: int, case: dict, fn=run_case) -> list[dict]:
-    res = dist_pools(world).run(fn, case, timeout=300)
-    for rank, r in enumerate(res):
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
-    return res
+    return run_checked(dist_pools(world), fn, case)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

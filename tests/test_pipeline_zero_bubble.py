@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.dist import run_checked
 from helpers.pipeline_scenarios import run_case
 
 # name -> (world, case, the stages of each rank)
@@ -32,10 +33,7 @@ CASES = {
 
 
 def results(dist_pools, world: int, case: dict, fn=run_case) -> list[dict]:
-    res = dist_pools(world).run(fn, case, timeout=300)
-    for rank, r in enumerate(res):
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
-    return res
+    return run_checked(dist_pools(world), fn, case)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -119,6 +119,15 @@ class PoolTask(_KeptRun):
         return self._once(lambda: pool.run(self.fn, *self.args, timeout=self.timeout))
 
 
+def run_checked(pool: "DistPool", fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """``pool.run(fn, *args)`` for scenarios that return ``{"error": traceback}`` on failure: every
+    rank's error shown (the first rank's first), else each rank's result."""
+    res = pool.run(fn, *args, timeout=timeout)
+    for rank, r in enumerate(res):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    return res
+
+
 def _pool_worker(rank: int, world: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
